@@ -1,0 +1,36 @@
+"""Activation checkpointing applied the way training code applies it."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) -> None:
+    """``full``: composable ``checkpoint`` on each block (names unchanged); ``selective``:
+    ``checkpoint_wrapper`` with an op-level policy saving matmul outputs (adds the
+    ``_checkpoint_wrapped_module`` prefix that :func:`parity.plan.canonical_fqn` removes)."""
+    if mode == "none":
+        return
+    for fqn in blocks:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        block = parent.get_submodule(child)
+        if mode == "full":
+            checkpoint(block)
+        elif mode == "selective":
+            ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            parent.register_module(child, checkpoint_wrapper(block, context_fn=ctx))
+        else:
+            raise ValueError(f"unknown checkpointing {mode!r}")

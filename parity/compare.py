@@ -1,0 +1,154 @@
+"""Numeric comparisons: the sharded run against the reference, and the two paths against
+each other. Each comparison becomes a :class:`~parity.record.Record` with observed error,
+allowed error, their ratio, and the dtype that justified the allowance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parity import tolerance
+from parity.cell import Observation
+from parity.plan import PrecisionPlan
+from parity.record import Record, judge
+from parity.reference import ReferenceRun
+
+
+@dataclass(kw_only=True)
+class Assembled:
+    """Observations of all ranks, with sharded tensors reassembled to full tensors."""
+
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    input_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
+    """FSDP2 shards dim 0 in rank order, so concatenating local shards gives the full tensor;
+    ignored parameters are replicated (rank 0's copy is taken)."""
+    def full(key: str, per_rank: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        if plan[key].ownership == "ignored":
+            return per_rank[0][key]
+        return torch.cat([d[key] for d in per_rank], dim=0)
+
+    run = Assembled(grad_norms=list(observations[0].grad_norms))
+    world = len(observations)
+    for k in range(len(observations[0].outputs)):
+        run.outputs.append([observations[r].outputs[k] for r in range(world)])
+        run.input_grads.append([observations[r].input_grads[k] for r in range(world)])
+    for step in range(len(observations[0].grads)):
+        run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
+        run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
+    return run
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def amax(t: torch.Tensor) -> float:
+    return float(t.double().abs().max()) if t.numel() else 0.0
+
+
+@dataclass
+class Comparison:
+    """One planned comparison: what to compare and what allowance it gets."""
+
+    step: int | str
+    check: str
+    name: str
+    actual: torch.Tensor | float
+    expected: torch.Tensor | float
+    allowance: tolerance.Allowance
+    truth: torch.Tensor | float | None = None
+    note: str = ""
+
+    def record(self, base: dict) -> Record:
+        if isinstance(self.actual, torch.Tensor):
+            observed = max_abs(self.actual, self.expected)
+        else:
+            observed = abs(self.actual - self.expected)
+        ratio, verdict, detail = judge(observed, self.allowance.allowed)
+        detail = "; ".join(x for x in (detail, self.allowance.basis, self.note) if x)
+        fp64 = ""
+        if self.truth is not None:
+            fp64 = max_abs(self.actual, self.truth) if isinstance(self.actual, torch.Tensor) else abs(self.actual - self.truth)
+        return Record(
+            **base, step=self.step, check=self.check, name=self.name, observed=observed,
+            allowed=self.allowance.allowed, ratio=ratio, dtype=self.allowance.dtype_name,
+            verdict=verdict, detail=detail, fp64_observed=fp64,
+        )
+
+
+def plan_comparisons(
+    run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int,
+    replayed: list[dict[str, torch.Tensor]], truth: ReferenceRun | None = None,
+) -> list[Comparison]:
+    """Outputs, input gradients, gradients and the gradient norm against the reference run;
+    post-step parameters against the reference optimizer replayed on the observed gradients."""
+    out: list[Comparison] = []
+    for k, per_rank in enumerate(run.outputs):
+        step, mb = divmod(k, micro)
+        for r, actual in enumerate(per_rank):
+            expected = ref.outputs[k][r]
+            allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
+            t = truth.outputs[k][r] if truth else None
+            out.append(Comparison(step, "output", f"rank{r}/mb{mb}", actual, expected, allow, t))
+            g = run.input_grads[k][r]
+            if g is not None:
+                eg = ref.input_grads[k][r]
+                allow = tolerance.last_rounding(_input_grad_dtype(plan, eg), amax(eg))
+                t = truth.input_grads[k][r] if truth else None
+                out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", g, eg, allow, t))
+    for step, grads in enumerate(ref.grads):
+        for f, expected in grads.items():
+            entry = plan[f]
+            scale = ref.grad_scale[step].get(f, amax(expected))
+            allow = tolerance.gradient(
+                entry.reduce or entry.storage, entry.storage, ref.grad_terms, scale,
+                uses=max(1, len(entry.tie_group)), compute_dtype=entry.compute,
+            )
+            actual = run.grads[step].get(f, torch.zeros(0))
+            t = truth.grads[step][f] if truth else None
+            out.append(Comparison(step, "grad", f, actual, expected, allow, t))
+        elements = sum(g.numel() for g in grads.values())
+        gdtype = max((g.dtype for g in grads.values()), key=tolerance.unit_roundoff, default=torch.float32)
+        allow = tolerance.grad_norm(gdtype, elements, ref.grad_norms[step])
+        t = truth.grad_norms[step] if truth else None
+        out.append(Comparison(step, "grad_norm", "global", run.grad_norms[step], ref.grad_norms[step], allow, t))
+        for f, expected in replayed[step].items():
+            allow = tolerance.parameter(plan[f].storage, step + 1, amax(expected))
+            t = truth.params[step][f] if truth else None
+            c = Comparison(step, "param", f, run.params[step][f], expected, allow, t)
+            c.note = f"vs reference trajectory {max_abs(run.params[step][f], ref.params[step][f]):.3g}"
+            out.append(c)
+    return out
+
+
+def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtype:
+    """The input gradient was last rounded where the input was first cast: ``param_dtype``."""
+    return tolerance.coarser(plan.config.param_dtype, expected.dtype)
+
+
+def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[Comparison]:
+    """Compare two paths' runs of one cell with the allowances of the first's comparisons."""
+    out = []
+    for c in first:
+        step = c.step
+        if c.check in ("output", "input_grad"):
+            r, mb = c.name.split("/")
+            k = step * micro + int(mb[2:])
+            other = (second.outputs if c.check == "output" else second.input_grads)[k][int(r[4:])]
+        elif c.check == "grad":
+            other = second.grads[step].get(c.name, torch.zeros(0))
+        elif c.check == "param":
+            other = second.params[step][c.name]
+        else:
+            other = second.grad_norms[step]
+        out.append(Comparison(step, c.check, c.name, other, c.actual, c.allowance))
+    return out

@@ -1,0 +1,206 @@
+"""The precision plan: what dtype every parameter and buffer is stored, computed and reduced in.
+
+Compute dtype resolves in this order (first match wins):
+
+1. **strict FP32 names** - the model's declared ``_keep_in_fp32_modules_strict`` (matched on
+   FQN tokens, as Hugging Face does) plus tensors marked with
+   :func:`parity.markers.mark_keep_fp32`;
+2. **recorded compute dtype** - metadata a loader wrote on the tensor
+   (:func:`parity.markers.set_compute_dtype`);
+3. **default policy** - FP32 storage under a lower-precision ``param_dtype`` is an FP32 master
+   weight computing in ``param_dtype``; any other floating storage keeps its own dtype;
+   non-float tensors keep theirs.
+
+Reduce dtype: a trainable managed parameter computing in ``param_dtype`` reduces in the
+configured ``reduce_dtype`` (its storage dtype when that is None); one computing above
+``param_dtype`` reduces at least in its compute dtype (legacy FP32 units reduce in FP32).
+Frozen, ignored and non-float tensors have no reduce dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parity.dtypes import dtype_name, finer
+from parity.markers import fp32_marked, recorded_compute_dtype
+
+#: Prefixes that wrappers insert into ``named_parameters()``; removed so names stay canonical.
+WRAPPER_TOKENS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_fqn(name: str) -> str:
+    """Drop wrapper tokens: ``blocks.0._checkpoint_wrapped_module.w`` -> ``blocks.0.w``."""
+    return ".".join(t for t in name.split(".") if t not in WRAPPER_TOKENS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """The training recipe's mixed-precision intent (what a ``MixedPrecisionPolicy`` derives from)."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    """Default compute (all-gather) dtype of FP32 master weights."""
+    reduce_dtype: torch.dtype | None = torch.float32
+    """Gradient reduction dtype for parameters computing in ``param_dtype``."""
+    output_dtype: torch.dtype | None = None
+    """Dtype of the outermost unit's floating outputs; None keeps their natural dtype."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlan:
+    """One parameter or buffer of the plan."""
+
+    fqn: str
+    """Canonical FQN (first name under which the tensor is reachable)."""
+    kind: str
+    """``param`` or ``buffer``."""
+    storage: torch.dtype
+    """Dtype the tensor is stored (and optimized) in."""
+    compute: torch.dtype
+    """Dtype forward/backward must see."""
+    reduce: torch.dtype | None
+    """Dtype its gradient is reduced in; None when it has no FSDP-reduced gradient."""
+    requires_grad: bool
+    ownership: str
+    """``managed`` (sharded by FSDP), ``ignored`` (owned by another parallelism unit) or ``buffer``."""
+    tie_group: tuple[str, ...] = ()
+    """Every FQN aliasing this tensor when it is tied, canonical FQN first; else empty."""
+    rule: str = "default"
+    """Which resolution rule decided ``compute``: strict, recorded, default."""
+    numel: int = 0
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind == "param" and self.requires_grad and self.ownership == "managed"
+
+    def row(self) -> dict[str, str]:
+        return {
+            "fqn": self.fqn,
+            "kind": self.kind,
+            "storage": dtype_name(self.storage),
+            "compute": dtype_name(self.compute),
+            "reduce": dtype_name(self.reduce) if self.reduce else "-",
+            "requires_grad": str(self.requires_grad),
+            "ownership": self.ownership,
+            "tie_group": ",".join(self.tie_group) or "-",
+            "rule": self.rule,
+        }
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    config: PrecisionConfig
+    tensors: tuple[TensorPlan, ...]
+    _by_fqn: dict[str, TensorPlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        self._by_fqn.update({t.fqn: t for t in self.tensors})
+        for t in self.tensors:
+            for alias in t.tie_group:
+                self._by_fqn.setdefault(alias, t)
+
+    def __getitem__(self, fqn: str) -> TensorPlan:
+        return self._by_fqn[canonical_fqn(fqn)]
+
+    @property
+    def params(self) -> tuple[TensorPlan, ...]:
+        return tuple(t for t in self.tensors if t.kind == "param")
+
+    def compute_dtypes(self) -> dict[str, str]:
+        """fqn -> compute dtype name; what ranks compare before sharding."""
+        return {t.fqn: dtype_name(t.compute) for t in self.params}
+
+    def replace(self, fqn: str, **changes) -> "PrecisionPlan":
+        """A copy with one tensor's entry changed (used to inject faults in tests)."""
+        tensors = tuple(dataclasses.replace(t, **changes) if t.fqn == fqn else t for t in self.tensors)
+        return PrecisionPlan(self.config, tensors)
+
+    def table(self) -> str:
+        rows = [t.row() for t in self.tensors]
+        cols = list(rows[0]) if rows else []
+        widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+        lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
+        lines.append("  ".join("-" * widths[c] for c in cols))
+        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols) for r in rows]
+        return "\n".join(lines)
+
+
+def strict_fp32_names(model: nn.Module) -> set[str]:
+    """Declared strict-FP32 name patterns (relative to ``model``) plus marked tensors."""
+    patterns = set(fp32_marked(model))
+    for prefix, sub in model.named_modules():
+        for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
+            patterns.add(f"{prefix}.{pat}" if prefix else pat)
+    return patterns
+
+
+def _matches(fqn: str, pattern: str) -> bool:
+    """True when the pattern's tokens appear contiguously in the FQN's tokens."""
+    toks, pat = fqn.split("."), canonical_fqn(pattern).split(".")
+    return any(toks[i : i + len(pat)] == pat for i in range(len(toks) - len(pat) + 1))
+
+
+def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: PrecisionConfig):
+    if not tensor.is_floating_point():
+        return tensor.dtype, "non-float"
+    if any(_matches(fqn, p) for p in strict):
+        return torch.float32, "strict"
+    if (recorded := recorded_compute_dtype(tensor)) is not None:
+        return recorded, "recorded"
+    pd = config.param_dtype
+    if tensor.dtype == torch.float32 and pd is not None and pd != torch.float32:
+        return pd, "default"
+    return tensor.dtype, "default"
+
+
+def resolve_plan(
+    model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset()
+) -> PrecisionPlan:
+    """Resolve the plan for every parameter and buffer of ``model`` (see module docstring)."""
+    strict = strict_fp32_names(model)
+    ignored_ids = {id(p) for p in ignored}
+    aliases: dict[int, list[str]] = defaultdict(list)
+    first: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases[id(p)].append(canonical_fqn(name))
+        first.setdefault(id(p), p)
+    tensors = []
+    for pid, p in first.items():
+        names = aliases[pid]
+        fqn = names[0]
+        compute, rule = _resolve_compute(fqn, p, strict, config)
+        ownership = "ignored" if pid in ignored_ids else "managed"
+        reduce = None
+        if ownership == "managed" and p.requires_grad and p.is_floating_point():
+            base = config.reduce_dtype or p.dtype
+            reduce = base if compute == config.param_dtype else finer(base, compute)
+        tensors.append(
+            TensorPlan(
+                fqn=fqn,
+                kind="param",
+                storage=p.dtype,
+                compute=p.dtype if ownership == "ignored" else compute,
+                reduce=reduce,
+                requires_grad=p.requires_grad,
+                ownership=ownership,
+                tie_group=tuple(names) if len(names) > 1 else (),
+                rule="ignored" if ownership == "ignored" else rule,
+                numel=p.numel(),
+            )
+        )
+    for name, b in model.named_buffers():
+        fqn = canonical_fqn(name)
+        compute, rule = _resolve_compute(fqn, b, strict, config)
+        if rule == "default":
+            compute = b.dtype  # FSDP never casts buffers
+        tensors.append(
+            TensorPlan(
+                fqn=fqn, kind="buffer", storage=b.dtype, compute=compute, reduce=None,
+                requires_grad=False, ownership="buffer", rule=rule, numel=b.numel(),
+            )
+        )
+    return PrecisionPlan(config, tuple(tensors))

@@ -1,0 +1,175 @@
+"""Observe contracts as they happen inside a sharded model (worker side).
+
+- compute dtype: the parameter dtype each module sees in its forward (pre-hooks run after
+  FSDP's own, so they read the all-gathered, unsharded parameter);
+- reduction dtype: the input dtype of each reduce-scatter FSDP issues, attributed to the
+  parameters being reduced (on 1 rank no collective runs: the reduce buffer's dtype);
+- gradient-accumulation dtype: the unsharded gradient while synchronization is off;
+- boundary dtypes: floating input/output dtypes of modules, as the module sees them;
+- names and identity: FQNs, state-dict keys and parameter objects before sharding, after
+  sharding, after lazy initialization and after training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from parity.dtypes import dtype_name
+from parity.paths.units import ShardReport
+from parity.plan import PrecisionPlan, canonical_fqn
+
+
+def _float_dtypes(obj) -> list[str]:
+    if isinstance(obj, torch.Tensor):
+        return [dtype_name(obj.dtype)] if obj.is_floating_point() else []
+    if isinstance(obj, (tuple, list)):
+        return [d for o in obj for d in _float_dtypes(o)]
+    if isinstance(obj, dict):
+        return [d for o in obj.values() for d in _float_dtypes(o)]
+    return []
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def names_snapshot(model: nn.Module) -> dict:
+    return {
+        "params": [canonical_fqn(n) for n, _ in model.named_parameters()],
+        "state_dict": [canonical_fqn(k) for k in model.state_dict()],
+        "ids": {canonical_fqn(n): id(p) for n, p in model.named_parameters()},
+        "modules": {canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
+    }
+
+
+def before_sharding(model: nn.Module, plan: PrecisionPlan) -> dict:
+    snap = names_snapshot(model)
+    snap["modules"] = {k: v[0] for k, v in snap["modules"].items()}  # the original classes
+    return {"unsharded": snap}
+
+
+def _fsdp_params(model: nn.Module):
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            state = mod._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+                if group is not None:
+                    yield from group.fsdp_params
+
+
+class Recorder:
+    def __init__(self, model: nn.Module, plan: PrecisionPlan, report: ShardReport):
+        self.plan, self.report = plan, report
+        self.active = False
+        self.compute: dict[str, str] = {}
+        self.boundaries: dict[str, dict[str, list[str]]] = {}
+        self.reduce: dict[str, set[str]] = {}
+        self.accum: dict[str, set[str]] = {}
+        self.reduce_observable = True
+        self.snapshots = {"sharded": names_snapshot(model)}
+        self._handles = []
+        self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+        for name, mod in model.named_modules():
+            fqn = canonical_fqn(name)
+            self._handles.append(mod.register_forward_pre_hook(self._pre(fqn, mod), with_kwargs=True))
+            self._handles.append(mod.register_forward_hook(self._post(fqn)))
+        self._patch_reduce()
+
+    def _pre(self, fqn: str, mod: nn.Module):
+        def hook(module, args, kwargs):
+            if not self.active:
+                return
+            for local, p in module._parameters.items():
+                if p is not None:
+                    self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
+            self.boundaries.setdefault(fqn, {})["in"] = _float_dtypes((args, kwargs))
+        return hook
+
+    def _post(self, fqn: str):
+        def hook(module, args, output):
+            if self.active:
+                self.boundaries.setdefault(fqn, {})["out"] = _float_dtypes(output)
+        return hook
+
+    def _patch_reduce(self) -> None:
+        try:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+        except ImportError:
+            self.reduce_observable = False
+            return
+        self._pg, self._orig_reduce, self._orig_rs = pg, pg.foreach_reduce, dist.reduce_scatter_single
+        current: list = []
+        recorder = self
+
+        def reduce_scatter_single(*args, **kwargs):
+            inp = kwargs.get("input", args[1] if len(args) > 1 else None)
+            for fp in current:
+                recorder._note_reduce(fp, dtype_name(inp.dtype))
+            return recorder._orig_rs(*args, **kwargs)
+
+        def foreach_reduce(fsdp_params, *args, **kwargs):
+            current[:] = list(fsdp_params)
+            out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
+            group = args[1] if len(args) > 1 else None
+            if group is None or group.size() == 1:  # no collective: the buffer it would reduce
+                for fp in current:
+                    recorder._note_reduce(fp, dtype_name(out[0].dtype))
+            current.clear()
+            return out
+
+        pg.foreach_reduce = foreach_reduce
+        dist.reduce_scatter_single = reduce_scatter_single
+
+    def _note_reduce(self, fsdp_param, dtype: str) -> None:
+        fqn = self._fqn_of.get(id(fsdp_param.sharded_param), getattr(fsdp_param, "_param_fqn", "?"))
+        self.reduce.setdefault(fqn, set()).add(dtype)
+
+    @contextlib.contextmanager
+    def phase(self, step: int, mb: int):
+        """Record forward observations during the first forward only."""
+        self.active = step == 0 and mb == 0
+        try:
+            yield
+        finally:
+            self.active = False
+        if step == 0 and mb == 0:
+            self.snapshots["lazy_init"] = names_snapshot(self.model_ref)
+
+    def after_backward(self, model: nn.Module, step: int, mb: int, last: bool) -> None:
+        if last:
+            return
+        for fp in _fsdp_params(model):
+            grad = getattr(fp.unsharded_param, "grad", None) if hasattr(fp, "_unsharded_param") else None
+            if grad is not None:
+                fqn = self._fqn_of.get(id(fp.sharded_param), "?")
+                self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
+
+    def finish(self, model: nn.Module, contracts: dict, opt: torch.optim.Optimizer) -> dict:
+        for h in self._handles:
+            h.remove()
+        if self.reduce_observable:
+            self._pg.foreach_reduce = self._orig_reduce
+            dist.reduce_scatter_single = self._orig_rs
+        self.snapshots["trained"] = names_snapshot(model)
+        storage = {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()}
+        return {
+            **contracts,
+            **self.snapshots,
+            "compute": self.compute,
+            "boundaries": self.boundaries,
+            "reduce": {k: sorted(v) for k, v in self.reduce.items()},
+            "reduce_observable": self.reduce_observable,
+            "accum": {k: sorted(v) for k, v in self.accum.items()},
+            "storage_after": storage,
+        }
+
+
+def install(model: nn.Module, plan: PrecisionPlan, report: ShardReport) -> Recorder:
+    rec = Recorder(model, plan, report)
+    rec.model_ref = model
+    return rec

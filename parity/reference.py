@@ -1,0 +1,208 @@
+"""The independent reference: one process, no FSDP, no DTensor, no torch.distributed.
+
+It trains a fresh instance of the fixture (same seed, same initial weights) by *emulating*
+the precision plan and the unit boundaries of a path's report:
+
+- each emulated rank's micro-batch runs with parameters cast to their planned compute
+  dtype (via ``torch.func.functional_call``) and floating inputs/outputs cast at unit
+  boundaries exactly as each unit's policy says;
+- gradients are accumulated and averaged across emulated ranks in the reduce dtype, in
+  the order the sync mode implies (reduce every micro-batch, or accumulate unsharded and
+  reduce once), then stored in the parameter's storage dtype;
+- ignored parameters keep their storage dtype and are averaged by their emulated owner;
+- one FP32 AdamW step (:func:`parity.cell.make_optimizer`) per optimizer step.
+
+``mode="fp64"`` runs the same loop with every tensor in FP64 and no boundary casts: the
+"true" values, reported for information only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from parity.cell import make_optimizer
+from parity.cellspec import Cell
+from parity.fixture import Fixture
+from parity.paths.units import ShardReport, module_index
+from parity.plan import PrecisionPlan
+
+
+@dataclass(kw_only=True)
+class ReferenceRun:
+    outputs: list[list[torch.Tensor]] = field(default_factory=list)
+    """Per (step, micro-batch), one output per emulated rank."""
+    input_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_scale: list[dict[str, float]] = field(default_factory=list)
+    """Per step, fqn -> max over elements of the sum of |terms| entering the gradient."""
+    grad_terms: int = 1
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple):
+        return tuple(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, list):
+        return [_cast_floats(o, dtype) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
+    modules = module_index(model)
+    handles = []
+    for unit in report.units:
+        for name in unit.modules:
+            mod = modules[name]
+            if unit.cast_forward_inputs and unit.param_dtype is not None:
+                dt = unit.param_dtype
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, a, k, dt=dt: (_cast_floats(a, dt), _cast_floats(k, dt)), with_kwargs=True))
+            if unit.output_dtype is not None:
+                dt = unit.output_dtype
+                handles.append(mod.register_forward_hook(lambda m, a, out, dt=dt: _cast_floats(out, dt)))
+    return handles
+
+
+def _record_boundaries(model: nn.Module, sink: dict) -> list:
+    from parity.probes import _float_dtypes
+    from parity.plan import canonical_fqn
+
+    handles = []
+    for name, mod in model.named_modules():
+        fqn = canonical_fqn(name)
+        handles.append(mod.register_forward_pre_hook(
+            lambda m, a, k, f=fqn: sink.setdefault(f, {}).__setitem__("in", _float_dtypes((a, k))),
+            with_kwargs=True))
+        handles.append(mod.register_forward_hook(
+            lambda m, a, o, f=fqn: sink.setdefault(f, {}).__setitem__("out", _float_dtypes(o))))
+    return handles
+
+
+def run_reference(
+    cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
+    device: torch.device | str = "cpu", mode: str = "emulate",
+) -> ReferenceRun:
+    fp64 = mode == "fp64"
+    model = fixture.make(cell.seed).to(device)
+    masters: dict[str, nn.Parameter] = dict(model.named_parameters())
+    if fp64:
+        for p in masters.values():
+            p.data = p.data.double()
+        for mod in model.modules():
+            for k, b in mod._buffers.items():
+                if b is not None and b.is_floating_point():
+                    mod._buffers[k] = b.double()
+    entries = {t.fqn: t for t in plan.params}
+    trainable = [f for f, t in entries.items() if t.requires_grad]
+    opt = make_optimizer([masters[f] for f in trainable])
+    handles = [] if fp64 else _boundary_hooks(model, report)
+    world, micro = cell.ranks, cell.microbatches
+    accumulate_unsharded = cell.sync == "last" and micro > 1
+    run = ReferenceRun(grad_terms=world * micro)
+
+    def compute_dtype(f):
+        return torch.float64 if fp64 else entries[f].compute
+
+    def reduce_dtype(f):
+        t = entries[f]
+        return torch.float64 if fp64 else (t.reduce or t.storage)
+
+    for step in range(cell.steps):
+        synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
+        unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
+        scale = {f: 0.0 for f in trainable}
+        for mb in range(micro):
+            outs, in_grads, per_rank = [], [], []
+            for rank in range(world):
+                batch = fixture.batch(cell.seed, step, rank, mb).to(device)
+                inputs = tuple(_cast_floats(x, torch.float64) if fp64 else x for x in batch.inputs)
+                if not fixture.token_input:
+                    inputs = tuple(x.detach().requires_grad_() for x in inputs)
+                copies = {
+                    f: masters[f].detach().to(compute_dtype(f)).requires_grad_(t.requires_grad)
+                    for f, t in entries.items()
+                }
+                rec = _record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
+                out = functional_call(model, copies, inputs)
+                for h in rec:
+                    h.remove()
+                loss = fixture.loss(out, batch.target) / micro
+                loss.backward()
+                outs.append(out.detach())
+                in_grads.append(None if fixture.token_input else inputs[0].grad)
+                per_rank.append({f: copies[f].grad for f in trainable if copies[f].grad is not None})
+            run.outputs.append(outs)
+            run.input_grads.append(in_grads)
+            for f in trainable:
+                grads = [g[f] for g in per_rank if f in g]
+                if not grads:
+                    continue
+                for g in grads:
+                    scale[f] += float(g.double().abs().max()) / world
+                rd = reduce_dtype(f)
+                if entries[f].ownership == "ignored" or accumulate_unsharded:
+                    for r, g in enumerate(per_rank):
+                        if f in g:
+                            prev = unsynced[r].get(f)
+                            unsynced[r][f] = g[f].to(rd) if prev is None else prev + g[f].to(rd)
+                    continue
+                total = grads[0].to(rd)
+                for g in grads[1:]:
+                    total = total + g.to(rd)
+                reduced = (total / world if world > 1 else total).to(masters[f].dtype)
+                synced[f] = reduced if f not in synced else synced[f] + reduced
+        for f in trainable:
+            if f in synced:
+                masters[f].grad = synced[f]
+            elif any(f in u for u in unsynced):
+                parts = [u[f] for u in unsynced if f in u]
+                total = parts[0]
+                for p in parts[1:]:
+                    total = total + p
+                masters[f].grad = (total / world if world > 1 else total).to(masters[f].dtype)
+        grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
+        run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
+        run.grads.append({f: masters[f].grad.detach().clone() for f in trainable if masters[f].grad is not None})
+        run.grad_scale.append(scale)
+        opt.step()
+        opt.zero_grad()
+        run.params.append({f: masters[f].detach().clone() for f in entries})
+    for h in handles:
+        h.remove()
+    return run
+
+
+def replay_optimizer(
+    cell: Cell, fixture: Fixture, plan: PrecisionPlan, grads: list[dict[str, torch.Tensor]], *,
+    device: torch.device | str = "cpu",
+) -> list[dict[str, torch.Tensor]]:
+    """The reference optimizer stepped on *observed* gradients: parameters after each step.
+
+    Post-step parameters are judged against this, so the parameter check isolates the
+    optimizer step (sharded AdamW, its state, master dtypes) from gradient differences, which
+    the gradient check judges on its own. Adam normalizes updates, so a gradient difference
+    far below its allowance can still flip the sign of a near-zero update element.
+    """
+    model = fixture.make(cell.seed).to(device)
+    masters = dict(model.named_parameters())
+    trainable = [t.fqn for t in plan.params if t.requires_grad]
+    opt = make_optimizer([masters[f] for f in trainable])
+    out = []
+    for step_grads in grads:
+        for f in trainable:
+            g = step_grads.get(f)
+            masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].dtype)
+        opt.step()
+        opt.zero_grad()
+        out.append({t.fqn: masters[t.fqn].detach().clone() for t in plan.params})
+    return out

@@ -1,0 +1,65 @@
+"""Turn one cell's observations into records: expected outcomes, numerics, contracts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parity import contracts
+from parity.cell import Observation
+from parity.cellspec import Cell
+from parity.compare import Assembled, Comparison, assemble, plan_comparisons
+from parity.fixture import get_fixture
+from parity.record import Record
+from parity.reference import replay_optimizer, run_reference
+
+
+def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
+    axes = cell.axes()
+    return dict(
+        cell=cell.id, fixture=cell.fixture, path=cell.path, path_taken=taken, fallback_reason=reason,
+        ranks=cell.ranks, microbatches=cell.microbatches, sync=cell.sync,
+        checkpointing=cell.checkpointing, reshard=axes["reshard"], output_dtype=axes["output_dtype"],
+        seed=cell.seed,
+    )
+
+
+def failure_record(cell: Cell, verdict: str, reason: str) -> Record:
+    return Record(**base_fields(cell), check="run", name="cell", verdict=verdict, detail=reason.replace("\n", " | "))
+
+
+@dataclass
+class Judged:
+    records: list[Record]
+    comparisons: list[Comparison] = field(default_factory=list)
+    run: Assembled | None = None
+    contract_obs: list = field(default_factory=list)
+
+
+def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu") -> Judged:
+    fixture = get_fixture(cell.fixture)
+    expect = fixture.expect.get(cell.path, "")
+    first = observations[0]
+    if first.expected_error:
+        base = base_fields(cell, taken=cell.path)
+        return Judged([Record(**base, check="expected_error", name="isolation", verdict="PASS", detail=first.expected_error)])
+    report, plan = first.report, first.plan
+    base = base_fields(cell, report.taken, report.fallback_reason)
+    records = []
+    if expect == "isolation-error":
+        records.append(Record(**base, check="expected_error", name="isolation", verdict="FAIL",
+                              detail="expected legacy to raise IsolationError; it sharded instead"))
+    if expect == "fallback" or report.fallback_reason:
+        ok = bool(report.fallback_reason) and (expect == "fallback" or report.fallback_reason.startswith("unsupported build"))
+        records.append(Record(**base, check="fallback", name=cell.path, verdict="PASS" if ok else "FAIL",
+                              detail=report.fallback_reason or "expected a fallback to legacy; native was taken"))
+    run = assemble(observations, plan)
+    ref = run_reference(cell, fixture, plan, report, device=device)
+    truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None
+    replayed = replay_optimizer(cell, fixture, plan, run.grads, device=device)
+    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, replayed=replayed, truth=truth)
+    records += [c.record(base) for c in comps]
+    if fixture.token_input:
+        records.append(Record(**base, check="input_grad", name="tokens", verdict="SKIP",
+                              detail="integer token input has no gradient"))
+    records += contracts.check(cell, observations, ref, base)
+    return Judged(records, comps, run, [o.contracts for o in observations])
