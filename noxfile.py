@@ -1,0 +1,42 @@
+"""nox sessions: ``parity`` (the smoke matrix, per torch version) and ``tests``.
+
+``nox -s parity`` runs the smoke matrix under torch 2.15.0 (native API present) and 2.13.0
+(no ``param_dtype_override_fn``: every native cell must fall back to legacy and still pass).
+Extra arguments go to ``python -m parity run``: ``nox -s parity -- --matrix default``.
+"""
+
+import os
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["parity", "tests"]
+
+TORCH_VERSIONS = ["2.15.0", "2.13.0"]
+LOCAL_WHEELS = "/opt/wheels"  # some machines keep torch wheels here; harmless elsewhere
+
+
+def _install_torch(session, version: str) -> None:
+    args = ["--find-links", LOCAL_WHEELS] if os.path.isdir(LOCAL_WHEELS) else []
+    session.install(*args, f"torch=={version}")
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+def parity(session, torch):
+    """Run a matrix (default: smoke) and write results/torch-<version>/."""
+    _install_torch(session, torch)
+    session.install("numpy", "pandas")
+    session.install("--no-deps", ".")  # torch is pinned above, even below the package's floor
+    args = session.posargs or ["--matrix", "smoke"]
+    if not any(a.startswith("--out") for a in args):
+        args = [*args, "--out", f"results/torch-{torch}"]
+    session.run("python", "-m", "parity", "run", *args)
+
+
+@nox.session
+def tests(session):
+    """The test suite, parallel with pytest-xdist."""
+    _install_torch(session, TORCH_VERSIONS[0])
+    session.install("-e", ".[test]")
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", *session.posargs)

@@ -1,0 +1,233 @@
+"""Matrices as data: TOML files under ``fixtures/matrices/`` expanded into cells.
+
+A matrix file::
+
+    description = "..."
+    steps = 2                       # optimizer steps per cell
+    design = "product"              # or "covering"
+    exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
+                                    # every other axis is covered pairwise per (fixture, path)
+    [axes]
+    fixture = ["kda", "lm"]
+    path = ["legacy", "native"]
+    ranks = [1, 2]
+    accumulation = ["1", "3:every", "3:last"]   # micro-batches[:sync]
+    checkpointing = ["none", "full", "selective"]
+    reshard = [true, false]
+    output_dtype = ["natural", "float32", "bfloat16", "float16"]
+    seed = [0, 1]
+
+    [[skip]]                        # listed as SKIP with the reason, never dropped
+    when = "ranks == 1 and sync == 'last'"
+    reason = "..."
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import os
+import tomllib
+from dataclasses import dataclass
+
+from parity.cellspec import CHECKPOINTING, OUTPUT_DTYPES, SYNC, Cell
+from parity.errors import UsageError
+from parity.paths import PATHS
+
+AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed")
+FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", "checkpointing", "reshard", "output_dtype", "seed")
+
+
+def _matrix_dir() -> str:
+    import fixtures
+
+    return os.path.join(os.path.dirname(fixtures.__file__), "matrices")
+
+
+def available() -> list[str]:
+    return sorted(f.removesuffix(".toml") for f in os.listdir(_matrix_dir()) if f.endswith(".toml"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Matrix:
+    name: str
+    description: str
+    cells: tuple[Cell, ...]
+    skips: tuple[tuple[str, str], ...] = ()
+    """(filter expression, reason) pairs: matching cells are reported as SKIP."""
+
+    def skip_reason(self, cell: Cell) -> str:
+        for expr, reason in self.skips:
+            if matches(cell, expr):
+                return reason
+        return ""
+
+
+def _validate(source: str, axis: str, values, valid) -> list:
+    if not isinstance(values, list) or not values:
+        raise UsageError(f"{source}: axes.{axis} must be a non-empty list; valid values: {', '.join(map(str, valid))}")
+    bad = [v for v in values if v not in valid]
+    if bad:
+        raise UsageError(f"{source}: axes.{axis} has unknown value {bad[0]!r}; valid: {', '.join(map(str, valid))}")
+    return values
+
+
+def _accumulation(source: str, value) -> tuple[int, str]:
+    text = str(value)
+    k, _, sync = text.partition(":")
+    try:
+        micro = int(k)
+    except ValueError:
+        micro = 0
+    sync = sync or "every"
+    if micro < 1 or sync not in SYNC:
+        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last (K >= 1)")
+    return micro, sync
+
+
+def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
+    """Full product over ``exhaustive`` axes; the others are assigned greedily so every
+    pair of values of two axes (at least one of them free) appears in some row."""
+    free = [a for a in axes if a not in exhaustive]
+    names = list(axes)
+
+    def pairs(row):
+        keys = [a for a in names if a in row]
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
+
+    uncovered = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2) if a in free or b in free
+        for va in axes[a] for vb in axes[b]
+    }
+
+    used = {a: {v: 0 for v in axes[a]} for a in free}
+
+    def fill(row):
+        # most new pairs first, then the least-used value, so free axes stay balanced
+        for a in free:
+            if a not in row:
+                row[a] = max(
+                    axes[a],
+                    key=lambda v: (len(pairs({**row, a: v}) & uncovered), -used[a][v], -axes[a].index(v)),
+                )
+        for a in free:
+            used[a][row[a]] += 1
+        return row
+
+    rows = []
+    for base in itertools.product(*(axes[a] for a in exhaustive)):
+        row = fill(dict(zip(exhaustive, base)))
+        rows.append(row)
+        uncovered -= pairs(row)
+    while uncovered:
+        (a, va), (b, vb) = min(uncovered, key=repr)
+        row = {**rows[0], a: va, b: vb}
+        for x in free:
+            if x not in (a, b):
+                row.pop(x)
+        row = fill(row)
+        rows.append(row)
+        uncovered -= pairs(row)
+    return rows
+
+
+def load(name_or_path: str) -> Matrix:
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(_matrix_dir(), f"{name_or_path}.toml")
+    if not os.path.exists(path):
+        raise UsageError(f"unknown matrix {name_or_path!r}; valid: {', '.join(available())} or a .toml file path")
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML ({exc})") from None
+    from parity.fixture import registry
+
+    unknown = [k for k in data if k not in ("description", "steps", "design", "exhaustive", "axes", "skip")]
+    if unknown:
+        raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: description, steps, design, exhaustive, axes, skip")
+    axes_in = data.get("axes", {})
+    for key in axes_in:
+        if key not in AXES:
+            raise UsageError(f"{path}: unknown axis axes.{key}; valid: {', '.join(AXES)}")
+    defaults = {"fixture": list(registry()), "path": list(PATHS), "ranks": [1], "accumulation": ["1"],
+                "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0]}
+    axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
+    _validate(path, "fixture", axes["fixture"], list(registry()))
+    _validate(path, "path", axes["path"], list(PATHS))
+    _validate(path, "ranks", axes["ranks"], [1, 2, 4, 8])
+    _validate(path, "checkpointing", axes["checkpointing"], list(CHECKPOINTING))
+    _validate(path, "reshard", axes["reshard"], [True, False])
+    _validate(path, "output_dtype", axes["output_dtype"], list(OUTPUT_DTYPES))
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in axes["seed"]) or not axes["seed"]:
+        raise UsageError(f"{path}: axes.seed must be a non-empty list of integers")
+    for v in axes["accumulation"]:
+        _accumulation(path, v)
+    steps = data.get("steps", 2)
+    if not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"{path}: steps must be a positive integer")
+    design = data.get("design", "product")
+    if design == "product":
+        rows = [dict(zip(AXES, vals)) for vals in itertools.product(*(axes[a] for a in AXES))]
+    elif design == "covering":
+        exhaustive = data.get("exhaustive", ["fixture", "path"])
+        bad = [a for a in exhaustive if a not in AXES]
+        if bad:
+            raise UsageError(f"{path}: exhaustive has unknown axis {bad[0]!r}; valid: {', '.join(AXES)}")
+        for must in ("fixture", "path"):
+            if must not in exhaustive:
+                exhaustive = [must, *exhaustive]
+        # paths share one covering so every legacy cell has its native twin to compare with
+        rest = {a: v for a, v in axes.items() if a != "path"}
+        rows = [
+            {**row, "path": p}
+            for row in covering(rest, [a for a in AXES if a in exhaustive and a != "path"])
+            for p in axes["path"]
+        ]
+    else:
+        raise UsageError(f"{path}: design has unknown value {design!r}; valid: product, covering")
+    cells, seen = [], set()
+    for row in rows:
+        micro, sync = _accumulation(path, row["accumulation"])
+        cell = Cell(
+            fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
+            checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
+            seed=row["seed"], steps=steps,
+        )
+        if cell.id not in seen:
+            seen.add(cell.id)
+            cells.append(cell)
+    skips = []
+    for entry in data.get("skip", []):
+        if not isinstance(entry, dict) or set(entry) != {"when", "reason"}:
+            raise UsageError(f"{path}: each [[skip]] needs exactly the keys when, reason")
+        check_filter(entry["when"], f"{path}: skip.when")
+        skips.append((entry["when"], entry["reason"]))
+    name = os.path.basename(path).removesuffix(".toml")
+    return Matrix(name=name, description=data.get("description", ""), cells=tuple(cells), skips=tuple(skips))
+
+
+def check_filter(expr: str, what: str = "-k") -> None:
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError:
+        raise UsageError(f"{what}: cannot parse {expr!r}; write e.g. \"fixture == 'kda' and ranks == 2\"") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id not in FILTER_NAMES:
+            raise UsageError(f"{what}: unknown name {node.id!r}; valid: {', '.join(FILTER_NAMES)}")
+        if isinstance(node, (ast.Call, ast.Attribute, ast.Lambda, ast.Subscript)):
+            raise UsageError(f"{what}: only comparisons of axis values are allowed in {expr!r}")
+
+
+def matches(cell: Cell, expr: str) -> bool:
+    values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
+    return bool(eval(compile(expr, "<filter>", "eval"), {"__builtins__": {}}, values))  # noqa: S307 - checked
+
+
+def select(cells, expr: str | None):
+    if not expr:
+        return list(cells)
+    check_filter(expr)
+    return [c for c in cells if matches(c, expr)]

@@ -1,0 +1,80 @@
+"""Summaries: the closing table on the terminal and ``summary.md``."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+from parity.record import Record
+
+SEVERITY = {"ERROR": 4, "TIMEOUT": 4, "FAIL": 3, "PASS": 1, "SKIP": 0}
+
+
+def cell_verdicts(records: list[Record]) -> dict[str, str]:
+    """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP)."""
+    worst: dict[str, str] = {}
+    for r in records:
+        if r.path == "legacy~native":
+            continue
+        cur = worst.get(r.cell)
+        if cur is None or SEVERITY[r.verdict] > SEVERITY[cur]:
+            worst[r.cell] = r.verdict
+    return worst
+
+
+def worst_ratios(records: list[Record]) -> dict[str, Record]:
+    worst: dict[str, Record] = {}
+    for r in records:
+        if not isinstance(r.ratio, float) or math.isnan(r.ratio):
+            continue
+        key = f"{r.check} (cross-path)" if r.path == "legacy~native" else r.check
+        if key not in worst or r.ratio > worst[key].ratio:
+            worst[key] = r
+    return dict(sorted(worst.items()))
+
+
+def _ratio(v: float) -> str:
+    return "inf" if math.isinf(v) else f"{v:.3g}"
+
+
+def terminal_table(records: list[Record]) -> str:
+    counts = Counter(cell_verdicts(records).values())
+    lines = ["cells: " + ", ".join(f"{v} {counts.get(v, 0)}" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP"))]
+    lines.append(f"{'check':<28} {'worst ratio':>11}  {'dtype':<9} where")
+    for check, r in worst_ratios(records).items():
+        lines.append(f"{check:<28} {_ratio(r.ratio):>11}  {r.dtype:<9} {r.cell} {r.name}")
+    return "\n".join(lines)
+
+
+def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int) -> str:
+    verdicts = cell_verdicts(records)
+    counts = Counter(verdicts.values())
+    out = [f"# parity run: {title}", ""]
+    out += ["| verdict | cells |", "|---|---|"]
+    out += [f"| {v} | {counts.get(v, 0)} |" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP")]
+    out += ["", f"{cells_total} cells, {len(records)} records.", ""]
+    out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
+    for check, r in worst_ratios(records).items():
+        out.append(f"| {check} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | {r.dtype} | {r.cell} | {r.name} |")
+    by_check = defaultdict(Counter)
+    for r in records:
+        by_check[r.check][r.verdict] += 1
+    out += ["", "## Records per check", "", "| check | PASS | FAIL | ERROR | TIMEOUT | SKIP |", "|---|---|---|---|---|---|"]
+    for check in sorted(by_check):
+        c = by_check[check]
+        out.append(f"| {check} | " + " | ".join(str(c.get(v, 0)) for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP")) + " |")
+    bad = [r for r in records if r.verdict in ("FAIL", "ERROR", "TIMEOUT")]
+    out += ["", "## Non-PASS cells", ""]
+    if not bad:
+        out.append("None.")
+    for cell in sorted({r.cell for r in bad}):
+        out.append(f"- `{cell}`")
+        for r in [r for r in bad if r.cell == cell][:20]:
+            where = f" step {r.step}" if r.step != "" else ""
+            out.append(f"  - {r.verdict} {r.check} {r.name}{where}: observed {r.observed}, allowed {r.allowed}, {r.detail}")
+    skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
+    if skipped:
+        out += ["", "## Skipped cells", ""] + [f"- `{c}`: {d}" for c, d in skipped]
+    out += ["", "## Where the time went", "", "| phase | seconds |", "|---|---|"]
+    out += [f"| {k} | {v:.2f} |" for k, v in timings.items()]
+    return "\n".join(out) + "\n"

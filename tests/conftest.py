@@ -1,0 +1,24 @@
+import csv
+import os
+
+import pytest
+
+from parity.cellspec import Cell
+from parity.runner import RunOptions, run_cells
+
+
+def read_records(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "cells.csv")) as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.fixture
+def run_matrix(tmp_path):
+    """Run real cells (spawned gloo ranks) and return (exit code, records)."""
+
+    def run(cells: list[Cell], *, timeout: float = 60.0, fp64: bool = False, name: str = "run"):
+        out = str(tmp_path / name)
+        code = run_cells(cells, RunOptions(out_dir=out, timeout=timeout, fp64=fp64, progress=False))
+        return code, read_records(out)
+
+    return run

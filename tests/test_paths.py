@@ -1,0 +1,139 @@
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from fixtures import FIXTURES
+from parity.errors import IsolationError, RankMismatchError
+from parity.paths import check_rank_consistency, plan_sharding
+from parity.paths import native as native_mod
+from parity.plan import PrecisionConfig, resolve_plan
+
+
+def _report(fixture: str, path: str, config=PrecisionConfig()):
+    fx = FIXTURES[fixture]
+    model = fx.make(0)
+    plan = resolve_plan(model, config, fx.ignored(model))
+    return plan_sharding(model, fx.unit_roots, plan, path)
+
+
+def test_legacy_isolates_the_fp32_holder_and_keeps_contract_policies():
+    report = _report("kda", "legacy")
+    units = {u.root: u for u in report.units}
+    assert list(units) == ["blocks.0.holder", "blocks.0", "blocks.1.holder", "blocks.1", "<root>"]
+    holder = units["blocks.0.holder"]
+    assert holder.params == ("blocks.0.holder.A_log", "blocks.0.holder.dt_bias")
+    assert holder.param_dtype == torch.float32 and holder.reduce_dtype == torch.float32
+    assert holder.cast_forward_inputs is False and holder.output_dtype is None
+    assert units["blocks.0"].param_dtype == torch.bfloat16 and units["blocks.0"].output_dtype is None
+
+
+def test_only_the_outermost_unit_casts_outputs():
+    for path in ("legacy", "native"):
+        report = _report("kda", path, PrecisionConfig(output_dtype=torch.float32))
+        assert [u.root for u in report.units if u.output_dtype] == ["<root>"]
+
+
+def test_native_is_one_unit_per_root_with_overrides():
+    report = _report("kda", "native")
+    assert report.taken == "native" and not report.fallback_reason
+    assert [u.root for u in report.units] == ["blocks.0", "blocks.1", "<root>"]
+    assert report.units[0].overrides == ("blocks.0.holder.A_log", "blocks.0.holder.dt_bias")
+
+
+def test_tied_parameters_share_a_grouped_unit():
+    for path in ("legacy", "native"):
+        units = {u.root: u for u in _report("lm", path).units}
+        assert units["embed+head"].modules == ("embed", "head")
+        assert units["embed+head"].params == ("embed.weight",)
+
+
+def test_isolation_error_names_every_parameter_and_the_fix():
+    with pytest.raises(IsolationError) as err:
+        _report("unisolatable", "legacy")
+    assert err.value.params == ["blocks.0.lin.gain", "blocks.1.lin.gain"]
+    assert "own submodule" in str(err.value)
+
+
+def test_native_falls_back_for_mixed_trainable_storage_without_changing_dtypes():
+    report = _report("mixed_storage", "native")
+    assert report.taken == "legacy"
+    assert "mixes trainable storage dtypes" in report.fallback_reason
+    assert "blocks.0.lora.down.weight" in report.fallback_reason
+    assert report.units == _report("mixed_storage", "legacy").units  # same units as legacy asked directly
+
+
+def test_frozen_params_are_exempt_from_uniform_storage():
+    assert _report("frozen", "native").taken == "native"
+
+
+def test_fallback_for_unsupported_build(monkeypatch):
+    monkeypatch.setattr(native_mod, "native_api_available", lambda: False)
+    report = _report("kda", "native")
+    assert report.taken == "legacy" and report.fallback_reason.startswith("unsupported build")
+
+
+def test_fallback_when_mixed_compute_has_no_common_reduce_dtype():
+    report = _report("kda", "native", PrecisionConfig(reduce_dtype=torch.bfloat16))
+    assert report.taken == "legacy"
+    assert "without a common reduce dtype" in report.fallback_reason
+    holder = next(u for u in report.units if u.root == "blocks.0.holder")
+    assert holder.reduce_dtype == torch.float32  # the FP32 unit still reduces in FP32
+
+
+def test_fallback_when_an_override_would_need_a_third_dtype():
+    fx = FIXTURES["kda"]
+    model = fx.make(0)
+    plan = resolve_plan(model, PrecisionConfig())
+    for name in ("blocks.0.holder.A_log", "blocks.0.holder.dt_bias"):
+        plan = plan.replace(name, compute=torch.float16)
+    report = plan_sharding(model, fx.unit_roots, plan, "native")
+    assert report.taken == "legacy"
+    assert "blocks.0.holder.A_log computes in float16" in report.fallback_reason
+
+
+class ThreeGroups(nn.Module):
+    """Three (storage, compute) groups under one root: every uniform subtree is a unit."""
+
+    _keep_in_fp32_modules_strict = ["fp32_part"]
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(8, 8)
+        self.fp32_part = nn.Linear(2, 2)
+        self.bf16_stored = nn.Linear(2, 2).to(torch.bfloat16)
+
+
+def test_three_groups_give_every_uniform_subtree_a_unit():
+    model = ThreeGroups()
+    plan = resolve_plan(model, PrecisionConfig())
+    report = plan_sharding(model, ("",), plan, "legacy")
+    roots = [u.root for u in report.units]
+    assert set(roots) == {"big", "fp32_part", "bf16_stored", "<root>"}
+    assert roots[-1] == "<root>"
+
+
+def test_tie_across_non_module_roots_is_an_error():
+    fx = FIXTURES["lm"]
+    model = fx.make(0)
+    plan = resolve_plan(model, PrecisionConfig())
+    with pytest.raises(ValueError, match="declare each owning module"):
+        plan_sharding(model, ("blocks.0", "blocks.1", "head", ""), plan, "legacy")
+
+
+def test_rank_consistency_names_parameters_and_ranks(monkeypatch):
+    # pure logic: a fake all_gather_object standing in for two ranks
+    import torch.distributed as dist
+
+    plan = resolve_plan(FIXTURES["kda"].make(0), PrecisionConfig())
+    other = plan.replace("blocks.1.q_proj.weight", compute=torch.float32)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def fake_gather(out, obj, group=None):
+        out[0], out[1] = obj, other.compute_dtypes()
+
+    monkeypatch.setattr(dist, "all_gather_object", fake_gather)
+    with pytest.raises(RankMismatchError, match=r"blocks\.1\.q_proj\.weight \(rank 0: bfloat16, rank 1: float32\)"):
+        check_rank_consistency(plan)

@@ -1,0 +1,114 @@
+import pytest
+import torch
+from torch import nn
+
+from fixtures import FIXTURES
+from parity.dtypes import DTYPES, dtype_name, parse_dtype
+from parity.errors import UsageError
+from parity.markers import convert_except_marked, fp32_marked, mark_keep_fp32, set_compute_dtype
+from parity.plan import PrecisionConfig, canonical_fqn, resolve_plan
+
+
+class Tiny(nn.Module):
+    _keep_in_fp32_modules_strict = ["router.bias"]
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.router = nn.Linear(4, 2)
+        self.norm = nn.LayerNorm(4)
+        self.frozen = nn.Linear(4, 4).to(torch.bfloat16).requires_grad_(False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        set_compute_dtype(self.norm.weight, torch.float32)
+        set_compute_dtype(self.router.bias, torch.bfloat16)  # strict names win over metadata
+
+
+def test_resolution_order_strict_then_recorded_then_default():
+    plan = resolve_plan(Tiny(), PrecisionConfig())
+    assert plan["router.bias"].compute == torch.float32 and plan["router.bias"].rule == "strict"
+    assert plan["norm.weight"].compute == torch.float32 and plan["norm.weight"].rule == "recorded"
+    assert plan["proj.weight"].compute == torch.bfloat16 and plan["proj.weight"].rule == "default"
+    assert plan["router.weight"].compute == torch.bfloat16  # "router.bias" does not match the weight
+    assert plan["frozen.weight"].compute == torch.bfloat16 and plan["frozen.weight"].reduce is None
+    assert plan["steps"].compute == torch.long and plan["steps"].kind == "buffer"
+
+
+def test_reduce_dtype_rules():
+    plan = resolve_plan(Tiny(), PrecisionConfig(reduce_dtype=torch.bfloat16))
+    assert plan["proj.weight"].reduce == torch.bfloat16
+    assert plan["norm.weight"].reduce == torch.float32  # FP32-compute params reduce at least in FP32
+
+
+def test_ties_and_ignored():
+    fx = FIXTURES["lm"]
+    model = fx.make(0)
+    plan = resolve_plan(model, PrecisionConfig())
+    assert plan["embed.weight"].tie_group == ("embed.weight", "head.weight")
+    assert plan["head.weight"] is plan["embed.weight"]
+    fx = FIXTURES["ignored"]
+    model = fx.make(0)
+    plan = resolve_plan(model, PrecisionConfig(), fx.ignored(model))
+    entry = plan["blocks.0.ep_scale.weight"]
+    assert entry.ownership == "ignored" and entry.compute == torch.float32 and entry.reduce is None
+
+
+def test_strict_names_match_on_tokens_not_substrings():
+    class M(nn.Module):
+        _keep_in_fp32_modules_strict = ["A_log"]
+
+        def __init__(self):
+            super().__init__()
+            self.A_log = nn.Parameter(torch.zeros(2))
+            self.A_logits = nn.Parameter(torch.zeros(2))
+
+    plan = resolve_plan(M(), PrecisionConfig())
+    assert plan["A_log"].compute == torch.float32
+    assert plan["A_logits"].compute == torch.bfloat16
+
+
+def test_canonical_fqn_drops_wrapper_tokens():
+    assert canonical_fqn("blocks.0._checkpoint_wrapped_module.w") == "blocks.0.w"
+    assert canonical_fqn("_orig_mod.a.b") == "a.b"
+
+
+def test_kda_plan_matches_its_contract():
+    plan = resolve_plan(FIXTURES["kda"].make(0), PrecisionConfig())
+    fp32 = sorted(t.fqn for t in plan.params if t.compute == torch.float32)
+    assert fp32 == ["blocks.0.holder.A_log", "blocks.0.holder.dt_bias", "blocks.1.holder.A_log", "blocks.1.holder.dt_bias"]
+    assert plan["blocks.0.holder.gate_scale"].compute == torch.float32  # marked buffer
+
+
+def _simulated_device_move(module):
+    # nn.Module._apply replaces buffer objects exactly like a CPU->GPU move does
+    return module._apply(lambda t: t.clone())
+
+
+def test_buffer_marker_survives_device_and_dtype_moves():
+    model = FIXTURES["kda"].make(0)
+    before = fp32_marked(model)
+    buf_before = model.blocks[0].holder.gate_scale
+    _simulated_device_move(model)
+    assert model.blocks[0].holder.gate_scale is not buf_before  # the buffer object was replaced
+    model.to(torch.float64).to(torch.float32)
+    assert fp32_marked(model) == before
+    convert_except_marked(model, torch.bfloat16)
+    assert model.blocks[0].holder.gate_scale.dtype == torch.float32
+    assert model.blocks[0].q_proj.weight.dtype == torch.bfloat16
+
+
+def test_marking_params_and_unknown_names():
+    model = nn.Sequential(nn.Linear(2, 2))
+    mark_keep_fp32(model, "0.bias")
+    convert_except_marked(model, torch.float16)
+    assert model[0].bias.dtype == torch.float32 and model[0].weight.dtype == torch.float16
+    with pytest.raises(KeyError, match="nope"):
+        mark_keep_fp32(model, "0.nope")
+
+
+def test_dtype_table_is_the_single_source():
+    for name, dtype in DTYPES.items():
+        assert parse_dtype(name) is dtype and dtype_name(dtype) == name
+    assert parse_dtype("bf16") is torch.bfloat16
+    assert parse_dtype("natural", allow_natural=True) is None
+    with pytest.raises(UsageError, match="valid: natural, float32, bfloat16, float16"):
+        parse_dtype("float8", what="output_dtype", allow_natural=True, allowed=("float32", "bfloat16", "float16"))
