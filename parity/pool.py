@@ -113,14 +113,11 @@ class RankPool:
                 got[rank] = payload
         if len(got) == self.world:
             return got
-        self.restart_needed = True
-        if errors:
-            rank = min(errors)
-            raise CellFailure("ERROR", f"rank {rank} raised {errors[rank].strip()}")
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
-        if dead:
-            rank, code = dead[0]
-            raise CellFailure("ERROR", f"rank {rank} died with exit code {code}")
+        # a rank that died is the cause; its peers' errors (connection resets) are symptoms
+        causes = [f"rank {r} died with exit code {p.exitcode}" for r, p in enumerate(self.procs) if p.exitcode is not None]
+        causes += [f"rank {r} raised {errors[r].strip()}" for r in sorted(errors)]
+        if causes:
+            raise CellFailure("ERROR", "; ".join(causes))
         missing = [r for r in range(self.world) if r not in got]
         raise CellFailure("TIMEOUT", f"rank(s) {missing} gave no result within {timeout:.0f} s")
 
@@ -128,7 +125,6 @@ class RankPool:
         """Run one cell on every rank; returns each rank's observation, rank order."""
         if not self.procs:
             self.start()
-        self.restart_needed = False
         for q in self.tasks:
             q.put(cell)
         try:

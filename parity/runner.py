@@ -74,6 +74,7 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
     """Run ``cells``; returns the exit code (0 all pass, 1 any FAIL/ERROR/TIMEOUT)."""
     device = options.device
     cells = [replace(c, device=device) for c in cells]
+    torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     os.makedirs(options.out_dir, exist_ok=True)
     writer = RecordWriter(os.path.join(options.out_dir, "cells.csv"))
     records: list[Record] = []
