@@ -14,7 +14,22 @@ _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops
 
 
 def _save_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in _SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ignore_profiler_ranges() -> None:
+    """Profiler ranges are not computation. FSDP opens them around (re-)gathers; a nested
+    unit inside a checkpointed block opens a different number during the recompute than
+    during the forward, and SAC, which counts every dispatched op, then aborts
+    ("invocation index ... not found in storage"). Let SAC pass them through uncounted."""
+    from torch.utils import checkpoint as ckpt
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            ckpt.SAC_IGNORED_OPS.add(getattr(packet, overload))
 
 
 def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) -> None:
@@ -30,7 +45,9 @@ def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) ->
         if mode == "full":
             checkpoint(block)
         elif mode == "selective":
+            _ignore_profiler_ranges()
             ctx = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
             parent.register_module(child, checkpoint_wrapper(block, context_fn=ctx))
         else:
             raise ValueError(f"unknown checkpointing {mode!r}")
+

@@ -7,6 +7,7 @@ A matrix file::
     design = "product"              # or "covering"
     exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
                                     # every other axis is covered pairwise per (fixture, path)
+    rotate = ["output_dtype"]       # covering only: axes cycled over the rows, not covered
     [axes]
     fixture = ["kda", "lm"]
     path = ["legacy", "native"]
@@ -145,9 +146,10 @@ def load(name_or_path: str) -> Matrix:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
     from parity.fixture import registry
 
-    unknown = [k for k in data if k not in ("description", "steps", "design", "exhaustive", "axes", "skip")]
+    keys = ("description", "steps", "design", "exhaustive", "rotate", "axes", "skip")
+    unknown = [k for k in data if k not in keys]
     if unknown:
-        raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: description, steps, design, exhaustive, axes, skip")
+        raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: {', '.join(keys)}")
     axes_in = data.get("axes", {})
     for key in axes_in:
         if key not in AXES:
@@ -179,13 +181,17 @@ def load(name_or_path: str) -> Matrix:
         for must in ("fixture", "path"):
             if must not in exhaustive:
                 exhaustive = [must, *exhaustive]
-        # paths share one covering so every legacy cell has its native twin to compare with
-        rest = {a: v for a, v in axes.items() if a != "path"}
-        rows = [
-            {**row, "path": p}
-            for row in covering(rest, [a for a in AXES if a in exhaustive and a != "path"])
-            for p in axes["path"]
-        ]
+        # one covering per fixture, shared by the paths: pairs are covered for each
+        # (fixture, path) and every legacy cell has its native twin to compare with
+        rotate = data.get("rotate", [])
+        bad = [a for a in rotate if a not in AXES or a in exhaustive]
+        if bad:
+            raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
+        rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)}
+        design = covering(rest, [a for a in AXES if a in exhaustive and a in rest])
+        for i, row in enumerate(design):  # rotated axes cycle through their values
+            row.update({a: axes[a][i % len(axes[a])] for a in rotate})
+        rows = [{**row, "fixture": f, "path": p} for f in axes["fixture"] for row in design for p in axes["path"]]
     else:
         raise UsageError(f"{path}: design has unknown value {design!r}; valid: product, covering")
     cells, seen = [], set()

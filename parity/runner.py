@@ -64,7 +64,7 @@ class _Progress:
 
 
 def _skip_reason(cell: Cell, device: str, skip_reason) -> str:
-    reason = skip_reason(cell) if skip_reason else ""
+    reason = (skip_reason(cell) if skip_reason else "")
     if not reason and device == "cuda" and cell.ranks > torch.cuda.device_count():
         reason = f"needs {cell.ranks} GPUs; {torch.cuda.device_count()} visible"
     return reason

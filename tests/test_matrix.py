@@ -1,0 +1,105 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from parity.errors import UsageError
+from parity.matrix import AXES, covering, load, select
+
+
+def test_smoke_is_every_fixture_path_rank_and_accumulation():
+    m = load("smoke")
+    assert len(m.cells) == 6 * 2 * 2 * 2
+    assert {(c.microbatches, c.sync) for c in m.cells} == {(1, "every"), (3, "last")}
+    assert {c.reshard for c in m.cells} == {True}
+    by_pair = {}
+    for c in m.cells:
+        by_pair.setdefault(c.pair_id, set()).add(c.path)
+    assert all(p == {"legacy", "native"} for p in by_pair.values())
+
+
+def test_default_has_at_least_400_cells_and_every_axis_value():
+    m = load("default")
+    assert len(m.cells) >= 400
+    assert {c.checkpointing for c in m.cells} == {"none", "full", "selective"}
+    assert {(c.microbatches, c.sync) for c in m.cells} == {(1, "every"), (3, "every"), (3, "last")}
+    assert {c.reshard for c in m.cells} == {True, False}
+    assert {c.output_dtype for c in m.cells} == {"natural", "float32", "bfloat16", "float16"}
+    assert {c.seed for c in m.cells} == {0, 1}
+    assert {c.ranks for c in m.cells} == {1, 2}
+
+
+def test_default_covers_every_pair_per_fixture_and_path():
+    m = load("default")
+    names = ["ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed"]
+
+    def value(c, a):
+        return f"{c.microbatches}:{c.sync}" if a == "accumulation" else getattr(c, a)
+
+    for fixture, path in itertools.product({c.fixture for c in m.cells}, ("legacy", "native")):
+        group = [c for c in m.cells if c.fixture == fixture and c.path == path]
+        for a, b in itertools.combinations(names, 2):
+            want = {(x, y) for x in {value(c, a) for c in m.cells} for y in {value(c, b) for c in m.cells}}
+            assert {(value(c, a), value(c, b)) for c in group} == want, (fixture, path, a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=2, max_size=5),
+    n_exhaustive=st.integers(0, 2),
+)
+def test_covering_design_covers_all_pairs(sizes, n_exhaustive):
+    axes = {f"a{i}": list(range(n)) for i, n in enumerate(sizes)}
+    exhaustive = list(axes)[:n_exhaustive]
+    rows = covering(axes, exhaustive)
+    for a, b in itertools.combinations(axes, 2):
+        assert {(r[a], r[b]) for r in rows} == set(itertools.product(axes[a], axes[b]))
+    base = set(itertools.product(*(axes[a] for a in exhaustive)))
+    assert {tuple(r[a] for a in exhaustive) for r in rows} == base
+
+
+def test_filter_expressions():
+    cells = load("smoke").cells
+    picked = select(cells, "fixture == 'kda' and ranks == 2 and microbatches == 3")
+    assert {(c.fixture, c.ranks, c.microbatches) for c in picked} == {("kda", 2, 3)}
+    with pytest.raises(UsageError, match="unknown name 'rank'"):
+        select(cells, "rank == 2")
+    with pytest.raises(UsageError, match="cannot parse"):
+        select(cells, "fixture ==")
+    with pytest.raises(UsageError, match="only comparisons"):
+        select(cells, "__import__('os')")
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("[axes]\nfixture = ['nope']\n", "axes.fixture has unknown value 'nope'; valid: kda, lm"),
+        ("[axes]\ncolour = ['red']\n", "unknown axis axes.colour; valid: fixture, path"),
+        ("[axes]\naccumulation = ['3:sometimes']\n", "axes.accumulation has unknown value '3:sometimes'"),
+        ("[axes]\noutput_dtype = ['float8']\n", "axes.output_dtype has unknown value 'float8'; valid: natural, float32"),
+        ("design = 'random'\n", "design has unknown value 'random'; valid: product, covering"),
+        ("[axes\n", "not valid TOML"),
+        ("steps = 0\n", "steps must be a positive integer"),
+        ("[[skip]]\nwhen = 'x == 1'\nreason = 'r'\n", "unknown name 'x'"),
+    ],
+)
+def test_malformed_matrix_is_a_one_line_error_naming_file_and_key(tmp_path, body, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(body)
+    with pytest.raises(UsageError) as err:
+        load(str(path))
+    assert str(path) in str(err.value) and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_skips_are_listed_not_dropped(tmp_path):
+    path = tmp_path / "m.toml"
+    path.write_text("[axes]\nfixture = ['kda']\nranks = [1, 2]\n[[skip]]\nwhen = 'ranks == 2'\nreason = 'two ranks not wanted here'\n")
+    m = load(str(path))
+    assert len(m.cells) == 4
+    assert [m.skip_reason(c) for c in m.cells if c.ranks == 2] == ["two ranks not wanted here"] * 2
+
+
+def test_axes_constant_is_the_documented_set():
+    assert AXES == ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed")
