@@ -7,6 +7,7 @@ gradient and parameter shards per step, the global gradient norm, the shard repo
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -75,7 +76,91 @@ def _fault_rank_dependent(plan: PrecisionPlan, rank: int) -> PrecisionPlan:
     return plan.replace(victim.fqn, compute=victim.storage)
 
 
+@dataclass(kw_only=True)
+class Sharded:
+    """A freshly built, sharded model with its optimizer."""
+
+    model: nn.Module
+    plan: PrecisionPlan
+    report: ShardReport
+    ignored: set
+    opt: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    names: dict[int, str]
+
+
+def build(cell: Cell, path: str, *, rank: int, mesh, device, faults: frozenset[str], obs: Observation | None = None) -> Sharded:
+    """Model -> plan -> (activation checkpointing) -> sharding along ``path`` -> optimizer.
+    Raises :class:`IsolationError` when legacy cannot shard the fixture."""
+    from parity import probes
+
+    fixture = get_fixture(cell.fixture)
+    model = fixture.make(cell.seed).to(device)
+    ignored = fixture.ignored(model)
+    plan = resolve_plan(model, cell.precision(), ignored)
+    if obs is not None:
+        obs.plan = plan
+    if "rank_dependent_override" in faults:
+        plan = _fault_rank_dependent(plan, rank)
+    apply_checkpointing(model, cell.checkpointing, fixture.blocks)
+    report = plan_sharding(model, fixture.unit_roots, plan, path)
+    if obs is not None:
+        obs.report = report
+        obs.contracts = probes.before_sharding(model, plan)
+    apply_sharding(
+        model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored,
+        faults=faults, check_ranks="skip_rank_check" not in faults,
+    )
+    params = list(model.parameters())
+    return Sharded(
+        model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params), params=params,
+        names={id(p): canonical_fqn(n) for n, p in model.named_parameters()},
+    )
+
+
+def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, faults, obs: Observation, recorder=None) -> None:
+    """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
+    fixture = get_fixture(cell.fixture)
+    for mb in range(cell.microbatches):
+        last = mb == cell.microbatches - 1
+        s.model.set_requires_gradient_sync(last or cell.sync == "every")
+        batch = fixture.batch(cell.seed, step, rank, mb).to(device)
+        inputs = batch.inputs
+        if not fixture.token_input:
+            inputs = tuple(x.requires_grad_() for x in inputs)
+        with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
+            out = s.model(*inputs)
+        if "perturb_output" in faults and rank == 0 and step == 0 and mb == 0:
+            out = out + 1e-2 * out.detach().abs().max()
+        loss = fixture.loss(out, batch.target) / cell.microbatches
+        loss.backward()
+        obs.outputs.append(_local(out))
+        grad = None if fixture.token_input else inputs[0].grad
+        if grad is not None and "perturb_input_grad" in faults and rank == 0:
+            grad = grad * (1 + 1e-2)
+        obs.input_grads.append(None if grad is None else _local(grad))
+        if recorder:
+            recorder.after_backward(s.model, step, mb, last)
+    for p in s.ignored:  # the emulated owner of ignored parameters averages their gradients
+        if p.grad is not None and world > 1:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+    if "perturb_grad" in faults:
+        next(p for p in s.params if p.grad is not None).grad.mul_(1 + 1e-4)
+    norm = global_grad_norm(s.params)
+    obs.grad_norms.append(norm * (1.01 if "scale_grad_norm" in faults else 1.0))
+    obs.grads.append({s.names[id(p)]: _local(p.grad) for p in s.params if p.grad is not None})
+    s.opt.step()
+    s.opt.zero_grad()
+    if "perturb_param" in faults:
+        with torch.no_grad():
+            s.params[0].mul_(1 + 1e-4)
+    obs.params.append({s.names[id(p)]: _local(p) for p in s.params})
+
+
 def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -> Observation:
+    from parity import lifecycle, probes
+
     faults = frozenset(cell.faults)
     if "crash" in faults and rank == world - 1:
         os._exit(17)
@@ -84,72 +169,29 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
     if "raise" in faults:
         raise RuntimeError("deliberate fault: raise")
     t0 = time.perf_counter()
-    fixture = get_fixture(cell.fixture)
     obs = Observation(rank=rank)
-    model = fixture.make(cell.seed).to(device)
-    ignored = fixture.ignored(model)
-    plan = resolve_plan(model, cell.precision(), ignored)
-    obs.plan = plan
-    if "rank_dependent_override" in faults:
-        plan = _fault_rank_dependent(plan, rank)
-    apply_checkpointing(model, cell.checkpointing, fixture.blocks)
     try:
-        report = plan_sharding(model, fixture.unit_roots, plan, cell.path)
+        s = build(cell, cell.path, rank=rank, mesh=mesh, device=device, faults=faults, obs=obs)
     except IsolationError as exc:
-        if fixture.expect.get(cell.path) == "isolation-error":
+        if get_fixture(cell.fixture).expect.get(cell.path) == "isolation-error":
             obs.expected_error = str(exc)
             return obs
         raise
-    obs.report = report
-    from parity import probes
-
-    contracts = probes.before_sharding(model, plan)
-    apply_sharding(
-        model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored,
-        faults=faults, check_ranks="skip_rank_check" not in faults,
-    )
-    recorder = probes.install(model, plan, report)
-    opt = make_optimizer([p for p in model.parameters()])
-    params = [p for p in model.parameters()]
-    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    recorder = probes.install(s.model, s.plan, s.report)
     obs.timings["build"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     for step in range(cell.steps):
-        for mb in range(cell.microbatches):
-            last = mb == cell.microbatches - 1
-            model.set_requires_gradient_sync(last or cell.sync == "every")
-            batch = fixture.batch(cell.seed, step, rank, mb).to(device)
-            inputs = batch.inputs
-            if not fixture.token_input:
-                inputs = tuple(x.requires_grad_() for x in inputs)
-            with recorder.phase(step, mb):
-                out = model(*inputs)
-                if "perturb_output" in faults and rank == 0 and step == 0 and mb == 0:
-                    out = out + 1e-2 * out.detach().abs().max()
-                loss = fixture.loss(out, batch.target) / cell.microbatches
-                loss.backward()
-            obs.outputs.append(_local(out))
-            grad = None if fixture.token_input else inputs[0].grad
-            if grad is not None and "perturb_input_grad" in faults and rank == 0:
-                grad = grad * (1 + 1e-2)
-            obs.input_grads.append(None if grad is None else _local(grad))
-            recorder.after_backward(model, step, mb, last)
-        for p in ignored:  # the emulated owner of ignored parameters averages their gradients
-            if p.grad is not None and world > 1:
-                dist.all_reduce(p.grad)
-                p.grad.div_(world)
-        if "perturb_grad" in faults:
-            p = next(p for p in params if p.grad is not None)
-            p.grad.mul_(1 + 1e-4)
-        norm = global_grad_norm(params)
-        obs.grad_norms.append(norm * (1.001 if "scale_grad_norm" in faults else 1.0))
-        obs.grads.append({names[id(p)]: _local(p.grad) for p in params if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-        if "perturb_param" in faults:
-            with torch.no_grad():
-                params[0].mul_(1 + 1e-4)
-        obs.params.append({names[id(p)]: _local(p) for p in params})
+        train_step(cell, s, step, rank=rank, world=world, device=device, faults=faults, obs=obs, recorder=recorder)
     obs.timings["steps"] = time.perf_counter() - t1
-    obs.contracts = recorder.finish(model, contracts, opt)
+    if cell.lifecycle:  # before the identity faults below rename or replace parameters
+        t2 = time.perf_counter()
+        if "misfile_optimizer_state" in faults:
+            lifecycle.misfile_state(s.opt)
+        optim = lifecycle.optimizer_state(s.model, s.opt)
+        resumed = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device, faults=faults)
+        obs.timings["checkpoint"] = time.perf_counter() - t2
+    obs.contracts = recorder.finish(s.model, obs.contracts, faults)
+    obs.contracts["markers"] = lifecycle.marker_contract(cell, device, faults)
+    if cell.lifecycle:
+        obs.contracts["optim"], obs.contracts["resume"] = optim, resumed
     return obs

@@ -15,7 +15,8 @@ FAULTS = (
     "drop_override", "bf16_reduce", "perturb_output", "perturb_input_grad", "perturb_grad",
     "scale_grad_norm", "perturb_param", "rank_dependent_override", "skip_rank_check",
     "crash", "hang", "raise", "lose_buffer_marker", "swap_optimizer_state",
-    "rename_param", "replace_param", "cast_storage",
+    "rename_param", "replace_param", "cast_storage", "cast_child_inputs", "drop_output_dtype",
+    "misfile_optimizer_state",
 )
 
 
@@ -54,6 +55,12 @@ class Cell:
         if self.faults:
             parts.append("fault-" + "+".join(self.faults))
         return "/".join(parts)
+
+    @property
+    def lifecycle(self) -> bool:
+        """Whether this cell also runs the checkpoint save/load/resume lifecycle (DCP):
+        single micro-batch, no activation checkpointing, seed 0 (a fixed, documented slice)."""
+        return self.microbatches == 1 and self.checkpointing == "none" and self.seed == 0 and self.steps >= 2
 
     @property
     def pair_id(self) -> str:

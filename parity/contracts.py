@@ -1,5 +1,195 @@
-"""Contract checks beyond numerics (filled in below)."""
+"""Contract checks beyond numerics, one record per parameter/module/stage.
+
+Numbers can agree while a contract is broken (an FP32 parameter that happens to round the
+same in BF16), so each contract is observed directly (see :mod:`parity.probes` and
+:mod:`parity.lifecycle`) and compared with the plan, the reference or the unsharded model.
+A contract record has ``observed`` 1 (broken) or 0 (held) against ``allowed`` 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parity.cell import Observation
+from parity.cellspec import Cell
+from parity.compare import max_abs
+from parity.dtypes import dtype_name
+from parity.plan import PrecisionPlan
+from parity.record import Record
+from parity.reference import ReferenceRun
 
 
-def check(cell, observations, ref, base):
-    return []
+def _row(base: dict, check: str, name: str, ok: bool, expected, observed, note: str = "", dtype: str = "") -> Record:
+    detail = f"expected {expected}, observed {observed}" + (f"; {note}" if note else "")
+    return Record(**base, check=check, name=name, observed=0.0 if ok else 1.0, allowed=0.0,
+                  ratio=0.0 if ok else float("inf"), dtype=dtype, verdict="PASS" if ok else "FAIL", detail=detail)
+
+
+def _skip(base: dict, check: str, name: str, reason: str) -> Record:
+    return Record(**base, check=check, name=name, verdict="SKIP", detail=reason)
+
+
+def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+    c = obs.contracts
+    rows = []
+    for t in plan.params:
+        storage = dtype_name(t.storage)
+        after = c["storage_after"].get(t.fqn, "<missing>")
+        rows.append(_row(base, "dtype.storage", t.fqn, after == storage, storage, after, "after training", storage))
+        seen = c["compute"].get(t.fqn, "<not used in forward>")
+        rows.append(_row(base, "dtype.compute", t.fqn, seen == dtype_name(t.compute), dtype_name(t.compute), seen,
+                         "as all-gathered, read inside forward", dtype_name(t.compute)))
+        if not t.trainable:
+            continue
+        want = dtype_name(t.reduce)
+        if not c["reduce_observable"]:
+            rows.append(_skip(base, "dtype.reduce", t.fqn, "this torch build gives no hook on FSDP's reduction"))
+        else:
+            got = ",".join(c["reduce"].get(t.fqn, ["<no reduction seen>"]))
+            how = "reduce-scatter input" if cell.ranks > 1 else "reduce buffer (no collective on 1 rank)"
+            rows.append(_row(base, "dtype.reduce", t.fqn, got == want, want, got, how, want))
+        if cell.sync == "last" and cell.microbatches > 1:
+            got = ",".join(c["accum"].get(t.fqn, ["<no unsharded gradient>"]))
+            rows.append(_row(base, "dtype.accum", t.fqn, got == want, want, got, "unsharded gradient while sync is off", want))
+    if not (cell.sync == "last" and cell.microbatches > 1):
+        rows.append(_skip(base, "dtype.accum", "*", "no accumulation without sync in this cell"))
+    return rows
+
+
+def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: PrecisionPlan, base: dict) -> list[Record]:
+    """Module-visible floating input/output dtypes at every unit boundary and FP32 holder,
+    against the reference (same code, planned dtypes, the report's boundary casts)."""
+    modules = {m for u in obs.report.units for m in u.modules}
+    modules |= {t.fqn.rpartition(".")[0] for t in plan.params if t.compute != plan.config.param_dtype and t.kind == "param"}
+    rows = []
+    seen = obs.contracts["boundaries"]
+    for mod in sorted(modules):
+        want, got = ref.boundaries.get(mod), seen.get(mod)
+        if want is None and got is None:
+            continue
+        rows.append(_row(base, "dtype.boundary", mod or "<root>", want == got, want, got))
+    natural = dtype_name(ref.outputs[0][0].dtype)
+    expected = cell.axes()["output_dtype"]
+    expected = natural if expected == "natural" else expected
+    got = dtype_name(obs.outputs[0].dtype)
+    rows.append(_row(base, "dtype.output", "<root>", got == expected, expected, got,
+                     f"requested {cell.output_dtype}; parameter and reduction dtypes are checked per parameter"))
+    return rows
+
+
+def identity_checks(obs: Observation, base: dict) -> list[Record]:
+    c = obs.contracts
+    un = c["unsharded"]
+    rows = []
+    for stage in ("sharded", "lazy_init", "trained"):
+        snap = c.get(stage)
+        if snap is None:
+            continue
+        for key, label in (("params", "named_parameters"), ("state_dict", "state_dict")):
+            diff = sorted(set(un[key]) ^ set(snap[key]))
+            rows.append(_row(base, "names", f"{label}@{stage}", un[key] == snap[key], "unsharded model's names",
+                             "identical" if un[key] == snap[key] else f"differs: {', '.join(diff[:4]) or 'order'}"))
+        if stage != "sharded":
+            moved = sorted(f for f, i in snap["ids"].items() if c["sharded"]["ids"].get(f) != i)
+            rows.append(_row(base, "identity", f"parameters@{stage}", not moved, "same objects as after sharding",
+                             "same" if not moved else f"replaced: {', '.join(moved[:4])}"))
+    lost = sorted(m for m, cls in un["modules"].items() if cls not in c["trained"]["modules"].get(m, []))
+    rows.append(_row(base, "identity", "modules@trained", not lost, "every module keeps its class (holders too)",
+                     "kept" if not lost else f"lost: {', '.join(lost[:4])}"))
+    return rows
+
+
+def marker_checks(obs: Observation, base: dict) -> list[Record]:
+    marks = obs.contracts.get("markers", {})
+    if not marks:
+        return [_skip(base, "marker", "*", "fixture marks no tensor FP32")]
+    rows = []
+    for name, m in marks.items():
+        ok = m["after_move"] and m["dtype"] == "float32"
+        rows.append(_row(base, "marker", f"{m['kind']}:{name}", ok, "marked after the move, float32 after conversion",
+                         f"marked={m['after_move']}, {m['dtype']}", dtype="float32"))
+    return rows
+
+
+def _cat(parts: list) -> object:
+    if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0:
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
+    """Local optimizer-state shards -> full tensors (ignored parameters are replicated)."""
+    return {
+        f: {k: (_cat([r[f][k] for r in per_rank]) if plan[f].ownership == "managed" else per_rank[0][f][k])
+            for k in per_rank[0][f]}
+        for f in per_rank[0]
+    }
+
+
+def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+    """Optimizer state per FQN: keys, dtypes and shapes follow the plan, in any parameter order."""
+    state = _full_state([o.contracts["optim"] for o in observations], plan)
+    rows = []
+    for t in plan.params:
+        if not t.requires_grad:
+            ok = t.fqn not in state
+            rows.append(_row(base, "optim.state", t.fqn, ok, "no state (frozen)", "none" if ok else "state"))
+            continue
+        st = state.get(t.fqn)
+        if st is None:
+            rows.append(_row(base, "optim.state", t.fqn, False, "AdamW state", "missing"))
+            continue
+        shape = list(_cat([o.params[-1][t.fqn] for o in observations]).shape) if t.ownership == "managed" \
+            else list(observations[0].params[-1][t.fqn].shape)
+        want = f"keys exp_avg,exp_avg_sq,step; {dtype_name(t.storage)}; shape {shape}"
+        got = f"keys {','.join(sorted(st))}; {dtype_name(st['exp_avg'].dtype)}; shape {list(st['exp_avg'].shape)}"
+        ok = sorted(st) == ["exp_avg", "exp_avg_sq", "step"] and st["exp_avg"].dtype == t.storage
+        ok = ok and list(st["exp_avg"].shape) == shape
+        rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(t.storage)))
+    return rows
+
+
+def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+    """Resumed runs (same path, other path) against the uninterrupted run's step 2: gradients,
+    parameters and optimizer state must be equal (same kernels on the same values)."""
+    rows = []
+    main_state = _full_state([o.contracts["optim"] for o in observations], plan)
+    for target, r0 in observations[0].contracts["resume"].items():
+        tag = "same" if target == cell.path else "cross"
+        if "skip" in r0:
+            rows.append(_skip(base, f"checkpoint.{tag}", target, r0["skip"]))
+            continue
+        per_rank = [o.contracts["resume"][target] for o in observations]
+        items = []
+        for kind in ("grads", "params"):
+            for f in per_rank[0][kind]:
+                got = _cat([r[kind][f] for r in per_rank]) if plan[f].ownership == "managed" else per_rank[0][kind][f]
+                want = _cat([o.grads[1][f] if kind == "grads" else o.params[1][f] for o in observations]) \
+                    if plan[f].ownership == "managed" else (observations[0].grads[1][f] if kind == "grads" else observations[0].params[1][f])
+                items.append((f"{kind[:-1]}:{f}", got, want))
+        state = _full_state([r["optim"] for r in per_rank], plan)
+        for f, st in main_state.items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                items.append((f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), st[k]))
+        for name, got, want in items:
+            diff = max_abs(got, want)
+            ok = diff == 0.0
+            rows.append(Record(**base, check=f"checkpoint.{tag}", name=f"{target}:{name}", observed=diff, allowed=0.0,
+                               ratio=0.0 if ok else float("inf"), dtype=dtype_name(want.dtype),
+                               verdict="PASS" if ok else "FAIL",
+                               detail=("exact" if ok else "differs from the uninterrupted run")
+                               + f"; resumed on {per_rank[0]['taken']}"))
+    return rows
+
+
+def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
+    obs = observations[0]
+    plan = obs.plan
+    rows = dtype_checks(cell, obs, plan, base)
+    rows += boundary_checks(cell, obs, ref, plan, base)
+    rows += identity_checks(obs, base)
+    rows += marker_checks(obs, base)
+    if "optim" in obs.contracts:
+        rows += optimizer_checks(observations, plan, base)
+        rows += resume_checks(cell, observations, plan, base)
+    return rows

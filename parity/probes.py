@@ -149,12 +149,13 @@ class Recorder:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
 
-    def finish(self, model: nn.Module, contracts: dict, opt: torch.optim.Optimizer) -> dict:
+    def finish(self, model: nn.Module, contracts: dict, faults: frozenset[str] = frozenset()) -> dict:
         for h in self._handles:
             h.remove()
         if self.reduce_observable:
             self._pg.foreach_reduce = self._orig_reduce
             dist.reduce_scatter_single = self._orig_rs
+        _identity_faults(model, faults)
         self.snapshots["trained"] = names_snapshot(model)
         storage = {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()}
         return {
@@ -167,6 +168,19 @@ class Recorder:
             "accum": {k: sorted(v) for k, v in self.accum.items()},
             "storage_after": storage,
         }
+
+
+def _identity_faults(model: nn.Module, faults: frozenset[str]) -> None:
+    """Deliberate faults for the names/identity/storage contracts (tests only)."""
+    first_name, first = next(iter(model.named_parameters()))
+    owner_name, _, local = first_name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if "replace_param" in faults:
+        owner._parameters[local] = nn.Parameter(first.detach().clone())
+    if "rename_param" in faults:
+        owner._parameters[local + "_renamed"] = owner._parameters.pop(local)
+    if "cast_storage" in faults:
+        first.data = first.data.to(torch.bfloat16 if first.dtype != torch.bfloat16 else torch.float32)
 
 
 def install(model: nn.Module, plan: PrecisionPlan, report: ShardReport) -> Recorder:

@@ -32,6 +32,11 @@ def check_path(path: str) -> str:
 def plan_sharding(model: nn.Module, roots: tuple[str, ...], plan: PrecisionPlan, path: str) -> ShardReport:
     """Decide the units for ``path`` (falling back from native to legacy when ineligible)."""
     check_path(path)
+    if plan.config.output_dtype is not None and "" not in roots:
+        raise UsageError(
+            f"output_dtype {plan.config.output_dtype} would be silently ignored: no outermost FSDP unit "
+            "(declare the root module \"\" as the last unit root, or leave output_dtype natural)"
+        )
     members = resolve_roots(roots, plan)
     if path == "native":
         reasons = eligibility(members, plan)
@@ -74,6 +79,10 @@ def _policy(unit: UnitSpec, params: dict[str, nn.Parameter], faults: frozenset[s
         output_dtype=unit.output_dtype,
         cast_forward_inputs=unit.cast_forward_inputs,
     )
+    if "cast_child_inputs" in faults and not unit.cast_forward_inputs:
+        kwargs["cast_forward_inputs"] = True  # an FP32 child no longer owns its input conversion
+    if "drop_output_dtype" in faults:
+        kwargs["output_dtype"] = None
     if "drop_override" in faults and unit.param_dtype == torch.float32:
         kwargs["param_dtype"] = torch.bfloat16  # legacy FP32 unit computing in BF16
     if unit.overrides and native_api_available():
