@@ -173,8 +173,10 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
     try:
         s = build(cell, cell.path, rank=rank, mesh=mesh, device=device, faults=faults, obs=obs)
     except IsolationError as exc:
-        if get_fixture(cell.fixture).expect.get(cell.path) == "isolation-error":
+        taken = "legacy"  # the only path that isolates; native reaches it by falling back
+        if get_fixture(cell.fixture).expect.get(taken) == "isolation-error":
             obs.expected_error = str(exc)
+            obs.report = ShardReport(requested=cell.path, taken=taken, fallback_reason=exc.fallback_reason)
             return obs
         raise
     recorder = probes.install(s.model, s.plan, s.report)

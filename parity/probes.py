@@ -144,7 +144,10 @@ class Recorder:
         if last:
             return
         for fp in _fsdp_params(model):
-            grad = getattr(fp.unsharded_param, "grad", None) if hasattr(fp, "_unsharded_param") else None
+            # torch <= 2.14 keeps a separate accumulator; 2.15 accumulates in the leaf's grad
+            grad = getattr(fp, "unsharded_accumulated_grad", None)
+            if grad is None and hasattr(fp, "_unsharded_param"):
+                grad = fp.unsharded_param.grad
             if grad is not None:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))

@@ -40,7 +40,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     expect = fixture.expect.get(cell.path, "")
     first = observations[0]
     if first.expected_error:
-        base = base_fields(cell, taken=cell.path)
+        base = base_fields(cell, first.report.taken, first.report.fallback_reason)
         return Judged([Record(**base, check="expected_error", name="isolation", verdict="PASS", detail=first.expected_error)])
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)

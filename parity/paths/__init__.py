@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from parity.errors import RankMismatchError, UsageError
+from parity.errors import IsolationError, RankMismatchError, UsageError
 from parity.paths.legacy import plan_legacy
 from parity.paths.native import eligibility, native_api_available, plan_native
 from parity.paths.units import ShardReport, UnitSpec, module_index, resolve_roots
@@ -45,7 +45,12 @@ def plan_sharding(model: nn.Module, roots: tuple[str, ...], plan: PrecisionPlan,
         fallback = "; ".join(reasons)
     else:
         fallback = ""
-    units = plan_legacy(members, plan, list(module_index(model)))
+    try:
+        units = plan_legacy(members, plan, list(module_index(model)))
+    except IsolationError as exc:
+        if fallback:
+            raise IsolationError(exc.params, fallback) from None
+        raise
     return ShardReport(requested=path, taken="legacy", fallback_reason=fallback, units=units)
 
 
