@@ -126,7 +126,7 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                 continue
             if observations is None:  # a non-zero torchrun rank: rank 0 judges
                 continue
-            for key in ("build", "steps"):
+            for key in ("build", "steps", "checkpoint"):
                 timings[key] += observations[0].timings.get(key, 0.0)
             j0 = time.perf_counter()
             try:
@@ -151,6 +151,8 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
             pool.stop()
         writer.close()
     timings["wall"] = time.perf_counter() - wall0
+    timings["other (parent, queues, skips)"] = timings["wall"] - sum(
+        timings[k] for k in ("spawn", "build", "steps", "checkpoint", "reference+compare"))
     timings["cells"] = len(cells)
     timings["per_cell"] = timings["wall"] / max(1, len(cells))
     with open(os.path.join(options.out_dir, "summary.md"), "w") as fh:
