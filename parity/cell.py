@@ -182,8 +182,11 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
     recorder = probes.install(s.model, s.plan, s.report)
     obs.timings["build"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    for step in range(cell.steps):
-        train_step(cell, s, step, rank=rank, world=world, device=device, faults=faults, obs=obs, recorder=recorder)
+    try:
+        for step in range(cell.steps):
+            train_step(cell, s, step, rank=rank, world=world, device=device, faults=faults, obs=obs, recorder=recorder)
+    finally:
+        recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
     obs.timings["steps"] = time.perf_counter() - t1
     if cell.lifecycle:  # before the identity faults below rename or replace parameters
         t2 = time.perf_counter()

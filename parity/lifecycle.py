@@ -44,7 +44,7 @@ def marker_contract(cell: Cell, device, faults: frozenset[str]) -> dict:
             sub.__dict__.pop(_MARK_ATTR, None)
     _move(model, device)
     if naive:
-        for prefix, sub in model.named_modules():
+        for _prefix, sub in model.named_modules():
             for local, t in list(sub._parameters.items()) + list(sub._buffers.items()):
                 if t is not None and getattr(t, "_keep_fp32", False):
                     sub.__dict__.setdefault(_MARK_ATTR, set()).add(local)

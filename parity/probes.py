@@ -71,6 +71,7 @@ class Recorder:
         self.reduce: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
         self.reduce_observable = True
+        self._orig_reduce = None
         self.snapshots = {"sharded": names_snapshot(model)}
         self._handles = []
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
@@ -152,12 +153,18 @@ class Recorder:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
 
-    def finish(self, model: nn.Module, contracts: dict, faults: frozenset[str] = frozenset()) -> dict:
+    def close(self) -> None:
+        """Remove hooks and restore FSDP's reduction functions (idempotent)."""
         for h in self._handles:
             h.remove()
-        if self.reduce_observable:
+        self._handles = []
+        if self.reduce_observable and self._orig_reduce is not None:
             self._pg.foreach_reduce = self._orig_reduce
             dist.reduce_scatter_single = self._orig_rs
+            self._orig_reduce = None
+
+    def finish(self, model: nn.Module, contracts: dict, faults: frozenset[str] = frozenset()) -> dict:
+        self.close()
         _identity_faults(model, faults)
         self.snapshots["trained"] = names_snapshot(model)
         storage = {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()}

@@ -7,7 +7,6 @@ innermost first.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.distributed as dist
