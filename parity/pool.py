@@ -69,9 +69,18 @@ class RankPool:
     def __init__(self, world: int, device_type: str = "cpu", start_timeout: float = 120.0):
         self.world, self.device_type, self.start_timeout = world, device_type, start_timeout
         self.procs: list = []
+        self.ready = False
         self.spawn_seconds = 0.0
 
     def start(self) -> None:
+        if not self.procs:
+            self.launch()
+        t0 = time.perf_counter()
+        self._collect("ready", self.start_timeout)
+        self.spawn_seconds += time.perf_counter() - t0
+
+    def launch(self) -> None:
+        """Spawn the ranks without waiting for them, so a pool can warm up while another works."""
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="parity-pg-")
@@ -87,8 +96,8 @@ class RankPool:
         ]
         for p in self.procs:
             p.start()
-        self._collect("ready", self.start_timeout)
         self.spawn_seconds += time.perf_counter() - t0
+        self.ready = False
 
     def _collect(self, kind: str, timeout: float) -> dict[int, bytes]:
         got: dict[int, bytes] = {}
@@ -123,8 +132,9 @@ class RankPool:
 
     def run(self, cell: Cell, timeout: float) -> list:
         """Run one cell on every rank; returns each rank's observation, rank order."""
-        if not self.procs:
+        if not self.procs or not self.ready:
             self.start()
+            self.ready = True
         for q in self.tasks:
             q.put(cell)
         try:

@@ -109,12 +109,11 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                 if executor is not None:
                     observations = executor.run(cell, options.timeout)
                 else:
-                    pool = pools.get(cell.ranks)
-                    if pool is None:
-                        for other in pools.values():
-                            other.stop()
-                        pools.clear()
-                        pool = pools[cell.ranks] = RankPool(cell.ranks, device)
+                    if not pools:  # launch every pool now: later ones warm up while the first works
+                        for world in sorted({c.ranks for c in cells if not _skip_reason(c, device, skip_reason)}):
+                            pools[world] = RankPool(world, device)
+                            pools[world].launch()
+                    pool = pools[cell.ranks]
                     spawn0 = pool.spawn_seconds
                     observations = pool.run(cell, options.timeout)
                     timings["spawn"] += pool.spawn_seconds - spawn0
