@@ -1,0 +1,57 @@
+"""The expected-outcome checks can fail: judge real 1-rank observations against altered expectations."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fixtures
+from parity.cell import run_rank
+from parity.cellspec import Cell
+from parity.verdicts import judge_cell
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _observe(mesh, cell):
+    return [run_rank(cell, rank=0, world=1, mesh=mesh, device=torch.device("cpu"))]
+
+
+def _expecting(monkeypatch, name, expect):
+    monkeypatch.setitem(fixtures.FIXTURES, name, dataclasses.replace(fixtures.FIXTURES[name], expect=expect))
+
+
+def test_expected_isolation_error_that_does_not_happen_fails(one_rank, monkeypatch):
+    cell = Cell(fixture="kda", path="legacy", steps=1)
+    obs = _observe(one_rank, cell)
+    _expecting(monkeypatch, "kda", {"legacy": "isolation-error"})
+    rows = [r for r in judge_cell(cell, obs).records if r.check == "expected_error"]
+    assert [r.verdict for r in rows] == ["FAIL"]
+
+
+def test_expected_fallback_that_does_not_happen_fails(one_rank, monkeypatch):
+    cell = Cell(fixture="kda", path="native", steps=1)
+    obs = _observe(one_rank, cell)
+    assert judge_cell(cell, obs).records  # sanity: judged normally first
+    _expecting(monkeypatch, "kda", {"native": "fallback"})
+    rows = [r for r in judge_cell(cell, obs).records if r.check == "fallback"]
+    assert [r.verdict for r in rows] == ["FAIL"]
+
+
+def test_expected_outcomes_pass_when_they_happen(one_rank):
+    legacy = Cell(fixture="unisolatable", path="legacy", steps=1)
+    rows = judge_cell(legacy, _observe(one_rank, legacy)).records
+    assert [(r.check, r.verdict) for r in rows] == [("expected_error", "PASS")]
+    native = Cell(fixture="mixed_storage", path="native", steps=1)
+    rows = judge_cell(native, _observe(one_rank, native)).records
+    fallback = [r for r in rows if r.check == "fallback"]
+    assert [r.verdict for r in fallback] == ["PASS"] and "mixes trainable storage dtypes" in fallback[0].detail
