@@ -28,7 +28,7 @@ def parity(session, torch):
     _install_torch(session, torch)
     session.install("numpy", "pandas")
     session.install("--no-deps", ".")  # torch is pinned above, even below the package's floor
-    args = session.posargs or ["--matrix", "smoke"]
+    args = session.posargs or ["--matrix", "smoke", "--fp64"]
     if not any(a.startswith("--out") for a in args):
         args = [*args, "--out", f"results/torch-{torch}"]
     session.run("python", "-m", "parity", "run", *args)

@@ -34,8 +34,9 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
     rows = []
     for t in plan.params:
         storage = dtype_name(t.storage)
-        after = c["storage_after"].get(t.fqn, "<missing>")
-        rows.append(_row(base, "dtype.storage", t.fqn, after == storage, storage, after, "after training", storage))
+        for stage, label in (("sharded", "after sharding"), ("trained", "after training")):
+            seen = c[stage]["storage"].get(t.fqn, "<missing>")
+            rows.append(_row(base, "dtype.storage", f"{t.fqn}@{stage}", seen == storage, storage, seen, label, storage))
         seen = c["compute"].get(t.fqn, "<not used in forward>")
         rows.append(_row(base, "dtype.compute", t.fqn, seen == dtype_name(t.compute), dtype_name(t.compute), seen,
                          "as all-gathered, read inside forward", dtype_name(t.compute)))

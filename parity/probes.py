@@ -43,6 +43,7 @@ def names_snapshot(model: nn.Module) -> dict:
         "params": [canonical_fqn(n) for n, _ in model.named_parameters()],
         "state_dict": [canonical_fqn(k) for k in model.state_dict()],
         "ids": {canonical_fqn(n): id(p) for n, p in model.named_parameters()},
+        "storage": {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()},
         "modules": {canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
     }
 
@@ -167,7 +168,6 @@ class Recorder:
         self.close()
         _identity_faults(model, faults)
         self.snapshots["trained"] = names_snapshot(model)
-        storage = {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()}
         return {
             **contracts,
             **self.snapshots,
@@ -176,7 +176,6 @@ class Recorder:
             "reduce": {k: sorted(v) for k, v in self.reduce.items()},
             "reduce_observable": self.reduce_observable,
             "accum": {k: sorted(v) for k, v in self.accum.items()},
-            "storage_after": storage,
         }
 
 
