@@ -1,0 +1,37 @@
+"""Run-level behaviour of ``python -m parity run`` as a process."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_killed_run_keeps_every_finished_row(tmp_path):
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parity", "run", "--matrix", "default", "-k", "fixture == 'kda' and ranks == 1",
+         "--out", str(out), "--timeout", "30"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    csv_path = out / "cells.csv"
+    deadline = time.monotonic() + 120
+    cells = set()
+    while time.monotonic() < deadline and len(cells) < 3:
+        time.sleep(0.2)
+        if csv_path.exists():
+            with open(csv_path) as fh:
+                cells = {r["cell"] for r in csv.DictReader(fh)}
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with open(csv_path) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len({r["cell"] for r in rows}) >= 3
+    assert all(r["verdict"] in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP") for r in rows)  # no torn row
+    assert not (out / "summary.md").exists()  # the summary is written at the end only
