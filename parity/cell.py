@@ -182,17 +182,19 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
     recorder = probes.install(s.model, s.plan, s.report)
     obs.timings["build"] = time.perf_counter() - t0
     t1 = time.perf_counter()
+    optim = None
     try:
         for step in range(cell.steps):
             train_step(cell, s, step, rank=rank, world=world, device=device, faults=faults, obs=obs, recorder=recorder)
+            if cell.lifecycle and step == lifecycle.RESUME_STEP:  # what a resumed run must reproduce
+                if "misfile_optimizer_state" in faults:
+                    lifecycle.misfile_state(s.opt)
+                optim = lifecycle.optimizer_state(s.model, s.opt)
     finally:
         recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
     obs.timings["steps"] = time.perf_counter() - t1
     if cell.lifecycle:  # before the identity faults below rename or replace parameters
         t2 = time.perf_counter()
-        if "misfile_optimizer_state" in faults:
-            lifecycle.misfile_state(s.opt)
-        optim = lifecycle.optimizer_state(s.model, s.opt)
         resumed = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device, faults=faults)
         obs.timings["checkpoint"] = time.perf_counter() - t2
     obs.contracts = recorder.finish(s.model, obs.contracts, faults)

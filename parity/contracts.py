@@ -14,6 +14,7 @@ from parity.cell import Observation
 from parity.cellspec import Cell
 from parity.compare import max_abs
 from parity.dtypes import dtype_name
+from parity.lifecycle import RESUME_STEP
 from parity.plan import PrecisionPlan
 from parity.record import Record
 from parity.reference import ReferenceRun
@@ -140,8 +141,8 @@ def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base:
         if st is None:
             rows.append(_row(base, "optim.state", t.fqn, False, "AdamW state", "missing"))
             continue
-        shape = list(_cat([o.params[-1][t.fqn] for o in observations]).shape) if t.ownership == "managed" \
-            else list(observations[0].params[-1][t.fqn].shape)
+        shape = list(_cat([o.params[RESUME_STEP][t.fqn] for o in observations]).shape) if t.ownership == "managed" \
+            else list(observations[0].params[RESUME_STEP][t.fqn].shape)
         want = f"keys exp_avg,exp_avg_sq,step; {dtype_name(t.storage)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; {dtype_name(st['exp_avg'].dtype)}; shape {list(st['exp_avg'].shape)}"
         ok = sorted(st) == ["exp_avg", "exp_avg_sq", "step"] and st["exp_avg"].dtype == t.storage
@@ -165,8 +166,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         for kind in ("grads", "params"):
             for f in per_rank[0][kind]:
                 got = _cat([r[kind][f] for r in per_rank]) if plan[f].ownership == "managed" else per_rank[0][kind][f]
-                want = _cat([o.grads[1][f] if kind == "grads" else o.params[1][f] for o in observations]) \
-                    if plan[f].ownership == "managed" else (observations[0].grads[1][f] if kind == "grads" else observations[0].params[1][f])
+                src = [o.grads[RESUME_STEP] if kind == "grads" else o.params[RESUME_STEP] for o in observations]
+                want = _cat([d[f] for d in src]) if plan[f].ownership == "managed" else src[0][f]
                 items.append((f"{kind[:-1]}:{f}", got, want))
         state = _full_state([r["optim"] for r in per_rank], plan)
         for f, st in main_state.items():

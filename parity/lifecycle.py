@@ -86,9 +86,14 @@ def misfile_state(opt: torch.optim.Optimizer) -> None:
     opt.state[b] = opt.state.pop(a)
 
 
+#: Steps 0..RESUME_STEP-1 run before the checkpoint; step RESUME_STEP runs after loading it.
+RESUME_STEP = 1
+
+
 def resume(cell: Cell, *, rank: int, world: int, mesh, device, faults: frozenset[str]) -> dict:
-    """Train 1 step, save (DCP); load into a fresh model on the same and on the other path;
-    train step 2. What each resumed run saw is compared with the uninterrupted run."""
+    """Train ``RESUME_STEP`` steps, save (DCP); load into a fresh model on the same and on
+    the other path; train one more step. What each resumed run saw is compared with the
+    uninterrupted run's same step."""
     from parity.cell import Observation, build, train_step
 
     other = "native" if cell.path == "legacy" else "legacy"
@@ -99,7 +104,8 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, faults: frozenset
     out: dict[str, dict] = {}
     try:
         first = build(cell, cell.path, rank=rank, mesh=mesh, device=device, faults=quiet)
-        train_step(cell, first, 0, rank=rank, world=world, device=device, faults=quiet, obs=Observation(rank=rank))
+        for step in range(RESUME_STEP):
+            train_step(cell, first, step, rank=rank, world=world, device=device, faults=quiet, obs=Observation(rank=rank))
         msd, osd = get_state_dict(first.model, first.opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir[0])
         for target in (cell.path, other):
@@ -115,7 +121,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, faults: frozenset
             if "swap_optimizer_state" in faults:
                 _swap_first_two_same_shape(s.opt)
             obs = Observation(rank=rank)
-            train_step(cell, s, 1, rank=rank, world=world, device=device, faults=quiet, obs=obs)
+            train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, faults=quiet, obs=obs)
             out[target] = {"taken": s.report.taken, "grads": obs.grads[0], "params": obs.params[0],
                            "optim": optimizer_state(s.model, s.opt)}
     finally:

@@ -41,7 +41,9 @@ def test_every_contract_check_fails_on_its_fault(run_matrix):
 @pytest.mark.slow
 @pytest.mark.xdist_group("contracts")
 def test_contract_rows_pass_on_both_paths_and_resume_across_paths(run_matrix):
-    cells = [Cell(fixture=fx, path=p, ranks=2, output_dtype="bfloat16") for fx in ("kda", "frozen") for p in ("legacy", "native")]
+    # three steps: the resumed run must match the uninterrupted run's step 2, not its last
+    cells = [Cell(fixture=fx, path=p, ranks=2, output_dtype="bfloat16", steps=3)
+             for fx in ("kda", "frozen") for p in ("legacy", "native")]
     code, records = run_matrix(cells)
     assert code == 0
     checks = {r["check"] for r in records}
