@@ -48,6 +48,7 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
+    b = b.to(a.device)
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
@@ -66,7 +67,6 @@ class Comparison:
     expected: torch.Tensor | float
     allowance: tolerance.Allowance
     truth: torch.Tensor | float | None = None
-    note: str = ""
 
     def record(self, base: dict) -> Record:
         if isinstance(self.actual, torch.Tensor):
@@ -74,7 +74,7 @@ class Comparison:
         else:
             observed = abs(self.actual - self.expected)
         ratio, verdict, detail = judge(observed, self.allowance.allowed)
-        detail = "; ".join(x for x in (detail, self.allowance.basis, self.note) if x)
+        detail = "; ".join(x for x in (detail, self.allowance.basis) if x)
         fp64 = ""
         if self.truth is not None:
             fp64 = max_abs(self.actual, self.truth) if isinstance(self.actual, torch.Tensor) else abs(self.actual - self.truth)
@@ -86,7 +86,7 @@ class Comparison:
 
 
 def plan_comparisons(
-    run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int,
+    run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int, accumulating: bool,
     replayed: list[dict[str, torch.Tensor]], truth: ReferenceRun | None = None,
 ) -> list[Comparison]:
     """Outputs, input gradients, gradients and the gradient norm against the reference run;
@@ -111,11 +111,15 @@ def plan_comparisons(
             scale = ref.grad_scale[step].get(f, amax(expected))
             allow = tolerance.gradient(
                 entry.reduce or entry.storage, entry.storage, ref.grad_terms, scale,
-                uses=max(1, len(entry.tie_group)), compute_dtype=entry.compute,
+                # per-use contributions only land separately while accumulating without sync
+                uses=max(1, len(entry.tie_group)) if accumulating else 1, compute_dtype=entry.compute,
             )
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None
             out.append(Comparison(step, "grad", f, actual, expected, allow, t))
+        for f in sorted(set(run.grads[step]) - set(grads)):  # a gradient the plan says cannot exist
+            allow = tolerance.gradient(torch.float32, torch.float32, ref.grad_terms, 0.0)
+            out.append(Comparison(step, "grad", f, run.grads[step][f], torch.zeros(0), allow))
         elements = sum(g.numel() for g in grads.values())
         gdtype = max((g.dtype for g in grads.values()), key=tolerance.unit_roundoff, default=torch.float32)
         allow = tolerance.grad_norm(gdtype, elements, ref.grad_norms[step])
@@ -124,9 +128,7 @@ def plan_comparisons(
         for f, expected in replayed[step].items():
             allow = tolerance.parameter(plan[f].storage, step + 1, amax(expected))
             t = truth.params[step][f] if truth else None
-            c = Comparison(step, "param", f, run.params[step][f], expected, allow, t)
-            c.note = f"vs reference trajectory {max_abs(run.params[step][f], ref.params[step][f]):.3g}"
-            out.append(c)
+            out.append(Comparison(step, "param", f, run.params[step][f], expected, allow, t))
     return out
 
 

@@ -59,7 +59,7 @@ class Matrix:
 
     def skip_reason(self, cell: Cell) -> str:
         for expr, reason in self.skips:
-            if matches(cell, expr):
+            if matches(cell, expr, "skip.when"):
                 return reason
         return ""
 
@@ -216,6 +216,7 @@ def load(name_or_path: str) -> Matrix:
 
 
 def check_filter(expr: str, what: str = "-k") -> None:
+    """Parse and trial-evaluate ``expr`` so bad input fails before anything runs."""
     try:
         tree = ast.parse(expr, mode="eval")
     except SyntaxError:
@@ -225,11 +226,15 @@ def check_filter(expr: str, what: str = "-k") -> None:
             raise UsageError(f"{what}: unknown name {node.id!r}; valid: {', '.join(FILTER_NAMES)}")
         if isinstance(node, (ast.Call, ast.Attribute, ast.Lambda, ast.Subscript)):
             raise UsageError(f"{what}: only comparisons of axis values are allowed in {expr!r}")
+    matches(Cell(fixture="kda", path="legacy"), expr, what)
 
 
-def matches(cell: Cell, expr: str) -> bool:
+def matches(cell: Cell, expr: str, what: str = "-k") -> bool:
     values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
-    return bool(eval(compile(expr, "<filter>", "eval"), {"__builtins__": {}}, values))  # noqa: S307 - checked
+    try:
+        return bool(eval(compile(expr, "<filter>", "eval"), {"__builtins__": {}}, values))  # noqa: S307 - checked
+    except Exception as exc:  # noqa: BLE001 - any evaluation error is bad input
+        raise UsageError(f"{what}: cannot evaluate {expr!r} ({type(exc).__name__}: {exc})") from None
 
 
 def select(cells, expr: str | None):

@@ -132,12 +132,12 @@ class RankPool:
 
     def run(self, cell: Cell, timeout: float) -> list:
         """Run one cell on every rank; returns each rank's observation, rank order."""
-        if not self.procs or not self.ready:
-            self.start()
-            self.ready = True
-        for q in self.tasks:
-            q.put(cell)
         try:
+            if not self.procs or not self.ready:
+                self.start()
+                self.ready = True
+            for q in self.tasks:
+                q.put(cell)
             got = self._collect("ok", timeout)
         except CellFailure:
             self.stop(kill=True)

@@ -63,6 +63,21 @@ def _fsdp_params(model: nn.Module):
                     yield from group.fsdp_params
 
 
+def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
+    """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned)."""
+    from parity.paths.units import module_index
+
+    modules = module_index(model)
+    out = {}
+    for unit in report.units:
+        pol = modules[unit.modules[0]]._get_fsdp_state()._mp_policy
+        out[unit.root] = {
+            "param_dtype": dtype_name(pol.param_dtype), "reduce_dtype": dtype_name(pol.reduce_dtype),
+            "output_dtype": dtype_name(pol.output_dtype), "cast_forward_inputs": pol.cast_forward_inputs,
+        }
+    return out
+
+
 class Recorder:
     def __init__(self, model: nn.Module, plan: PrecisionPlan, report: ShardReport):
         self.plan, self.report = plan, report
@@ -74,6 +89,7 @@ class Recorder:
         self.reduce_observable = True
         self._orig_reduce = None
         self.snapshots = {"sharded": names_snapshot(model)}
+        self.policies = applied_policies(model, report)
         self._handles = []
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         for name, mod in model.named_modules():
@@ -172,6 +188,7 @@ class Recorder:
             **contracts,
             **self.snapshots,
             "compute": self.compute,
+            "policies": self.policies,
             "boundaries": self.boundaries,
             "reduce": {k: sorted(v) for k, v in self.reduce.items()},
             "reduce_observable": self.reduce_observable,

@@ -91,7 +91,11 @@ def _record_boundaries(model: nn.Module, sink: dict) -> list:
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
+    resync: list[dict[str, torch.Tensor]] | None = None,
 ) -> ReferenceRun:
+    """``resync[k]``: the sharded run's parameters after step k. When given, step k+1 starts
+    from them, so every step is compared from identical weights: an allowed difference
+    (e.g. a tied gradient) is not carried forward and amplified by Adam into later steps."""
     fp64 = mode == "fp64"
     model = fixture.make(cell.seed).to(device)
     masters: dict[str, nn.Parameter] = dict(model.named_parameters())
@@ -118,6 +122,10 @@ def run_reference(
         return torch.float64 if fp64 else (t.reduce or t.storage)
 
     for step in range(cell.steps):
+        if resync is not None and step > 0:
+            with torch.no_grad():
+                for f, p in resync[step - 1].items():
+                    masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
         scale = {f: 0.0 for f in trainable}
@@ -138,8 +146,8 @@ def run_reference(
                     h.remove()
                 loss = fixture.loss(out, batch.target) / micro
                 loss.backward()
-                outs.append(out.detach())
-                in_grads.append(None if fixture.token_input else inputs[0].grad)
+                outs.append(out.detach().cpu())  # results live on the CPU, like the ranks'
+                in_grads.append(None if fixture.token_input else inputs[0].grad.cpu())
                 per_rank.append({f: copies[f].grad for f in trainable if copies[f].grad is not None})
             run.outputs.append(outs)
             run.input_grads.append(in_grads)
@@ -172,11 +180,11 @@ def run_reference(
                 masters[f].grad = (total / world if world > 1 else total).to(masters[f].dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
         run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
-        run.grads.append({f: masters[f].grad.detach().clone() for f in trainable if masters[f].grad is not None})
+        run.grads.append({f: masters[f].grad.detach().cpu().clone() for f in trainable if masters[f].grad is not None})
         run.grad_scale.append(scale)
         opt.step()
         opt.zero_grad()
-        run.params.append({f: masters[f].detach().clone() for f in entries})
+        run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
     for h in handles:
         h.remove()
     return run
@@ -204,5 +212,5 @@ def replay_optimizer(
             masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].dtype)
         opt.step()
         opt.zero_grad()
-        out.append({t.fqn: masters[t.fqn].detach().clone() for t in plan.params})
+        out.append({t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params})
     return out

@@ -11,7 +11,8 @@ SEVERITY = {"ERROR": 4, "TIMEOUT": 4, "FAIL": 3, "PASS": 1, "SKIP": 0}
 
 
 def cell_verdicts(records: list[Record]) -> dict[str, str]:
-    """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP)."""
+    """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP); legacy~native
+    comparisons are counted per pair (:func:`pair_verdicts`)."""
     worst: dict[str, str] = {}
     for r in records:
         if r.path == "legacy~native":
@@ -37,9 +38,23 @@ def _ratio(v: float) -> str:
     return "inf" if math.isinf(v) else f"{v:.3g}"
 
 
+def pair_verdicts(records: list[Record]) -> dict[str, str]:
+    """Legacy-vs-native comparisons, one verdict per cell pair."""
+    worst: dict[str, str] = {}
+    for r in records:
+        if r.path == "legacy~native" and SEVERITY[r.verdict] > SEVERITY.get(worst.get(r.cell, "SKIP"), 0):
+            worst[r.cell] = r.verdict
+    return worst
+
+
+def _counts(verdicts: dict[str, str]) -> str:
+    counts = Counter(verdicts.values())
+    return ", ".join(f"{v} {counts.get(v, 0)}" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP"))
+
+
 def terminal_table(records: list[Record]) -> str:
-    counts = Counter(cell_verdicts(records).values())
-    lines = ["cells: " + ", ".join(f"{v} {counts.get(v, 0)}" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP"))]
+    lines = ["cells: " + _counts(cell_verdicts(records))]
+    lines.append("cross-path pairs: " + _counts(pair_verdicts(records)))
     lines.append(f"{'check':<28} {'worst ratio':>11}  {'dtype':<9} where")
     for check, r in worst_ratios(records).items():
         lines.append(f"{check:<28} {_ratio(r.ratio):>11}  {r.dtype:<9} {r.cell} {r.name}")
@@ -52,7 +67,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     out = [f"# parity run: {title}", ""]
     out += ["| verdict | cells |", "|---|---|"]
     out += [f"| {v} | {counts.get(v, 0)} |" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP")]
-    out += ["", f"{cells_total} cells, {len(records)} records.", ""]
+    out += ["", f"{cells_total} cells, {len(records)} records. Legacy-vs-native pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
         out.append(f"| {check} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | {r.dtype} | {r.cell} | {r.name} |")

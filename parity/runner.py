@@ -140,7 +140,11 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                 if other is None:
                     pending[cell.pair_id] = (cell, judged)
                 else:
-                    new = new + _cross_records(other, (cell, judged))
+                    try:
+                        new = new + _cross_records(other, (cell, judged))
+                    except Exception as exc:  # noqa: BLE001 - a broken comparison is an ERROR row
+                        new = new + [Record(**base_fields(cell), check="cross", name=cell.pair_id, verdict="ERROR",
+                                            detail=f"cross-path comparison failed: {type(exc).__name__}: {exc}")]
             timings["reference+compare"] += time.perf_counter() - j0
             emit(new)
             verdict = cell_verdicts([r for r in new if r.cell == cell.id]).get(cell.id, "PASS")

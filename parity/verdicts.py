@@ -40,8 +40,12 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     expect = fixture.expect.get(cell.path, "")
     first = observations[0]
     if first.expected_error:
-        base = base_fields(cell, first.report.taken, first.report.fallback_reason)
-        return Judged([Record(**base, check="expected_error", name="isolation", verdict="PASS", detail=first.expected_error)])
+        rep = first.report
+        base = base_fields(cell, rep.taken, rep.fallback_reason)
+        legit = cell.path == "legacy" or expect == "fallback" or rep.fallback_reason.startswith("unsupported build")
+        verdict = "PASS" if legit else "FAIL"
+        detail = first.expected_error if legit else f"{cell.path} was expected to shard this fixture: {first.expected_error}"
+        return Judged([Record(**base, check="expected_error", name="isolation", verdict=verdict, detail=detail)])
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)
     records = []
@@ -53,10 +57,12 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         records.append(Record(**base, check="fallback", name=cell.path, verdict="PASS" if ok else "FAIL",
                               detail=report.fallback_reason or "expected a fallback to legacy; native was taken"))
     run = assemble(observations, plan)
-    ref = run_reference(cell, fixture, plan, report, device=device)
+    ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
     truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None
     replayed = replay_optimizer(cell, fixture, plan, run.grads, device=device)
-    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, replayed=replayed, truth=truth)
+    accumulating = cell.sync == "last" and cell.microbatches > 1
+    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=accumulating,
+                             replayed=replayed, truth=truth)
     records += [c.record(base) for c in comps]
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict="SKIP",

@@ -16,6 +16,8 @@ from parity.cli import main
         (["plan", "--fixture", "kda", "--output-dtype", "float8"], "unknown value 'float8'; valid: natural, float32"),
         (["run", "--fault", "gremlin"], "--fault: unknown value 'gremlin'"),
         (["run", "-k", "fixture == 'nope'"], "no cells selected"),
+        (["run", "-k", "ranks > 'x'"], "-k: cannot evaluate"),
+        (["run", "-k", "1/0 == 1"], "-k: cannot evaluate"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

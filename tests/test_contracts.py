@@ -36,6 +36,10 @@ def test_every_contract_check_fails_on_its_fault(run_matrix):
         assert check in failing, (fault, failing)
     accum = {r["check"] for r in records if "legacy" in r["cell"] and "bf16_reduce" in r["cell"] and r["verdict"] == "FAIL"}
     assert "dtype.accum" in accum
+    # the applied unit policies are checked against the plan, independently of the report
+    for fault in ("cast_child_inputs", "drop_output_dtype", "bf16_reduce"):
+        failing = {r["check"] for r in records if r["cell"].endswith(f"fault-{fault}") and r["verdict"] == "FAIL"}
+        assert "unit.policy" in failing, (fault, failing)
 
 
 @pytest.mark.slow
@@ -48,7 +52,7 @@ def test_contract_rows_pass_on_both_paths_and_resume_across_paths(run_matrix):
     assert code == 0
     checks = {r["check"] for r in records}
     assert {"dtype.storage", "dtype.compute", "dtype.reduce", "dtype.boundary", "dtype.output", "names", "identity",
-            "marker", "optim.state", "checkpoint.same", "checkpoint.cross"} <= checks
+            "marker", "optim.state", "checkpoint.same", "checkpoint.cross", "unit.policy"} <= checks
     cross = [r for r in records if r["check"] == "checkpoint.cross"]
     assert {r["detail"].rsplit("resumed on ", 1)[1] for r in cross} == {"legacy", "native"}
     holder = [r for r in records if r["check"] == "dtype.compute" and "holder" in r["name"]]

@@ -55,3 +55,13 @@ def test_expected_outcomes_pass_when_they_happen(one_rank):
     rows = judge_cell(native, _observe(one_rank, native)).records
     fallback = [r for r in rows if r.check == "fallback"]
     assert [r.verdict for r in fallback] == ["PASS"] and "mixes trainable storage dtypes" in fallback[0].detail
+
+
+def test_an_unexpected_fallback_into_an_isolation_error_fails(one_rank, monkeypatch):
+    import parity.paths as paths
+
+    monkeypatch.setattr(paths, "eligibility", lambda members, plan: ["unit blocks.0 looks ineligible (a bug)"])
+    cell = Cell(fixture="unisolatable", path="native", steps=1)
+    rows = judge_cell(cell, _observe(one_rank, cell)).records
+    assert [(r.check, r.verdict) for r in rows] == [("expected_error", "FAIL")]
+    assert rows[0].path_taken == "legacy" and "a bug" in rows[0].fallback_reason

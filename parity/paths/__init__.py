@@ -31,12 +31,15 @@ def check_path(path: str) -> str:
 def plan_sharding(model: nn.Module, roots: tuple[str, ...], plan: PrecisionPlan, path: str) -> ShardReport:
     """Decide the units for ``path`` (falling back from native to legacy when ineligible)."""
     check_path(path)
-    if plan.config.output_dtype is not None and "" not in roots:
+    # the outermost unit must be the root module alone, else output_dtype has nowhere to go
+    members = resolve_roots(roots, plan) if "" in roots else {}
+    if plan.config.output_dtype is not None and ("",) not in members:
         raise UsageError(
-            f"output_dtype {plan.config.output_dtype} would be silently ignored: no outermost FSDP unit "
-            "(declare the root module \"\" as the last unit root, or leave output_dtype natural)"
+            f"output_dtype {plan.config.output_dtype} would be silently ignored: no outermost FSDP unit of "
+            "the root module alone (declare \"\" as the last unit root, untied from other roots, or leave "
+            "output_dtype natural)"
         )
-    members = resolve_roots(roots, plan)
+    members = members or resolve_roots(roots, plan)
     if path == "native":
         reasons = eligibility(members, plan)
         if not reasons:

@@ -80,7 +80,10 @@ def resolve_roots(roots: tuple[str, ...], plan: PrecisionPlan) -> dict[tuple[str
     Returns ``{root-group: [param FQNs]}`` in the declared order.
     """
     def innermost(fqn: str) -> str:
-        return max((r for r in roots if _under(fqn, r)), key=len)
+        owners = [r for r in roots if _under(fqn, r)]
+        if not owners:
+            raise ValueError(f"parameter {fqn} is under no declared FSDP root {list(roots)}; add its module or the root \"\"")
+        return max(owners, key=len)
 
     groups: dict[str, tuple[str, ...]] = {r: (r,) for r in roots}
     for t in plan.params:
