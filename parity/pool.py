@@ -38,7 +38,18 @@ def from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world: int, store: str, device_type: str, tasks, results) -> None:
+def _next_task(tasks, parent: int):
+    """The next cell, or None to stop; also None once the parent is gone (killed runs leave
+    no orphans: every rank holds the queue's write end too, so no EOF ever arrives)."""
+    while True:
+        try:
+            return tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, parent: int) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -53,14 +64,15 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh(device_type, (world,))
     results.put(("ready", rank, b""))
-    while (cell := tasks.get()) is not None:
+    while (cell := _next_task(tasks, parent)) is not None:
         try:
             obs = run_rank(cell, rank=rank, world=world, mesh=mesh, device=device)
             results.put(("ok", rank, to_bytes(obs)))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a verdict
             tb = traceback.format_exc(limit=-3)
             results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{tb}".encode()))
-    dist.destroy_process_group()
+    if os.getppid() == parent:
+        dist.destroy_process_group()
 
 
 class RankPool:
@@ -89,7 +101,7 @@ class RankPool:
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.procs = [
             ctx.Process(
-                target=_worker, args=(r, self.world, store, self.device_type, self.tasks[r], self.results),
+                target=_worker, args=(r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid()),
                 daemon=True,
             )
             for r in range(self.world)

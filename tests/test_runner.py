@@ -35,3 +35,40 @@ def test_a_killed_run_keeps_every_finished_row(tmp_path):
     assert len({r["cell"] for r in rows}) >= 3
     assert all(r["verdict"] in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP") for r in rows)  # no torn row
     assert not (out / "summary.md").exists()  # the summary is written at the end only
+
+
+@pytest.mark.xdist_group("runner")
+def test_workers_exit_when_the_parent_is_killed(tmp_path):
+    import multiprocessing as mp
+
+
+    # a child process owns the pool; SIGKILL it and its ranks must go away on their own
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    owner = ctx.Process(target=_own_pool, args=(pids,))
+    owner.start()
+    workers = pids.get(timeout=120)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _own_pool(pids):
+    from parity.cellspec import Cell
+    from parity.pool import RankPool
+
+    pool = RankPool(1)
+    pool.run(Cell(fixture="frozen", path="native", steps=2), timeout=60)
+    pids.put([p.pid for p in pool.procs])
+    time.sleep(600)
