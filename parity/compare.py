@@ -26,13 +26,22 @@ class Assembled:
     grad_norms: list[float] = field(default_factory=list)
 
 
+def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict]) -> torch.Tensor:
+    """The full tensor of ``fqn`` from each rank's local piece: FSDP2 shards dim 0 in rank
+    order, so local shards concatenate; ignored parameters (and scalars such as an
+    optimizer's step) are replicated, so rank 0's copy is taken. Missing -> empty tensor."""
+    if any(fqn not in d for d in per_rank):
+        return torch.zeros(0)
+    first = per_rank[0][fqn]
+    if plan[fqn].ownership == "ignored" or not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return first
+    return torch.cat([d[fqn] for d in per_rank], dim=0)
+
+
 def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
-    """FSDP2 shards dim 0 in rank order, so concatenating local shards gives the full tensor;
-    ignored parameters are replicated (rank 0's copy is taken)."""
+    """Observations of all ranks with sharded tensors reassembled (:func:`gather_full`)."""
     def full(key: str, per_rank: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        if plan[key].ownership == "ignored":
-            return per_rank[0][key]
-        return torch.cat([d[key] for d in per_rank], dim=0)
+        return gather_full(plan, key, per_rank)
 
     run = Assembled(grad_norms=list(observations[0].grad_norms))
     world = len(observations)

@@ -13,7 +13,7 @@ import torch
 from parity.cell import Observation
 from parity.cellspec import Cell
 from parity import tolerance
-from parity.compare import amax, max_abs
+from parity.compare import amax, gather_full, max_abs
 from parity.dtypes import dtype_name
 from parity.lifecycle import RESUME_STEP
 from parity.plan import PrecisionPlan
@@ -141,17 +141,10 @@ def marker_checks(obs: Observation, base: dict) -> list[Record]:
     return rows
 
 
-def _cat(parts: list) -> object:
-    if isinstance(parts[0], torch.Tensor) and parts[0].dim() > 0:
-        return torch.cat(parts, dim=0)
-    return parts[0]
-
-
 def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
-    """Local optimizer-state shards -> full tensors (ignored parameters are replicated)."""
+    """Local optimizer-state shards -> full tensors, per FQN and state key."""
     return {
-        f: {k: (_cat([r[f][k] for r in per_rank]) if plan[f].ownership == "managed" else per_rank[0][f][k])
-            for k in per_rank[0][f]}
+        f: {k: gather_full(plan, f, [{f: r[f][k]} for r in per_rank]) for k in per_rank[0][f]}
         for f in per_rank[0]
     }
 
@@ -169,8 +162,7 @@ def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base:
         if st is None:
             rows.append(_row(base, "optim.state", t.fqn, False, "AdamW state", "missing"))
             continue
-        shape = list(_cat([o.params[RESUME_STEP][t.fqn] for o in observations]).shape) if t.ownership == "managed" \
-            else list(observations[0].params[RESUME_STEP][t.fqn].shape)
+        shape = list(gather_full(plan, t.fqn, [o.params[RESUME_STEP] for o in observations]).shape)
         want = f"keys exp_avg,exp_avg_sq,step; {dtype_name(t.storage)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; {dtype_name(st['exp_avg'].dtype)}; shape {list(st['exp_avg'].shape)}"
         ok = sorted(st) == ["exp_avg", "exp_avg_sq", "step"] and st["exp_avg"].dtype == t.storage
@@ -188,9 +180,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     main_state = _full_state([o.contracts["optim"] for o in observations], plan)
 
     def full(per_rank: list[dict], f: str):
-        if any(f not in d for d in per_rank):
-            return torch.zeros(0)
-        return _cat([d[f] for d in per_rank]) if plan[f].ownership == "managed" else per_rank[0][f]
+        return gather_full(plan, f, per_rank)
 
     for target, r0 in observations[0].contracts["resume"].items():
         tag = "same" if target == cell.path else "cross"
