@@ -174,7 +174,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
         s = build(cell, cell.path, rank=rank, mesh=mesh, device=device, faults=faults, obs=obs)
     except IsolationError as exc:
         taken = "legacy"  # the only path that isolates; native reaches it by falling back
-        if get_fixture(cell.fixture).expect.get(taken) == "isolation-error":
+        if get_fixture(cell.fixture).expects(taken)[0] == "isolation-error":
             obs.expected_error = str(exc)
             obs.report = ShardReport(requested=cell.path, taken=taken, fallback_reason=exc.fallback_reason)
             return obs

@@ -48,7 +48,13 @@ class Fixture:
     ignored: Callable[[nn.Module], set[nn.Parameter]] = field(default=lambda m: set())
     """Parameters owned by another parallelism unit (passed as ``ignored_params``)."""
     expect: dict[str, str] = field(default_factory=dict)
-    """path -> expected outcome other than training: ``isolation-error`` or ``fallback``."""
+    """path -> expected outcome other than training: ``isolation-error``, or ``fallback:TEXT``
+    (native falls back to legacy for a reason containing TEXT)."""
+
+    def expects(self, path: str) -> tuple[str, str]:
+        """(outcome, reason text) expected on ``path``; ("", "") when it should just train."""
+        kind, _, reason = self.expect.get(path, "").partition(":")
+        return kind, reason
 
     def make(self, seed: int) -> nn.Module:
         with torch.random.fork_rng(devices=[]):

@@ -37,7 +37,7 @@ class Judged:
 
 def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu") -> Judged:
     fixture = get_fixture(cell.fixture)
-    expect = fixture.expect.get(cell.path, "")
+    expect, expected_reason = fixture.expects(cell.path)
     first = observations[0]
     if first.expected_error:
         rep = first.report
@@ -53,9 +53,12 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         records.append(Record(**base, check="expected_error", name="isolation", verdict="FAIL",
                               detail="expected legacy to raise IsolationError; it sharded instead"))
     if expect == "fallback" or report.fallback_reason:
-        ok = bool(report.fallback_reason) and (expect == "fallback" or report.fallback_reason.startswith("unsupported build"))
+        reason = report.fallback_reason
+        ok = bool(reason) and (
+            reason.startswith("unsupported build") or (expect == "fallback" and expected_reason in reason)
+        )
         records.append(Record(**base, check="fallback", name=cell.path, verdict="PASS" if ok else "FAIL",
-                              detail=report.fallback_reason or "expected a fallback to legacy; native was taken"))
+                              detail=reason or f"expected a fallback to legacy ({expected_reason}); native was taken"))
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
     truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None

@@ -42,7 +42,7 @@ def test_expected_fallback_that_does_not_happen_fails(one_rank, monkeypatch):
     cell = Cell(fixture="kda", path="native", steps=1)
     obs = _observe(one_rank, cell)
     assert judge_cell(cell, obs).records  # sanity: judged normally first
-    _expecting(monkeypatch, "kda", {"native": "fallback"})
+    _expecting(monkeypatch, "kda", {"native": "fallback:mixes trainable storage dtypes"})
     rows = [r for r in judge_cell(cell, obs).records if r.check == "fallback"]
     assert [r.verdict for r in rows] == ["FAIL"]
 
@@ -65,3 +65,11 @@ def test_an_unexpected_fallback_into_an_isolation_error_fails(one_rank, monkeypa
     rows = judge_cell(cell, _observe(one_rank, cell)).records
     assert [(r.check, r.verdict) for r in rows] == [("expected_error", "FAIL")]
     assert rows[0].path_taken == "legacy" and "a bug" in rows[0].fallback_reason
+
+
+def test_a_fallback_for_another_reason_than_expected_fails(one_rank, monkeypatch):
+    cell = Cell(fixture="mixed_storage", path="native", steps=1)
+    obs = _observe(one_rank, cell)
+    _expecting(monkeypatch, "mixed_storage", {"native": "fallback:no common reduce dtype"})
+    rows = [r for r in judge_cell(cell, obs).records if r.check == "fallback"]
+    assert [r.verdict for r in rows] == ["FAIL"]
