@@ -179,7 +179,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device) -
             obs.report = ShardReport(requested=cell.path, taken=taken, fallback_reason=exc.fallback_reason)
             return obs
         raise
-    recorder = probes.install(s.model, s.plan, s.report)
+    recorder = probes.install(s.model, s.report)
     obs.timings["build"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     optim = None

@@ -38,6 +38,27 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
+    """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
+    FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
+    by the reference, so both observe boundaries the same way."""
+    handles = []
+    for name, mod in model.named_modules():
+        fqn = canonical_fqn(name)
+
+        def pre(module, args, kwargs, fqn=fqn):
+            if when():
+                sink.setdefault(fqn, {})["in"] = _float_dtypes((args, kwargs))
+
+        def post(module, args, output, fqn=fqn):
+            if when():
+                sink.setdefault(fqn, {})["out"] = _float_dtypes(output)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    return handles
+
+
 def names_snapshot(model: nn.Module) -> dict:
     return {
         "params": [canonical_fqn(n) for n, _ in model.named_parameters()],
@@ -79,8 +100,8 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
 
 
 class Recorder:
-    def __init__(self, model: nn.Module, plan: PrecisionPlan, report: ShardReport):
-        self.plan, self.report = plan, report
+    def __init__(self, model: nn.Module, report: ShardReport):
+        self.model = model
         self.active = False
         self.compute: dict[str, str] = {}
         self.boundaries: dict[str, dict[str, list[str]]] = {}
@@ -93,25 +114,16 @@ class Recorder:
         self._handles = []
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         for name, mod in model.named_modules():
-            fqn = canonical_fqn(name)
-            self._handles.append(mod.register_forward_pre_hook(self._pre(fqn, mod), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post(fqn)))
+            self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))
+        self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
         self._patch_reduce()
 
-    def _pre(self, fqn: str, mod: nn.Module):
-        def hook(module, args, kwargs):
-            if not self.active:
-                return
-            for local, p in module._parameters.items():
-                if p is not None:
-                    self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
-            self.boundaries.setdefault(fqn, {})["in"] = _float_dtypes((args, kwargs))
-        return hook
-
-    def _post(self, fqn: str):
-        def hook(module, args, output):
+    def _read_params(self, fqn: str):
+        def hook(module, args):
             if self.active:
-                self.boundaries.setdefault(fqn, {})["out"] = _float_dtypes(output)
+                for local, p in module._parameters.items():
+                    if p is not None:
+                        self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
         return hook
 
     def _patch_reduce(self) -> None:
@@ -156,7 +168,7 @@ class Recorder:
         finally:
             self.active = False
         if step == 0 and mb == 0:
-            self.snapshots["lazy_init"] = names_snapshot(self.model_ref)
+            self.snapshots["lazy_init"] = names_snapshot(self.model)
 
     def after_backward(self, model: nn.Module, step: int, mb: int, last: bool) -> None:
         if last:
@@ -209,7 +221,5 @@ def _identity_faults(model: nn.Module, faults: frozenset[str]) -> None:
         first.data = first.data.to(torch.bfloat16 if first.dtype != torch.bfloat16 else torch.float32)
 
 
-def install(model: nn.Module, plan: PrecisionPlan, report: ShardReport) -> Recorder:
-    rec = Recorder(model, plan, report)
-    rec.model_ref = model
-    return rec
+def install(model: nn.Module, report: ShardReport) -> Recorder:
+    return Recorder(model, report)

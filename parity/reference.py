@@ -29,6 +29,7 @@ from parity.cellspec import Cell
 from parity.fixture import Fixture
 from parity.paths.units import ShardReport, module_index
 from parity.plan import PrecisionPlan
+from parity.probes import record_boundaries
 
 
 @dataclass(kw_only=True)
@@ -70,21 +71,6 @@ def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
             if unit.output_dtype is not None:
                 dt = unit.output_dtype
                 handles.append(mod.register_forward_hook(lambda m, a, out, dt=dt: _cast_floats(out, dt)))
-    return handles
-
-
-def _record_boundaries(model: nn.Module, sink: dict) -> list:
-    from parity.probes import _float_dtypes
-    from parity.plan import canonical_fqn
-
-    handles = []
-    for name, mod in model.named_modules():
-        fqn = canonical_fqn(name)
-        handles.append(mod.register_forward_pre_hook(
-            lambda m, a, k, f=fqn: sink.setdefault(f, {}).__setitem__("in", _float_dtypes((a, k))),
-            with_kwargs=True))
-        handles.append(mod.register_forward_hook(
-            lambda m, a, o, f=fqn: sink.setdefault(f, {}).__setitem__("out", _float_dtypes(o))))
     return handles
 
 
@@ -140,7 +126,7 @@ def run_reference(
                     f: masters[f].detach().to(compute_dtype(f)).requires_grad_(t.requires_grad)
                     for f, t in entries.items()
                 }
-                rec = _record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
+                rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 out = functional_call(model, copies, inputs)
                 for h in rec:
                     h.remove()

@@ -123,8 +123,6 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                 emit([failure_record(cell, exc.verdict, exc.reason)])
                 progress.update(cell, exc.verdict, time.perf_counter() - t0)
                 continue
-            if observations is None:  # a non-zero torchrun rank: rank 0 judges
-                continue
             for key in ("build", "steps", "checkpoint"):
                 timings[key] += observations[0].timings.get(key, 0.0)
             j0 = time.perf_counter()

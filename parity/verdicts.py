@@ -32,7 +32,6 @@ class Judged:
     records: list[Record]
     comparisons: list[Comparison] = field(default_factory=list)
     run: Assembled | None = None
-    contract_obs: list = field(default_factory=list)
 
 
 def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu") -> Judged:
@@ -71,4 +70,4 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         records.append(Record(**base, check="input_grad", name="tokens", verdict="SKIP",
                               detail="integer token input has no gradient"))
     records += contracts.check(cell, observations, ref, base)
-    return Judged(records, comps, run, [o.contracts for o in observations])
+    return Judged(records, comps, run)

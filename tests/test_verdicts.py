@@ -30,21 +30,23 @@ def _expecting(monkeypatch, name, expect):
     monkeypatch.setitem(fixtures.FIXTURES, name, dataclasses.replace(fixtures.FIXTURES[name], expect=expect))
 
 
+def _verdicts_expecting(mesh, monkeypatch, cell, expect, check):
+    """Observe ``cell`` as it really runs, then judge it against an altered expectation."""
+    obs = _observe(mesh, cell)
+    assert judge_cell(cell, obs).records  # sanity: judged normally first
+    _expecting(monkeypatch, cell.fixture, expect)
+    return [r.verdict for r in judge_cell(cell, obs).records if r.check == check]
+
+
 def test_expected_isolation_error_that_does_not_happen_fails(one_rank, monkeypatch):
     cell = Cell(fixture="kda", path="legacy", steps=1)
-    obs = _observe(one_rank, cell)
-    _expecting(monkeypatch, "kda", {"legacy": "isolation-error"})
-    rows = [r for r in judge_cell(cell, obs).records if r.check == "expected_error"]
-    assert [r.verdict for r in rows] == ["FAIL"]
+    assert _verdicts_expecting(one_rank, monkeypatch, cell, {"legacy": "isolation-error"}, "expected_error") == ["FAIL"]
 
 
 def test_expected_fallback_that_does_not_happen_fails(one_rank, monkeypatch):
     cell = Cell(fixture="kda", path="native", steps=1)
-    obs = _observe(one_rank, cell)
-    assert judge_cell(cell, obs).records  # sanity: judged normally first
-    _expecting(monkeypatch, "kda", {"native": "fallback:mixes trainable storage dtypes"})
-    rows = [r for r in judge_cell(cell, obs).records if r.check == "fallback"]
-    assert [r.verdict for r in rows] == ["FAIL"]
+    expect = {"native": "fallback:mixes trainable storage dtypes"}
+    assert _verdicts_expecting(one_rank, monkeypatch, cell, expect, "fallback") == ["FAIL"]
 
 
 def test_expected_outcomes_pass_when_they_happen(one_rank):
@@ -69,7 +71,5 @@ def test_an_unexpected_fallback_into_an_isolation_error_fails(one_rank, monkeypa
 
 def test_a_fallback_for_another_reason_than_expected_fails(one_rank, monkeypatch):
     cell = Cell(fixture="mixed_storage", path="native", steps=1)
-    obs = _observe(one_rank, cell)
-    _expecting(monkeypatch, "mixed_storage", {"native": "fallback:no common reduce dtype"})
-    rows = [r for r in judge_cell(cell, obs).records if r.check == "fallback"]
-    assert [r.verdict for r in rows] == ["FAIL"]
+    expect = {"native": "fallback:no common reduce dtype"}
+    assert _verdicts_expecting(one_rank, monkeypatch, cell, expect, "fallback") == ["FAIL"]
