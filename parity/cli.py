@@ -1,37 +1,72 @@
-"""``python -m parity``: ``plan``, ``run`` and ``fixtures``.
+"""``python -m parity``: ``plan``, ``run``, ``fixtures``.
 
-Bad input exits 2 with one line naming the thing and the valid choices.
+Exit codes: 0 success; 1 a cell failed (FAIL/ERROR/TIMEOUT); 2 bad input (one line naming
+the thing and the valid choices); 130/143 interrupted by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from parity.errors import UsageError
 
+#: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
+RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "fault", "model", "baseline", "device", "fp64")
+RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "fault": [],
+                "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "timeout": 60.0,
+                "out": "results/latest"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, instead of argparse's usage block
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _positive(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return x
+
+
+def _integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="parity", description="FSDP2 mixed-precision parity harness")
-    sub = p.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="print a fixture's precision plan and both paths' units")
-    plan.add_argument("--fixture", required=True)
+    p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
+    plan.add_argument("--fixture", help="registered model name (parity fixtures)")
+    plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
     plan.add_argument("--param-dtype", default="bfloat16")
     plan.add_argument("--reduce-dtype", default="float32")
     plan.add_argument("--output-dtype", default="natural")
-    sub.add_parser("fixtures", help="list fixtures and matrices")
+    sub.add_parser("fixtures", help="list models, paths and matrices")
     run = sub.add_parser("run", help="run a matrix of cells and judge them")
-    run.add_argument("--matrix", default="smoke", help="matrix name (fixtures/matrices) or .toml path")
-    run.add_argument("--paths", help="comma list: legacy,native")
+    run.add_argument("--matrix", help="matrix name (fixtures/matrices) or .toml path (default: smoke)")
+    run.add_argument("--model", action="append", help="plugin model source; replaces the matrix's fixture axis")
+    run.add_argument("--paths", help="comma list of registered paths, e.g. legacy,native")
+    run.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
     run.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
     run.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
-    run.add_argument("--out", default="results/latest", help="output directory")
-    run.add_argument("--seed", type=int, help="run every cell with this seed instead of the matrix's")
-    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    run.add_argument("--timeout", type=float, default=60.0, help="seconds per cell before TIMEOUT")
-    run.add_argument("--fp64", action="store_true", help="also record errors against an FP64 reference")
-    run.add_argument("--fault", action="append", default=[], help="inject a deliberate fault (testing the checks)")
+    run.add_argument("--out", help="output directory (default: results/latest)")
+    run.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
+    run.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
+    run.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    run.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
+    run.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
+    run.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
     run.add_argument("--list", action="store_true", help="print the selected cells and exit")
     return p
 
@@ -51,37 +86,52 @@ def _csv(value: str | None, what: str, valid: list, conv=str) -> list | None:
     return items
 
 
-def cmd_plan(args) -> int:
-    from parity.dtypes import parse_dtype
-    from parity.fixture import get_fixture
-    from parity.paths import plan_sharding
-    from parity.plan import PrecisionConfig, resolve_plan
+def _model_for_plan(args):
+    from parity.model.registry import get_fixture, load_source
 
-    fixture = get_fixture(args.fixture)
+    if bool(args.fixture) == bool(args.model):
+        raise UsageError("plan: give exactly one of --fixture NAME or --model pkg.module:factory")
+    if args.model:
+        return load_source(args.model)[0]
+    return get_fixture(args.fixture)
+
+
+def cmd_plan(args) -> int:
+    from parity.model.dtypes import parse_dtype
+    from parity.model.plan import PrecisionConfig, resolve_plan
+    from parity.paths import path_names, plan_sharding
+
+    fixture = _model_for_plan(args)
     config = PrecisionConfig(
         param_dtype=parse_dtype(args.param_dtype, what="--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, what="--reduce-dtype", allow_natural=True),
         output_dtype=parse_dtype(args.output_dtype, what="--output-dtype", allow_natural=True),
     )
     model = fixture.make(0)
-    plan = resolve_plan(model, config, fixture.ignored(model))
+    ignored = fixture.ignored(model)
+    plan = resolve_plan(model, config, ignored, fixture.keep_fp32)
     print(f"fixture {fixture.name}: {fixture.description}\n")
     print(plan.table())
-    for path in ("legacy", "native"):
+    for path in path_names():
         print()
         try:
-            print(plan_sharding(model, fixture.unit_roots, plan, path).describe())
+            print(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
         except ValueError as exc:
             print(f"path requested={path}: error: {exc}")
     return 0
 
 
 def cmd_fixtures(args) -> int:
-    from parity.fixture import registry
     from parity.matrix import available, load
+    from parity.model.registry import registry
+    from parity.paths import paths
 
     for f in registry().values():
         print(f"{f.name:<14} {f.description}")
+    print()
+    for name, path in paths().items():
+        fallback = f", falls back to {path.fallback}" if path.fallback else ""
+        print(f"{name:<14} path ({path.contract}{fallback})")
     print()
     for name in available():
         m = load(name)
@@ -89,34 +139,57 @@ def cmd_fixtures(args) -> int:
     return 0
 
 
+def _run_settings(args) -> dict:
+    """The effective run options: given > recorded (``--resume``) > defaults."""
+    given = {k: getattr(args, k) for k in RUN_DEFAULTS if getattr(args, k) not in (None, [])}
+    if not args.resume:
+        return {**RUN_DEFAULTS, **given}
+    from parity.report.outdir import read_manifest
+
+    if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(args.resume):
+        raise UsageError(f"--resume {args.resume} writes into that directory; drop --out {given['out']}")
+    if args.overwrite:
+        raise UsageError("--resume continues a run and --overwrite replaces one; give only one of them")
+    recorded = read_manifest(args.resume).get("options")
+    if not isinstance(recorded, dict):
+        raise UsageError(f"--resume {args.resume}: run.json records no options (not a parity run directory)")
+    for key, value in given.items():
+        if key in RUN_IDENTITY and recorded.get(key) != value:
+            raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
+                             f"({recorded.get(key)!r} recorded, {value!r} given); drop it or start a new run")
+    return {**RUN_DEFAULTS, **recorded, **given, "out": args.resume}
+
+
 def cmd_run(args) -> int:
-    from parity.cellspec import FAULTS
-    from parity.launch import TorchrunExecutor, under_torchrun
+    from parity.execute.torchrun import TorchrunExecutor, under_torchrun
+    from parity.faults import check_faults
     from parity.matrix import load, select
-    from parity.paths import PATHS
+    from parity.paths import check_path, path_names
     from parity.runner import RunOptions, resolve_device, run_cells
 
-    matrix = load(args.matrix)
+    opts = _run_settings(args)
+    matrix = load(opts["matrix"], tuple(opts["model"]))
     cells = list(matrix.cells)
-    paths = _csv(args.paths, "--paths", list(PATHS))
-    ranks = _csv(args.ranks, "--ranks", [1, 2, 4, 8], int)
-    for fault in args.fault:
-        if fault not in FAULTS:
-            raise UsageError(f"--fault: unknown value {fault!r}; valid: {', '.join(FAULTS)}")
+    paths = _csv(opts["paths"], "--paths", path_names())
+    ranks = _csv(opts["ranks"], "--ranks", [1, 2, 4, 8], int)
+    faults = check_faults(opts["fault"])
+    baseline = check_path(opts["baseline"])
     if paths:
         cells = [c for c in cells if c.path in paths]
     if ranks:
         cells = [c for c in cells if c.ranks in ranks]
-    if args.seed is not None:
+    if opts["seed"] is not None:
         seen, unique = set(), []
-        for c in (dataclasses.replace(c, seed=args.seed) for c in cells):
+        for c in (dataclasses.replace(c, seed=opts["seed"]) for c in cells):
             if c.id not in seen:
                 seen.add(c.id)
                 unique.append(c)
         cells = unique
-    if args.fault:
-        cells = [dataclasses.replace(c, faults=tuple(args.fault)) for c in cells]
-    cells = select(cells, args.filter)
+    cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
+    cells = select(cells, opts["filter"])
+    run_paths = list(dict.fromkeys(c.path for c in cells))
+    partner = next((p for p in run_paths if p != baseline), "")  # the baseline's checkpoint cross-load
+    cells = [dataclasses.replace(c, crossload=partner) if c.path == baseline else c for c in cells]
     if args.list:
         for c in cells:
             reason = matrix.skip_reason(c)
@@ -125,8 +198,18 @@ def cmd_run(args) -> int:
         return 0
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    device = resolve_device(args.device)
-    options = RunOptions(out_dir=args.out, device=device, timeout=args.timeout, fp64=args.fp64, title=matrix.name)
+    identity = {k: opts[k] for k in RUN_IDENTITY}
+    manifest = {"options": identity, "torch": _torch_version(), "cells": [c.id for c in cells]}
+    if args.resume:
+        from parity.report.outdir import read_manifest
+
+        recorded_cells = read_manifest(args.resume).get("cells")
+        if recorded_cells != manifest["cells"]:
+            raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
+                             "run (the matrix file or a plugin changed); start a new run with --overwrite")
+    device = resolve_device(opts["device"])
+    options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
+                         title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume))
     if under_torchrun():
         executor = TorchrunExecutor(device)
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731
@@ -135,13 +218,23 @@ def cmd_run(args) -> int:
     return run_cells(cells, options, skip_reason=matrix.skip_reason)
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         return {"plan": cmd_plan, "run": cmd_run, "fixtures": cmd_fixtures}[args.command](args)
     except UsageError as exc:
         print(f"parity: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # stdout closed early (``| head``): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

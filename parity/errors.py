@@ -6,14 +6,16 @@ class UsageError(ValueError):
 
 
 class IsolationError(ValueError):
-    """Legacy dtype-split cannot give a distinct-dtype parameter its own FSDP unit."""
+    """A dtype-split path cannot give a distinct-dtype parameter its own FSDP unit."""
 
-    def __init__(self, params: list[str], fallback_reason: str = ""):
+    def __init__(self, params: list[str], fallback_reason: str = "", *, path: str = "legacy"):
         self.params = params
         self.fallback_reason = fallback_reason
-        prefix = f"native fell back to legacy ({fallback_reason}); " if fallback_reason else ""
+        self.path = path
+        """The path whose plan raised (after any fallback)."""
+        prefix = f"fell back to {path} ({fallback_reason}); " if fallback_reason else ""
         super().__init__(
-            prefix + "legacy dtype-split cannot isolate "
+            prefix + f"{path} dtype-split cannot isolate "
             + ", ".join(params)
             + ": each shares its owning module with parameters of another (storage, compute) "
             "dtype; move it into its own submodule (a holder module) or use the native path"

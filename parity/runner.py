@@ -1,42 +1,62 @@
 """Run cells: spawn (or join) ranks, judge each cell as it finishes, append records.
 
+Cells run grouped by rank count, and within it by *pair group* (the cells of every path
+sharing one set of axis values, baseline first), so each non-baseline path is compared
+with its baseline as soon as both finished (``path = baseline~path`` rows) and a group is
+complete before the next starts -- which is what makes ``--resume`` exact.
+
 Pools are started once per rank count and reused; cells that crash or hang become
-ERROR/TIMEOUT records and the pool restarts. Legacy and native runs of the same cell are
-also compared with each other (``path = legacy~native``).
+ERROR/TIMEOUT records and the pool restarts. SIGINT/SIGTERM stop the run cleanly: no new
+cell starts, workers are told to exit and killed after a grace period, the temporary
+folder is removed, a summary marked "interrupted" is written, and the exit code is 130
+(SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
 
-from parity.cellspec import Cell
-from parity.compare import cross_path
-from parity.pool import CellFailure, RankPool
-from parity.record import Record, RecordWriter
-from parity.report import cell_verdicts, summary_markdown, terminal_table
-from parity.verdicts import base_fields, failure_record, judge_cell
+from parity.execute.pool import CellFailure, Interrupted, RankPool
+from parity.judge.cell import base_fields, failure_record, judge_cell
+from parity.judge.compare import cross_path
+from parity.judge.record import BAD, Record, Verdict
+from parity.matrix.cell import Cell
+from parity.report import outdir
+from parity.report.records import RecordWriter, read_records
+from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
+
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     out_dir: str = "results/latest"
-    """Where ``cells.csv``, ``summary.md`` and ``timings.json`` go."""
+    """Where ``cells.csv``, ``summary.md``, ``timings.json`` and ``run.json`` go."""
     device: str = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL); resolve ``auto`` before building options."""
     timeout: float = 60.0
-    """Seconds one cell may take before it is a TIMEOUT."""
+    """Seconds without progress from any rank before a cell is a TIMEOUT."""
     fp64: bool = False
     """Also run an FP64 reference and record every error against it (information)."""
     progress: bool | None = None
     """Progress line on a TTY; None = detect."""
     title: str = "run"
+    manifest: dict | None = None
+    """What names this run in ``run.json`` (options, cells); None: a minimal one."""
+    overwrite: bool = False
+    """Replace another run's results in ``out_dir`` instead of refusing."""
+    resume: bool = False
+    """Continue the run recorded in ``out_dir``: recorded pair groups are not rerun."""
 
 
 def resolve_device(device: str) -> str:
@@ -51,7 +71,7 @@ class _Progress:
 
     def update(self, cell: Cell, verdict: str, seconds: float) -> None:
         self.done += 1
-        self.bad += verdict in ("FAIL", "ERROR", "TIMEOUT")
+        self.bad += verdict in BAD
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / self.done * (self.total - self.done)
         if self.tty:
@@ -70,110 +90,191 @@ def _skip_reason(cell: Cell, device: str, skip_reason) -> str:
     return reason
 
 
+def order_cells(cells: list[Cell]) -> list[Cell]:
+    """By rank count, then pair group in first-appearance order, the baseline first."""
+    first: dict[str, int] = {}
+    for i, c in enumerate(cells):
+        first.setdefault(c.pair_id, i)
+    return sorted(cells, key=lambda c: (c.ranks, first[c.pair_id], c.path != c.baseline))
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag that the run polls at safe points (no torn rows)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in EXIT_SIGNAL:
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+    def __call__(self) -> bool:
+        return self.received is not None
+
+
 def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, executor=None) -> int:
-    """Run ``cells``; returns the exit code (0 all pass, 1 any FAIL/ERROR/TIMEOUT)."""
+    """Run ``cells``; returns the exit code (0 all pass, 1 any FAIL/ERROR/TIMEOUT, 130/143
+    interrupted)."""
     device = options.device
-    cells = [replace(c, device=device) for c in cells]
+    cells = order_cells([replace(c, device=device) for c in cells])
     torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     if executor is not None and executor.rank != 0:  # torchrun peers observe; rank 0 judges and writes
-        for cell in sorted(cells, key=lambda c: c.ranks):
+        for cell in cells:
             if not _skip_reason(cell, device, skip_reason):
                 try:
                     executor.run(cell, options.timeout)
                 except CellFailure:
                     pass
         return 0
-    os.makedirs(options.out_dir, exist_ok=True)
-    writer = RecordWriter(os.path.join(options.out_dir, "cells.csv"))
-    records: list[Record] = []
-    timings = Counter()
-    tty = sys.stderr.isatty() if options.progress is None else options.progress
-    progress = _Progress(len(cells), tty)
-    pending: dict[str, tuple[Cell, object]] = {}
-    wall0 = time.perf_counter()
-    pools: dict[int, RankPool] = {}
+    out = options.out_dir
+    manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
+    if options.resume:
+        done_groups = outdir.resume_point(out)
+        outdir.write_manifest(out, {**manifest, "status": "running"})
+    else:
+        outdir.prepare(out, manifest, overwrite=options.overwrite)
+        done_groups = set()
+    todo = [c for c in cells if c.pair_id not in done_groups]
+    run = _Run(cells, todo, options, skip_reason, executor)
+    with _Signals() as signals:
+        run.execute(signals)
+    return run.finish(manifest, signals.received)
 
-    def emit(new: list[Record]) -> None:
-        writer.write(new)
-        records.extend(new)
 
-    try:
-        for cell in sorted(cells, key=lambda c: c.ranks):
-            t0 = time.perf_counter()
-            reason = _skip_reason(cell, device, skip_reason)
-            if reason:
-                emit([Record(**base_fields(cell), check="run", name="cell", verdict="SKIP", detail=reason)])
-                progress.update(cell, "SKIP", 0.0)
-                continue
-            try:
-                if executor is not None:
-                    observations = executor.run(cell, options.timeout)
-                else:
-                    if not pools:  # launch every pool now: later ones warm up while the first works
-                        for world in sorted({c.ranks for c in cells if not _skip_reason(c, device, skip_reason)}):
-                            pools[world] = RankPool(world, device)
-                            pools[world].launch()
-                    pool = pools[cell.ranks]
-                    spawn0 = pool.spawn_seconds
-                    observations = pool.run(cell, options.timeout)
-                    timings["spawn"] += pool.spawn_seconds - spawn0
-            except CellFailure as exc:
-                if executor is None:
-                    timings["spawn"] += pools[cell.ranks].spawn_seconds - spawn0
-                emit([failure_record(cell, exc.verdict, exc.reason)])
-                progress.update(cell, exc.verdict, time.perf_counter() - t0)
-                continue
-            for key in ("build", "steps", "checkpoint"):
-                timings[key] += observations[0].timings.get(key, 0.0)
-            j0 = time.perf_counter()
-            try:
-                judged = judge_cell(cell, observations, fp64=options.fp64, device=_ref_device(device))
-            except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
-                emit([failure_record(cell, "ERROR", f"judging failed: {type(exc).__name__}: {exc}")])
-                progress.update(cell, "ERROR", time.perf_counter() - t0)
-                continue
-            new = judged.records
-            if judged.run is not None:
-                other = pending.pop(cell.pair_id, None)
-                if other is None:
-                    pending[cell.pair_id] = (cell, judged)
-                else:
-                    try:
-                        new = new + _cross_records(other, (cell, judged))
-                    except Exception as exc:  # noqa: BLE001 - a broken comparison is an ERROR row
-                        new = new + [Record(**base_fields(cell), check="cross", name=cell.pair_id, verdict="ERROR",
-                                            detail=f"cross-path comparison failed: {type(exc).__name__}: {exc}")]
-            timings["reference+compare"] += time.perf_counter() - j0
-            emit(new)
-            verdict = cell_verdicts([r for r in new if r.cell == cell.id]).get(cell.id, "PASS")
-            progress.update(cell, verdict, time.perf_counter() - t0)
-    finally:
-        for pool in pools.values():
-            pool.stop()
-        writer.close()
-    timings["wall"] = time.perf_counter() - wall0
-    timings["other (parent, queues, skips)"] = timings["wall"] - sum(
-        timings[k] for k in ("spawn", "build", "steps", "checkpoint", "reference+compare"))
-    timings["cells"] = len(cells)
-    timings["per_cell"] = timings["wall"] / max(1, len(cells))
-    with open(os.path.join(options.out_dir, "summary.md"), "w") as fh:
-        fh.write(summary_markdown(records, title=options.title, timings=dict(timings), cells_total=len(cells)))
-    with open(os.path.join(options.out_dir, "timings.json"), "w") as fh:
-        json.dump(dict(timings), fh, indent=2)
-    print(terminal_table(records))
-    print(f"wall {timings['wall']:.1f} s for {len(cells)} cells ({timings['per_cell']:.3f} s/cell); "
-          f"results in {options.out_dir}")
-    bad = any(r.verdict in ("FAIL", "ERROR", "TIMEOUT") for r in records)
-    return 1 if bad else 0
+class _Run:
+    def __init__(self, cells, todo, options: RunOptions, skip_reason, executor):
+        self.cells, self.todo, self.options = cells, todo, options
+        self.skip_reason, self.executor = skip_reason, executor
+        self.device = options.device
+        self.timings = Counter()
+        self.pools: dict[int, RankPool] = {}
+        self.tmp = tempfile.mkdtemp(prefix="parity-run-")
+        self.finished: set[str] = set()
+        self.writer = RecordWriter(os.path.join(options.out_dir, outdir.CELLS),
+                                   append=os.path.exists(os.path.join(options.out_dir, outdir.CELLS)))
+        self.group_left = Counter(c.pair_id for c in todo)
+        self.baseline_judged: dict[str, object] = {}
+
+    def _skip(self, cell: Cell) -> str:
+        return _skip_reason(cell, self.device, self.skip_reason)
+
+    def _launch_pools(self, stop_requested) -> None:
+        for world in sorted({c.ranks for c in self.todo if not self._skip(c)}):
+            self.pools[world] = RankPool(world, self.device, tmp=self.tmp, stop_requested=stop_requested)
+            self.pools[world].launch()  # every pool now: later ones warm up while the first works
+
+    def execute(self, signals) -> None:
+        tty = sys.stderr.isatty() if self.options.progress is None else self.options.progress
+        progress = _Progress(len(self.todo), tty)
+        self.wall0 = time.perf_counter()
+        try:
+            for cell in self.todo:
+                if signals():
+                    break
+                t0 = time.perf_counter()
+                try:
+                    new = self._run_one(cell, signals)
+                except Interrupted:
+                    break
+                self.writer.write(new)
+                self.finished.add(cell.id)
+                self.group_left[cell.pair_id] -= 1
+                if self.group_left[cell.pair_id] == 0:
+                    outdir.mark_group_done(self.options.out_dir, cell.pair_id)
+                    self.baseline_judged.pop(cell.pair_id, None)
+                verdict = cell_verdicts([r for r in new if r.cell == cell.id]).get(cell.id, "PASS")
+                progress.update(cell, verdict, time.perf_counter() - t0)
+        finally:
+            for pool in self.pools.values():
+                pool.stop(kill=signals(), grace=3.0)
+            self.writer.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _run_one(self, cell: Cell, signals) -> list[Record]:
+        reason = self._skip(cell)
+        if reason:
+            return [Record(**base_fields(cell), check="run", name="cell", verdict=Verdict.SKIP, detail=reason)]
+        try:
+            observations = self._observe(cell, signals)
+        except CellFailure as exc:
+            if signals():  # a worker killed by the same signal is not this cell's fault
+                raise Interrupted() from None
+            return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
+        for key in ("build", "steps", "checkpoint"):
+            self.timings[key] += observations[0].timings.get(key, 0.0)
+        j0 = time.perf_counter()
+        try:
+            judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device))
+        except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
+            return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
+        new = judged.records
+        if judged.run is not None:
+            if cell.path == cell.baseline:
+                self.baseline_judged[cell.pair_id] = (cell, judged)
+            elif cell.pair_id in self.baseline_judged:
+                try:
+                    new = new + _cross_records(self.baseline_judged[cell.pair_id], (cell, judged))
+                except Exception as exc:  # noqa: BLE001 - a broken comparison is an ERROR row
+                    new = new + [Record(**base_fields(cell), check="cross", name=cell.pair_id, verdict=Verdict.ERROR,
+                                        detail=f"cross-path comparison failed: {type(exc).__name__}: {exc}")]
+        self.timings["reference+compare"] += time.perf_counter() - j0
+        return new
+
+    def _observe(self, cell: Cell, signals):
+        if self.executor is not None:
+            return self.executor.run(cell, self.options.timeout)
+        if not self.pools:
+            self._launch_pools(signals)
+        pool = self.pools[cell.ranks]
+        spawn0 = pool.spawn_seconds
+        try:
+            return pool.run(cell, self.options.timeout)
+        finally:
+            self.timings["spawn"] += pool.spawn_seconds - spawn0
+
+    def finish(self, manifest: dict, received: int | None) -> int:
+        out = self.options.out_dir
+        t = self.timings
+        t["wall"] = time.perf_counter() - self.wall0
+        t["other (parent, queues, skips)"] = t["wall"] - sum(
+            t[k] for k in ("spawn", "build", "steps", "checkpoint", "reference+compare"))
+        t["cells"] = len(self.todo)
+        t["per_cell"] = t["wall"] / max(1, len(self.todo))
+        records = read_records(os.path.join(out, outdir.CELLS))
+        recorded = {r.cell for r in records}
+        not_run = [c.id for c in self.cells if c.id not in recorded]
+        why = signal.Signals(received).name if received else ""
+        with open(os.path.join(out, "summary.md"), "w") as fh:
+            fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
+                                      not_run=not_run if received else [], interrupted=why))
+        with open(os.path.join(out, "timings.json"), "w") as fh:
+            json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
+        outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete"})
+        if received:
+            print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "
+                  f"finished rows kept in {out} (continue: python -m parity run --resume {out})", file=sys.stderr)
+            return EXIT_SIGNAL[received]
+        print(terminal_table(records))
+        print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
+        return 1 if any(r.verdict in BAD for r in records) else 0
 
 
 def _ref_device(device: str) -> str:
     return "cuda:0" if device == "cuda" else "cpu"
 
 
-def _cross_records(a, b) -> list[Record]:
-    (cell_a, ja), (cell_b, jb) = sorted([a, b], key=lambda x: x[0].path)
-    base = base_fields(cell_a)
-    base.update(cell=cell_a.pair_id, path="legacy~native",
-                path_taken=f"{ja.records[0].path_taken}~{jb.records[0].path_taken}")
-    return [c.record(base) for c in cross_path(ja.comparisons, jb.run, cell_a.microbatches)]
+def _cross_records(baseline, other) -> list[Record]:
+    (cell_b, jb), (cell_o, jo) = baseline, other
+    base = base_fields(cell_b)
+    base.update(cell=cell_b.pair_id, path=f"{cell_b.path}~{cell_o.path}",
+                path_taken=f"{jb.records[0].path_taken}~{jo.records[0].path_taken}")
+    return [c.record(base) for c in cross_path(jb.comparisons, jo.run, cell_b.microbatches)]

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from parity.cellspec import Cell
+from parity.matrix.cell import Cell
 from parity.runner import RunOptions, run_cells
 
 

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from fixtures import FIXTURES
-from parity.cellspec import Cell
+from parity_fixtures import FIXTURES
+from parity.matrix.cell import Cell
 from parity.errors import UsageError
 from parity.paths import plan_sharding
-from parity.plan import PrecisionConfig, resolve_plan
+from parity.model.plan import PrecisionConfig, resolve_plan
 
 # fault -> (fixture, path, extra axes, the contract check that must FAIL)
 CONTRACT_FAULTS = {

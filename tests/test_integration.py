@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from parity.cellspec import Cell
+from parity.matrix.cell import Cell
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parity.errors import UsageError
-from parity.matrix import AXES, covering, load, select
+from parity.matrix.load import AXES, covering, load, select
 
 
 def test_smoke_is_every_fixture_path_rank_and_accumulation():

@@ -3,11 +3,11 @@ import pytest
 import torch
 from torch import nn
 
-from fixtures import FIXTURES
+from parity_fixtures import FIXTURES
 from parity.errors import IsolationError, RankMismatchError
 from parity.paths import check_rank_consistency, plan_sharding
 from parity.paths import native as native_mod
-from parity.plan import PrecisionConfig, resolve_plan
+from parity.model.plan import PrecisionConfig, resolve_plan
 
 
 def _report(fixture: str, path: str, config=PrecisionConfig()):

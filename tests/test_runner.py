@@ -65,8 +65,8 @@ def _alive(pid: int) -> bool:
 
 
 def _own_pool(pids):
-    from parity.cellspec import Cell
-    from parity.pool import RankPool
+    from parity.matrix.cell import Cell
+    from parity.execute.pool import RankPool
 
     pool = RankPool(1)
     pool.run(Cell(fixture="frozen", path="native", steps=2), timeout=60)

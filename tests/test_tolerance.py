@@ -4,10 +4,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parity import tolerance
-from parity.compare import Assembled, Comparison, cross_path
-from parity.dtypes import unit_roundoff
-from parity.record import judge
+from parity.judge import tolerance
+from parity.judge.compare import Assembled, Comparison, cross_path
+from parity.model.dtypes import unit_roundoff
+from parity.judge.record import judge
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import fixtures
-from parity.cell import run_rank
-from parity.cellspec import Cell
-from parity.verdicts import judge_cell
+from parity.model import registry
+from parity.execute.worker import run_rank
+from parity.matrix.cell import Cell
+from parity.judge.cell import judge_cell
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def _observe(mesh, cell):
 
 
 def _expecting(monkeypatch, name, expect):
-    monkeypatch.setitem(fixtures.FIXTURES, name, dataclasses.replace(fixtures.FIXTURES[name], expect=expect))
+    models = registry.registered()  # the cached registry every lookup copies
+    monkeypatch.setitem(models, name, dataclasses.replace(models[name], expect=expect))
 
 
 def _verdicts_expecting(mesh, monkeypatch, cell, expect, check):
@@ -60,9 +61,9 @@ def test_expected_outcomes_pass_when_they_happen(one_rank):
 
 
 def test_an_unexpected_fallback_into_an_isolation_error_fails(one_rank, monkeypatch):
-    import parity.paths as paths
+    from parity.paths import native
 
-    monkeypatch.setattr(paths, "eligibility", lambda members, plan: ["unit blocks.0 looks ineligible (a bug)"])
+    monkeypatch.setattr(native, "eligibility", lambda members, plan: ["unit blocks.0 looks ineligible (a bug)"])
     cell = Cell(fixture="unisolatable", path="native", steps=1)
     rows = judge_cell(cell, _observe(one_rank, cell)).records
     assert [(r.check, r.verdict) for r in rows] == [("expected_error", "FAIL")]

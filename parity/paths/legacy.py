@@ -4,7 +4,9 @@ Within each declared root, parameters are grouped by (storage, compute). One gro
 root is one unit. Two groups: every maximal uniform subtree of the minority group (by
 element count) becomes its own unit and the root is wrapped with the majority's policy.
 Three or more: every maximal uniform subtree of every group becomes a unit. A parameter of
-an isolated group that no uniform subtree contains raises :class:`IsolationError`.
+an isolated group that no uniform subtree contains raises :class:`IsolationError`. A
+uniform subtree that is a ``ModuleList``/``ModuleDict`` without ``forward`` (which
+``fully_shard`` refuses) is replaced by its children.
 
 Policies follow the compatibility contract: units computing in ``param_dtype`` cast their
 inputs and reduce in ``reduce_dtype``; higher-precision (FP32) units reduce at least in
@@ -17,16 +19,19 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch import nn
 
-from parity.dtypes import finer
 from parity.errors import IsolationError
-from parity.paths.units import UnitSpec, _under
-from parity.plan import PrecisionConfig, PrecisionPlan
+from parity.model.dtypes import finer
+from parity.model.plan import PrecisionConfig, PrecisionPlan
+from parity.paths.base import DTYPE_SPLIT, ShardReport, UnitSpec
+from parity.paths.units import apply_units, is_forwardless_container, module_index, resolve_roots, under
 
 Group = tuple[torch.dtype, torch.dtype]
 
 
 def group_policy(group: Group, config: PrecisionConfig, modules: tuple[str, ...], params, outermost: bool) -> UnitSpec:
+    """The unit spec for a (storage, compute) group under the dtype-split contract."""
     _storage, compute = group
     at_default = compute == config.param_dtype
     return UnitSpec(
@@ -42,23 +47,32 @@ def group_policy(group: Group, config: PrecisionConfig, modules: tuple[str, ...]
 def _uniform_subtrees(root: str, members: list[str], groups: dict[str, Group], module_names, target: Group):
     """Maximal modules strictly below ``root`` whose member parameters all belong to ``target``."""
     def is_uniform(mod: str) -> bool:
-        inside = [p for p in members if _under(p, mod)]
+        inside = [p for p in members if under(p, mod)]
         return bool(inside) and all(groups[p] == target for p in inside)
 
     found = []
     for mod in module_names:
-        if mod == root or not _under(mod, root) or not is_uniform(mod):
+        if mod == root or not under(mod, root) or not is_uniform(mod):
             continue
         parent = mod.rpartition(".")[0]
-        if parent == root or not _under(parent, root) or not is_uniform(parent):
+        if parent == root or not under(parent, root) or not is_uniform(parent):
             found.append(mod)
     return found
 
 
-def plan_legacy(
-    members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan, module_names: list[str]
+def shardable(name: str, modules: dict[str, nn.Module]) -> list[str]:
+    """``name`` itself, or, for a container ``fully_shard`` refuses, its shardable children."""
+    if not is_forwardless_container(modules[name]):
+        return [name]
+    prefix = f"{name}." if name else ""
+    return [m for child, _ in modules[name].named_children() for m in shardable(prefix + child, modules)]
+
+
+def plan_dtype_split(
+    members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan, modules: dict[str, nn.Module]
 ) -> tuple[UnitSpec, ...]:
     config = plan.config
+    names = list(modules)
     units: list[UnitSpec] = []
     unisolatable: list[str] = []
     for roots, params in members.items():
@@ -79,12 +93,33 @@ def plan_legacy(
                 unisolatable += [p for g in ranked[1:] for p in by_group[g]]
                 continue
             for g in isolate:
-                for mod in _uniform_subtrees(roots[0], params, groups, module_names, g):
-                    inside = [p for p in remaining if _under(p, mod)]
-                    units.append(group_policy(g, config, (mod,), inside, outermost=False))
-                    remaining = [p for p in remaining if p not in inside]
+                for subtree in _uniform_subtrees(roots[0], params, groups, names, g):
+                    for mod in shardable(subtree, modules):
+                        inside = [p for p in remaining if under(p, mod)]
+                        if inside:
+                            units.append(group_policy(g, config, (mod,), inside, outermost=False))
+                            remaining = [p for p in remaining if p not in inside]
             unisolatable += [p for p in remaining if groups[p] != majority]
         units.append(group_policy(majority, config, roots, remaining, outermost))
     if unisolatable:
         raise IsolationError(sorted(unisolatable))
     return tuple(units)
+
+
+class LegacyPath:
+    """The dtype-split path (what ``fully_shard_by_dtype``-style helpers do)."""
+
+    name = "legacy"
+    contract = DTYPE_SPLIT
+    fallback = None
+
+    def unavailable(self) -> str | None:
+        return None
+
+    def plan(self, model, roots, precision_plan, ignored) -> ShardReport:
+        members = resolve_roots(roots, precision_plan)
+        units = plan_dtype_split(members, precision_plan, module_index(model))
+        return ShardReport(requested=self.name, taken=self.name, contract=self.contract, units=units)
+
+    def apply(self, model, report, mesh, reshard_after_forward, ignored) -> None:
+        apply_units(model, report, mesh, reshard_after_forward, ignored)

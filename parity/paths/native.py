@@ -1,27 +1,20 @@
 """Native per-parameter mixed precision: one unit per declared root with
 ``MixedPrecisionPolicy(param_dtype_override_fn=...)`` (torch >= 2.15.0).
 
-:func:`eligibility` lists every reason a root cannot take the native path; parity then falls
-back to legacy with those reasons recorded. It never upcasts stored weights or changes the
-reduce dtype to become eligible.
+:func:`eligibility` lists every reason a root cannot take the native path; the path then
+raises :class:`~parity.paths.base.Ineligible` and its declared fallback (legacy) runs with
+those reasons recorded. It never upcasts stored weights or changes the reduce dtype to
+become eligible.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from parity.dtypes import dtype_name
-from parity.paths.units import UnitSpec
-from parity.plan import PrecisionPlan
-
-OVERRIDE_FIELD = "param_dtype_override_fn"
-
-
-def native_api_available() -> bool:
-    return OVERRIDE_FIELD in {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+from parity.model.dtypes import dtype_name
+from parity.model.plan import PrecisionPlan
+from parity.paths.base import PER_PARAMETER, Ineligible, ShardReport, UnitSpec
+from parity.paths.units import OVERRIDE_FIELD, apply_units, native_api_available, resolve_roots
 
 
 def _names(dtypes: dict[torch.dtype, list[str]]) -> str:
@@ -30,11 +23,6 @@ def _names(dtypes: dict[torch.dtype, list[str]]) -> str:
 
 def eligibility(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) -> list[str]:
     """Reasons the native path cannot represent this plan (empty when eligible)."""
-    if not native_api_available():
-        return [
-            f"unsupported build: torch {torch.__version__} has no "
-            f"MixedPrecisionPolicy.{OVERRIDE_FIELD} (first released in 2.15.0)"
-        ]
     reasons = []
     pd = plan.config.param_dtype
     for roots, params in members.items():
@@ -61,7 +49,7 @@ def eligibility(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) 
     return reasons
 
 
-def plan_native(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) -> tuple[UnitSpec, ...]:
+def plan_per_parameter(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) -> tuple[UnitSpec, ...]:
     config = plan.config
     units = []
     for roots, params in members.items():
@@ -81,3 +69,28 @@ def plan_native(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) 
             )
         )
     return tuple(units)
+
+
+class NativePath:
+    """One unit per root; FP32-compute parameters keep their dtype through the override."""
+
+    name = "native"
+    contract = PER_PARAMETER
+    fallback = "legacy"
+
+    def unavailable(self) -> str | None:
+        if native_api_available():
+            return None
+        return (f"unsupported build: torch {torch.__version__} has no "
+                f"MixedPrecisionPolicy.{OVERRIDE_FIELD} (first released in 2.15.0)")
+
+    def plan(self, model, roots, precision_plan, ignored) -> ShardReport:
+        members = resolve_roots(roots, precision_plan)
+        reasons = eligibility(members, precision_plan)
+        if reasons:
+            raise Ineligible(reasons)
+        units = plan_per_parameter(members, precision_plan)
+        return ShardReport(requested=self.name, taken=self.name, contract=self.contract, units=units)
+
+    def apply(self, model, report, mesh, reshard_after_forward, ignored) -> None:
+        apply_units(model, report, mesh, reshard_after_forward, ignored)

@@ -1,62 +1,20 @@
-"""FSDP units as data: which modules are handed to ``fully_shard``, with which policy.
+"""Helpers every sharding path shares: module lookup, unit roots, policies, ``fully_shard``.
 
-Both paths produce a :class:`ShardReport` before anything is sharded; the report is what the
-reference emulates and what ``cells.csv`` records.
+A plugin path usually only decides its :class:`~parity.paths.base.UnitSpec` list and hands
+it to :func:`apply_units`, so every path builds ``MixedPrecisionPolicy`` the same way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 from torch import nn
 
-from parity.dtypes import dtype_name
-from parity.plan import PrecisionPlan, canonical_fqn
+from parity.model.plan import PrecisionPlan, canonical_fqn
+from parity.paths.base import ShardReport, UnitSpec
 
-
-@dataclass(frozen=True, kw_only=True)
-class UnitSpec:
-    """One FSDP unit: ``fully_shard(modules, mp_policy=...)``."""
-
-    modules: tuple[str, ...]
-    """Canonical FQNs of the module(s) handed to ``fully_shard`` (several for a tied group)."""
-    params: tuple[str, ...]
-    """Canonical FQNs of the parameters this unit manages."""
-    param_dtype: torch.dtype | None
-    reduce_dtype: torch.dtype | None
-    output_dtype: torch.dtype | None
-    cast_forward_inputs: bool
-    overrides: tuple[str, ...] = ()
-    """Native only: parameters whose ``param_dtype_override_fn`` keeps their own dtype."""
-
-    @property
-    def root(self) -> str:
-        return "+".join(m or "<root>" for m in self.modules)
-
-    def describe(self) -> str:
-        pol = (
-            f"param={dtype_name(self.param_dtype)} reduce={dtype_name(self.reduce_dtype)} "
-            f"output={dtype_name(self.output_dtype)} cast_inputs={self.cast_forward_inputs}"
-        )
-        over = f" overrides=[{', '.join(self.overrides)}]" if self.overrides else ""
-        return f"{self.root}: {len(self.params)} params, {pol}{over}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardReport:
-    """What one call to :func:`parity.paths.shard` did."""
-
-    requested: str
-    taken: str
-    fallback_reason: str = ""
-    units: tuple[UnitSpec, ...] = ()
-
-    def describe(self) -> str:
-        head = f"path requested={self.requested} taken={self.taken}"
-        if self.fallback_reason:
-            head += f" (fallback: {self.fallback_reason})"
-        return "\n".join([head, *("  " + u.describe() for u in self.units)])
+OVERRIDE_FIELD = "param_dtype_override_fn"
 
 
 def module_index(model: nn.Module) -> dict[str, nn.Module]:
@@ -67,7 +25,7 @@ def module_index(model: nn.Module) -> dict[str, nn.Module]:
     return index
 
 
-def _under(fqn: str, prefix: str) -> bool:
+def under(fqn: str, prefix: str) -> bool:
     return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")
 
 
@@ -80,7 +38,7 @@ def resolve_roots(roots: tuple[str, ...], plan: PrecisionPlan) -> dict[tuple[str
     Returns ``{root-group: [param FQNs]}`` in the declared order.
     """
     def innermost(fqn: str) -> str:
-        owners = [r for r in roots if _under(fqn, r)]
+        owners = [r for r in roots if under(fqn, r)]
         if not owners:
             raise ValueError(f"parameter {fqn} is under no declared FSDP root {list(roots)}; add its module or the root \"\"")
         return max(owners, key=len)
@@ -109,3 +67,50 @@ def resolve_roots(roots: tuple[str, ...], plan: PrecisionPlan) -> dict[tuple[str
         if t.ownership == "managed":
             members[groups[innermost(t.fqn)]].append(t.fqn)
     return members
+
+
+def is_forwardless_container(module: nn.Module) -> bool:
+    """A ``ModuleList``/``ModuleDict`` without ``forward``: ``fully_shard`` refuses it."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward
+
+
+def native_api_available() -> bool:
+    """Whether this torch build has ``MixedPrecisionPolicy.param_dtype_override_fn`` (2.15+)."""
+    import torch.distributed.fsdp as fsdp
+
+    return OVERRIDE_FIELD in {f.name for f in dataclasses.fields(fsdp.MixedPrecisionPolicy)}
+
+
+def unit_policy(unit: UnitSpec, params: dict[str, nn.Parameter]):
+    """The ``MixedPrecisionPolicy`` a unit spec describes (overrides keep their own dtype)."""
+    import torch.distributed.fsdp as fsdp
+
+    kwargs = dict(
+        param_dtype=unit.param_dtype, reduce_dtype=unit.reduce_dtype,
+        output_dtype=unit.output_dtype, cast_forward_inputs=unit.cast_forward_inputs,
+    )
+    if unit.overrides:
+        keep = {id(params[p]) for p in unit.overrides}
+        kwargs[OVERRIDE_FIELD] = lambda p: p.dtype if id(p) in keep else None
+    return fsdp.MixedPrecisionPolicy(**kwargs)
+
+
+def apply_units(
+    model: nn.Module, report: ShardReport, mesh, reshard_after_forward: bool, ignored: set[nn.Parameter]
+) -> None:
+    """``fully_shard`` every unit of ``report`` in order (a tied group as one grouped call)."""
+    import torch.distributed.fsdp as fsdp
+
+    modules = module_index(model)
+    params: dict[str, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        params.setdefault(canonical_fqn(name), p)
+    for unit in report.units:
+        targets = [modules[m] for m in unit.modules]
+        fsdp.fully_shard(
+            targets if len(targets) > 1 else targets[0],
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=unit_policy(unit, params),
+            ignored_params=set(ignored) if ignored else None,
+        )

@@ -35,7 +35,7 @@ def _ignore_profiler_ranges() -> None:
 def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) -> None:
     """``full``: composable ``checkpoint`` on each block (names unchanged); ``selective``:
     ``checkpoint_wrapper`` with an op-level policy saving matmul outputs (adds the
-    ``_checkpoint_wrapped_module`` prefix that :func:`parity.plan.canonical_fqn` removes)."""
+    ``_checkpoint_wrapped_module`` prefix that :func:`parity.model.plan.canonical_fqn` removes)."""
     if mode == "none":
         return
     for fqn in blocks:

@@ -4,9 +4,9 @@ Compute dtype resolves in this order (first match wins):
 
 1. **strict FP32 names** - the model's declared ``_keep_in_fp32_modules_strict`` (matched on
    FQN tokens, as Hugging Face does) plus tensors marked with
-   :func:`parity.markers.mark_keep_fp32`;
+   :func:`parity.model.markers.mark_keep_fp32`;
 2. **recorded compute dtype** - metadata a loader wrote on the tensor
-   (:func:`parity.markers.set_compute_dtype`);
+   (:func:`parity.model.markers.set_compute_dtype`);
 3. **default policy** - FP32 storage under a lower-precision ``param_dtype`` is an FP32 master
    weight computing in ``param_dtype``; any other floating storage keeps its own dtype;
    non-float tensors keep theirs.
@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from parity.dtypes import dtype_name, finer
-from parity.markers import fp32_marked, recorded_compute_dtype
+from parity.model.dtypes import dtype_name, finer
+from parity.model.markers import fp32_marked, recorded_compute_dtype
 
-#: Prefixes that wrappers insert into ``named_parameters()``; removed so names stay canonical.
-WRAPPER_TOKENS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+#: The prefix parity's own activation-checkpoint wrapper inserts into ``named_parameters()``;
+#: removed so names stay canonical. Only what parity adds: a path that introduces any other
+#: wrapper changes the model's names, which the ``names`` check must see.
+WRAPPER_TOKENS = ("_checkpoint_wrapped_module",)
 
 
 def canonical_fqn(name: str) -> str:
@@ -129,9 +131,10 @@ class PrecisionPlan:
         return "\n".join(lines)
 
 
-def strict_fp32_names(model: nn.Module) -> set[str]:
-    """Declared strict-FP32 name patterns (relative to ``model``) plus marked tensors."""
-    patterns = set(fp32_marked(model))
+def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = ()) -> set[str]:
+    """Declared strict-FP32 name patterns (relative to ``model``) plus marked tensors and
+    the recipe's ``extra`` patterns."""
+    patterns = set(fp32_marked(model)) | set(extra)
     for prefix, sub in model.named_modules():
         for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
             patterns.add(f"{prefix}.{pat}" if prefix else pat)
@@ -158,10 +161,12 @@ def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: P
 
 
 def resolve_plan(
-    model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset()
+    model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset(),
+    keep_fp32: tuple[str, ...] = (),
 ) -> PrecisionPlan:
-    """Resolve the plan for every parameter and buffer of ``model`` (see module docstring)."""
-    strict = strict_fp32_names(model)
+    """Resolve the plan for every parameter and buffer of ``model`` (see module docstring);
+    ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``)."""
+    strict = strict_fp32_names(model, keep_fp32)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
     first: dict[int, nn.Parameter] = {}

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from parity.dtypes import dtype_name, parse_dtype
-from parity.plan import PrecisionConfig
+from parity.model.dtypes import dtype_name, parse_dtype
+from parity.model.plan import PrecisionConfig
 
 SYNC = ("every", "last")
 CHECKPOINTING = ("none", "full", "selective")
 OUTPUT_DTYPES = ("natural", "float32", "bfloat16", "float16")
-#: Deliberate faults (tests and `--fault`); each must turn some check into FAIL or ERROR.
-FAULTS = (
-    "drop_override", "bf16_reduce", "perturb_output", "perturb_input_grad", "perturb_grad",
-    "scale_grad_norm", "perturb_param", "rank_dependent_override", "skip_rank_check",
-    "crash", "hang", "raise", "lose_buffer_marker", "swap_optimizer_state",
-    "rename_param", "replace_param", "cast_storage", "cast_child_inputs", "drop_output_dtype",
-    "misfile_optimizer_state",
-)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +32,14 @@ class Cell:
     steps: int = 2
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
+    """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
+    source: str = ""
+    """Where a plugin model comes from (``pkg.module:factory``); empty for registered ones."""
+    baseline: str = "legacy"
+    """The path other paths are compared with (``baseline~path`` rows)."""
+    crossload: str = ""
+    """The path the checkpoint lifecycle loads this cell's checkpoint into; empty: the
+    baseline (for the baseline itself: no cross-load)."""
 
     def __post_init__(self):
         if self.microbatches == 1 and self.sync != "every":
@@ -64,15 +64,20 @@ class Cell:
 
     @property
     def pair_id(self) -> str:
-        """The cell id without its path: legacy and native cells sharing it are compared."""
+        """The cell id without its path: cells of different paths sharing it are compared."""
         return self.id.replace(f"/{self.path}/", "/", 1)
 
     def precision(self) -> PrecisionConfig:
         return PrecisionConfig(output_dtype=parse_dtype(self.output_dtype, what="output_dtype", allow_natural=True))
 
+    @property
+    def crossload_target(self) -> str:
+        return self.crossload or (self.baseline if self.path != self.baseline else "")
+
     def axes(self) -> dict:
         d = asdict(self)
-        d.pop("faults")
+        for run_level in ("faults", "source", "baseline", "crossload"):
+            d.pop(run_level)
         d["reshard"] = "on" if self.reshard else "off"
         d["output_dtype"] = dtype_name(self.precision().output_dtype)
         return d

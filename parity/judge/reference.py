@@ -10,7 +10,7 @@ the precision plan and the unit boundaries of a path's report:
   the order the sync mode implies (reduce every micro-batch, or accumulate unsharded and
   reduce once), then stored in the parameter's storage dtype;
 - ignored parameters keep their storage dtype and are averaged by their emulated owner;
-- one FP32 AdamW step (:func:`parity.cell.make_optimizer`) per optimizer step.
+- one FP32 AdamW step (:func:`parity.model.recipe.make_optimizer`) per optimizer step.
 
 ``mode="fp64"`` runs the same loop with every tensor in FP64 and no boundary casts: the
 "true" values, reported for information only.
@@ -24,12 +24,13 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from parity.cell import make_optimizer
-from parity.cellspec import Cell
-from parity.fixture import Fixture
-from parity.paths.units import ShardReport, module_index
-from parity.plan import PrecisionPlan
-from parity.probes import record_boundaries
+from parity.matrix.cell import Cell
+from parity.model.boundaries import record_boundaries
+from parity.model.plan import PrecisionPlan
+from parity.model.recipe import make_optimizer
+from parity.model.spec import Fixture
+from parity.paths.base import ShardReport
+from parity.paths.units import module_index
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.dtypes import coarser, dtype_name, unit_roundoff
+from parity.model.dtypes import coarser, dtype_name, unit_roundoff
 
 #: Roundings per element in one AdamW step (decoupled decay 2, first moment 3, second
 #: moment 4, bias corrections 2, sqrt 1, eps add 1, divide 1, step multiply 1, update 1).

@@ -1,8 +1,8 @@
 """Contract checks beyond numerics, one record per parameter/module/stage.
 
 Numbers can agree while a contract is broken (an FP32 parameter that happens to round the
-same in BF16), so each contract is observed directly (see :mod:`parity.probes` and
-:mod:`parity.lifecycle`) and compared with the plan, the reference or the unsharded model.
+same in BF16), so each contract is observed directly (see :mod:`parity.execute.probes` and
+:mod:`parity.execute.lifecycle`) and compared with the plan, the reference or the unsharded model.
 A contract record has ``observed`` 1 (broken) or 0 (held) against ``allowed`` 0.
 """
 
@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import torch
 
-from parity.cell import Observation
-from parity.cellspec import Cell
-from parity import tolerance
-from parity.compare import amax, gather_full, max_abs
-from parity.dtypes import dtype_name
-from parity.lifecycle import RESUME_STEP
-from parity.plan import PrecisionPlan
-from parity.record import Record, judge
-from parity.reference import ReferenceRun
+from parity.execute.observation import Observation
+from parity.judge import tolerance
+from parity.judge.compare import amax, gather_full, max_abs
+from parity.judge.record import Record, Verdict, judge
+from parity.judge.reference import ReferenceRun
+from parity.matrix.cell import Cell
+from parity.model.dtypes import dtype_name
+from parity.model.plan import PrecisionPlan
+from parity.paths import PER_PARAMETER
 
 
 def _row(base: dict, check: str, name: str, ok: bool, expected, observed, note: str = "", dtype: str = "") -> Record:
     detail = f"expected {expected}, observed {observed}" + (f"; {note}" if note else "")
     return Record(**base, check=check, name=name, observed=0.0 if ok else 1.0, allowed=0.0,
-                  ratio=0.0 if ok else float("inf"), dtype=dtype, verdict="PASS" if ok else "FAIL", detail=detail)
+                  ratio=0.0 if ok else float("inf"), dtype=dtype, verdict=Verdict.PASS if ok else Verdict.FAIL, detail=detail)
 
 
 def _skip(base: dict, check: str, name: str, reason: str) -> Record:
-    return Record(**base, check=check, name=name, verdict="SKIP", detail=reason)
+    return Record(**base, check=check, name=name, verdict=Verdict.SKIP, detail=reason)
 
 
 def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
@@ -37,23 +37,23 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
     for t in plan.params:
         storage = dtype_name(t.storage)
         for stage, label in (("sharded", "after sharding"), ("trained", "after training")):
-            seen = c[stage]["storage"].get(t.fqn, "<missing>")
+            seen = getattr(c, stage).storage.get(t.fqn, "<missing>")
             rows.append(_row(base, "dtype.storage", f"{t.fqn}@{stage}", seen == storage, storage, seen, label, storage))
         for alias in t.tie_group or (t.fqn,):  # each module using a tied weight reads it itself
-            seen = c["compute"].get(alias, "<not used in forward>")
+            seen = c.compute.get(alias, "<not used in forward>")
             rows.append(_row(base, "dtype.compute", alias, seen == dtype_name(t.compute), dtype_name(t.compute), seen,
                              "as all-gathered, read inside forward", dtype_name(t.compute)))
         if not t.trainable:
             continue
         want = dtype_name(t.reduce)
-        if not c["reduce_observable"]:
+        if not c.reduce_observable:
             rows.append(_skip(base, "dtype.reduce", t.fqn, "this torch build gives no hook on FSDP's reduction"))
         else:
-            got = ",".join(c["reduce"].get(t.fqn, ["<no reduction seen>"]))
+            got = ",".join(c.reduce.get(t.fqn, ["<no reduction seen>"]))
             how = "reduce-scatter input" if cell.ranks > 1 else "reduce buffer (no collective on 1 rank)"
             rows.append(_row(base, "dtype.reduce", t.fqn, got == want, want, got, how, want))
         if cell.sync == "last" and cell.microbatches > 1:
-            got = ",".join(c["accum"].get(t.fqn, ["<no unsharded gradient>"]))
+            got = ",".join(c.accum.get(t.fqn, ["<no unsharded gradient>"]))
             rows.append(_row(base, "dtype.accum", t.fqn, got == want, want, got, "unsharded gradient while sync is off", want))
     if not (cell.sync == "last" and cell.microbatches > 1):
         rows.append(_skip(base, "dtype.accum", "*", "no accumulation without sync in this cell"))
@@ -66,7 +66,7 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     modules = {m for u in obs.report.units for m in u.modules}
     modules |= {t.fqn.rpartition(".")[0] for t in plan.params if t.compute != plan.config.param_dtype and t.kind == "param"}
     rows = []
-    seen = obs.contracts["boundaries"]
+    seen = obs.contracts.boundaries
     for mod in sorted(modules):
         want, got = ref.boundaries.get(mod), seen.get(mod)
         if want is None and got is None:
@@ -83,14 +83,14 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
 
 def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
     """Each unit's policy as FSDP holds it, against the contract derived from the plan and
-    the path taken (not from the report's policy fields): a native unit always computes in
-    ``param_dtype`` (overrides keep the rest) and casts its inputs; a legacy unit computes in
-    ``param_dtype`` if any member does, else in its members' dtype, and casts inputs only
-    then; every unit reduces in its trainable members' planned reduce dtype; only the
-    outermost unit casts outputs."""
+    the taken path's declared contract (not from the report's policy fields): a
+    per-parameter unit always computes in ``param_dtype`` (overrides keep the rest) and
+    casts its inputs; a dtype-split unit computes in ``param_dtype`` if any member does,
+    else in its members' dtype, and casts inputs only then; every unit reduces in its
+    trainable members' planned reduce dtype; only the outermost unit casts outputs."""
     config = plan.config
     rows = []
-    native = obs.report.taken == "native"
+    native = obs.report.contract == PER_PARAMETER
     for unit in obs.report.units:
         members = [plan[p] for p in unit.params]
         computes = {t.compute for t in members}
@@ -100,7 +100,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> lis
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:
             want["reduce_dtype"] = dtype_name(reduces.pop())
-        got = obs.contracts["policies"].get(unit.root, {})
+        got = obs.contracts.policies.get(unit.root, {})
         bad = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != v}
         rows.append(_row(base, "unit.policy", unit.root, not bad, want,
                          "as planned" if not bad else "; ".join(f"{k}={g} (want {w})" for k, (w, g) in bad.items())))
@@ -109,35 +109,36 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> lis
 
 def identity_checks(obs: Observation, base: dict) -> list[Record]:
     c = obs.contracts
-    un = c["unsharded"]
+    un = c.unsharded
     rows = []
     for stage in ("sharded", "lazy_init", "trained"):
-        snap = c.get(stage)
+        snap = getattr(c, stage)
         if snap is None:
             continue
         for key, label in (("params", "named_parameters"), ("state_dict", "state_dict")):
-            diff = sorted(set(un[key]) ^ set(snap[key]))
-            rows.append(_row(base, "names", f"{label}@{stage}", un[key] == snap[key], "unsharded model's names",
-                             "identical" if un[key] == snap[key] else f"differs: {', '.join(diff[:4]) or 'order'}"))
+            want, got = getattr(un, key), getattr(snap, key)
+            diff = sorted(set(want) ^ set(got))
+            rows.append(_row(base, "names", f"{label}@{stage}", want == got, "unsharded model's names",
+                             "identical" if want == got else f"differs: {', '.join(diff[:4]) or 'order'}"))
         if stage != "sharded":
-            moved = sorted(f for f, i in snap["ids"].items() if c["sharded"]["ids"].get(f) != i)
+            moved = sorted(f for f, i in snap.ids.items() if c.sharded.ids.get(f) != i)
             rows.append(_row(base, "identity", f"parameters@{stage}", not moved, "same objects as after sharding",
                              "same" if not moved else f"replaced: {', '.join(moved[:4])}"))
-    lost = sorted(m for m, cls in un["modules"].items() if cls not in c["trained"]["modules"].get(m, []))
+    lost = sorted(m for m, cls in un.modules.items() if cls[0] not in c.trained.modules.get(m, []))
     rows.append(_row(base, "identity", "modules@trained", not lost, "every module keeps its class (holders too)",
                      "kept" if not lost else f"lost: {', '.join(lost[:4])}"))
     return rows
 
 
 def marker_checks(obs: Observation, base: dict) -> list[Record]:
-    marks = obs.contracts.get("markers", {})
+    marks = obs.contracts.markers
     if not marks:
         return [_skip(base, "marker", "*", "fixture marks no tensor FP32")]
     rows = []
     for name, m in marks.items():
-        ok = m["after_move"] and m["dtype"] == "float32"
-        rows.append(_row(base, "marker", f"{m['kind']}:{name}", ok, "marked after the move, float32 after conversion",
-                         f"marked={m['after_move']}, {m['dtype']}", dtype="float32"))
+        ok = m.after_move and m.dtype == "float32"
+        rows.append(_row(base, "marker", f"{m.kind}:{name}", ok, "marked after the move, float32 after conversion",
+                         f"marked={m.after_move}, {m.dtype}", dtype="float32"))
     return rows
 
 
@@ -151,7 +152,7 @@ def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
 
 def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Optimizer state per FQN: keys, dtypes and shapes follow the plan, in any parameter order."""
-    state = _full_state([o.contracts["optim"] for o in observations], plan)
+    state = _full_state([o.contracts.optim for o in observations], plan)
     rows = []
     for t in plan.params:
         if not t.requires_grad:
@@ -162,7 +163,8 @@ def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base:
         if st is None:
             rows.append(_row(base, "optim.state", t.fqn, False, "AdamW state", "missing"))
             continue
-        shape = list(gather_full(plan, t.fqn, [o.params[RESUME_STEP] for o in observations]).shape)
+        step = observations[0].contracts.resume_step
+        shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations]).shape)
         want = f"keys exp_avg,exp_avg_sq,step; {dtype_name(t.storage)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; {dtype_name(st['exp_avg'].dtype)}; shape {list(st['exp_avg'].shape)}"
         ok = sorted(st) == ["exp_avg", "exp_avg_sq", "step"] and st["exp_avg"].dtype == t.storage
@@ -177,26 +179,27 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     collectives); resuming on the other path gets the gradient/parameter allowances, since
     another unit layout may reduce in another order on some backends (bitwise on gloo)."""
     rows = []
-    main_state = _full_state([o.contracts["optim"] for o in observations], plan)
+    main_state = _full_state([o.contracts.optim for o in observations], plan)
+    step = observations[0].contracts.resume_step
 
     def full(per_rank: list[dict], f: str):
         return gather_full(plan, f, per_rank)
 
-    for target, r0 in observations[0].contracts["resume"].items():
+    for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
-        if "skip" in r0:
-            rows.append(_skip(base, f"checkpoint.{tag}", target, r0["skip"]))
+        if r0.skip:
+            rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
             continue
-        per_rank = [o.contracts["resume"][target] for o in observations]
-        state = _full_state([r["optim"] for r in per_rank], plan)
+        per_rank = [o.contracts.resume[target] for o in observations]
+        state = _full_state([r.optim for r in per_rank], plan)
         items = []  # (name, resumed, uninterrupted, allowance-or-None)
-        for kind, src in (("grad", [o.grads[RESUME_STEP] for o in observations]),
-                          ("param", [o.params[RESUME_STEP] for o in observations])):
+        for kind, src in (("grad", [o.grads[step] for o in observations]),
+                          ("param", [o.params[step] for o in observations])):
             for f in src[0]:  # every tensor of the uninterrupted run must reappear
                 want, t = full(src, f), plan[f]
                 allow = (tolerance.gradient(t.reduce or t.storage, t.storage, cell.ranks * cell.microbatches, amax(want))
                          if kind == "grad" else tolerance.parameter(t.storage, 1, amax(want)))
-                items.append((f"{kind}:{f}", full([r[kind + "s"] for r in per_rank], f), want, allow))
+                items.append((f"{kind}:{f}", full([getattr(r, kind + "s") for r in per_rank], f), want, allow))
         for f, st in main_state.items():
             for k in ("exp_avg", "exp_avg_sq"):
                 want = st[k]
@@ -208,7 +211,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
             rows.append(Record(**base, check=f"checkpoint.{tag}", name=f"{target}:{name}", observed=max_abs(got, want),
                                allowed=allowed, ratio=ratio, dtype=dtype_name(want.dtype) if want.numel() else "",
                                verdict=verdict, detail="; ".join(x for x in (how, allow.basis if tag == "cross" else "bitwise",
-                                                                             f"resumed on {per_rank[0]['taken']}") if x)))
+                                                                             f"resumed on {per_rank[0].taken}") if x)))
     return rows
 
 
@@ -220,7 +223,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     rows += unit_policy_checks(obs, plan, base)
     rows += identity_checks(obs, base)
     rows += marker_checks(obs, base)
-    if "optim" in obs.contracts:
+    if obs.contracts.resume is not None:
         rows += optimizer_checks(observations, plan, base)
         rows += resume_checks(cell, observations, plan, base)
     return rows

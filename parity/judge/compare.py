@@ -1,5 +1,5 @@
 """Numeric comparisons: the sharded run against the reference, and the two paths against
-each other. Each comparison becomes a :class:`~parity.record.Record` with observed error,
+each other. Each comparison becomes a :class:`~parity.judge.record.Record` with observed error,
 allowed error, their ratio, and the dtype that justified the allowance."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parity import tolerance
-from parity.cell import Observation
-from parity.plan import PrecisionPlan
-from parity.record import Record, judge
-from parity.reference import ReferenceRun
+from parity.execute.observation import Observation
+from parity.judge import tolerance
+from parity.judge.record import Record, judge
+from parity.judge.reference import ReferenceRun
+from parity.model.plan import PrecisionPlan
 
 
 @dataclass(kw_only=True)

@@ -19,60 +19,32 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from parity.dtypes import dtype_name
-from parity.paths.units import ShardReport
-from parity.plan import PrecisionPlan, canonical_fqn
-
-
-def _float_dtypes(obj) -> list[str]:
-    if isinstance(obj, torch.Tensor):
-        return [dtype_name(obj.dtype)] if obj.is_floating_point() else []
-    if isinstance(obj, (tuple, list)):
-        return [d for o in obj for d in _float_dtypes(o)]
-    if isinstance(obj, dict):
-        return [d for o in obj.values() for d in _float_dtypes(o)]
-    return []
+from parity.execute.observation import ContractsSeen, NamesSnapshot
+from parity.model.boundaries import record_boundaries
+from parity.model.dtypes import dtype_name
+from parity.model.plan import canonical_fqn
+from parity.paths.base import ShardReport
+from parity.paths.units import module_index
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
-    """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
-    FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
-    by the reference, so both observe boundaries the same way."""
-    handles = []
-    for name, mod in model.named_modules():
-        fqn = canonical_fqn(name)
-
-        def pre(module, args, kwargs, fqn=fqn):
-            if when():
-                sink.setdefault(fqn, {})["in"] = _float_dtypes((args, kwargs))
-
-        def post(module, args, output, fqn=fqn):
-            if when():
-                sink.setdefault(fqn, {})["out"] = _float_dtypes(output)
-
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post))
-    return handles
+def names_snapshot(model: nn.Module) -> NamesSnapshot:
+    return NamesSnapshot(
+        params=[canonical_fqn(n) for n, _ in model.named_parameters()],
+        state_dict=[canonical_fqn(k) for k in model.state_dict()],
+        ids={canonical_fqn(n): id(p) for n, p in model.named_parameters()},
+        storage={canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()},
+        modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
+    )
 
 
-def names_snapshot(model: nn.Module) -> dict:
-    return {
-        "params": [canonical_fqn(n) for n, _ in model.named_parameters()],
-        "state_dict": [canonical_fqn(k) for k in model.state_dict()],
-        "ids": {canonical_fqn(n): id(p) for n, p in model.named_parameters()},
-        "storage": {canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()},
-        "modules": {canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
-    }
-
-
-def before_sharding(model: nn.Module, plan: PrecisionPlan) -> dict:
+def before_sharding(model: nn.Module) -> NamesSnapshot:
     snap = names_snapshot(model)
-    snap["modules"] = {k: v[0] for k, v in snap["modules"].items()}  # the original classes
-    return {"unsharded": snap}
+    snap.modules = {k: v[:1] for k, v in snap.modules.items()}  # the original classes
+    return snap
 
 
 def _fsdp_params(model: nn.Module):
@@ -86,8 +58,6 @@ def _fsdp_params(model: nn.Module):
 
 def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
     """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned)."""
-    from parity.paths.units import module_index
-
     modules = module_index(model)
     out = {}
     for unit in report.units:
@@ -109,7 +79,8 @@ class Recorder:
         self.accum: dict[str, set[str]] = {}
         self.reduce_observable = True
         self._orig_reduce = None
-        self.snapshots = {"sharded": names_snapshot(model)}
+        self.sharded = names_snapshot(model)
+        self.lazy_init = None
         self.policies = applied_policies(model, report)
         self._handles = []
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
@@ -168,7 +139,7 @@ class Recorder:
         finally:
             self.active = False
         if step == 0 and mb == 0:
-            self.snapshots["lazy_init"] = names_snapshot(self.model)
+            self.lazy_init = names_snapshot(self.model)
 
     def after_backward(self, model: nn.Module, step: int, mb: int, last: bool) -> None:
         if last:
@@ -192,34 +163,13 @@ class Recorder:
             dist.reduce_scatter_single = self._orig_rs
             self._orig_reduce = None
 
-    def finish(self, model: nn.Module, contracts: dict, faults: frozenset[str] = frozenset()) -> dict:
+    def finish(self, model: nn.Module, seen: ContractsSeen) -> None:
+        """Fill ``seen`` with everything recorded, plus the trained model's names."""
         self.close()
-        _identity_faults(model, faults)
-        self.snapshots["trained"] = names_snapshot(model)
-        return {
-            **contracts,
-            **self.snapshots,
-            "compute": self.compute,
-            "policies": self.policies,
-            "boundaries": self.boundaries,
-            "reduce": {k: sorted(v) for k, v in self.reduce.items()},
-            "reduce_observable": self.reduce_observable,
-            "accum": {k: sorted(v) for k, v in self.accum.items()},
-        }
-
-
-def _identity_faults(model: nn.Module, faults: frozenset[str]) -> None:
-    """Deliberate faults for the names/identity/storage contracts (tests only)."""
-    first_name, first = next(iter(model.named_parameters()))
-    owner_name, _, local = first_name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if "replace_param" in faults:
-        owner._parameters[local] = nn.Parameter(first.detach().clone())
-    if "rename_param" in faults:
-        owner._parameters[local + "_renamed"] = owner._parameters.pop(local)
-    if "cast_storage" in faults:
-        first.data = first.data.to(torch.bfloat16 if first.dtype != torch.bfloat16 else torch.float32)
-
-
-def install(model: nn.Module, report: ShardReport) -> Recorder:
-    return Recorder(model, report)
+        seen.sharded, seen.lazy_init, seen.trained = self.sharded, self.lazy_init, names_snapshot(model)
+        seen.compute = self.compute
+        seen.policies = self.policies
+        seen.boundaries = self.boundaries
+        seen.reduce = {k: sorted(v) for k, v in self.reduce.items()}
+        seen.reduce_observable = self.reduce_observable
+        seen.accum = {k: sorted(v) for k, v in self.accum.items()}

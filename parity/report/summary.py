@@ -5,17 +5,20 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from parity.record import Record
+from parity.judge.record import SEVERITY, VERDICTS, Record
 
-SEVERITY = {"ERROR": 4, "TIMEOUT": 4, "FAIL": 3, "PASS": 1, "SKIP": 0}
+
+def is_pair(r: Record) -> bool:
+    """A cross-path row (``baseline~path``) rather than a cell's own."""
+    return "~" in r.path
 
 
 def cell_verdicts(records: list[Record]) -> dict[str, str]:
-    """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP); legacy~native
+    """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP); cross-path
     comparisons are counted per pair (:func:`pair_verdicts`)."""
     worst: dict[str, str] = {}
     for r in records:
-        if r.path == "legacy~native":
+        if is_pair(r):
             continue
         cur = worst.get(r.cell)
         if cur is None or SEVERITY[r.verdict] > SEVERITY[cur]:
@@ -28,7 +31,7 @@ def worst_ratios(records: list[Record]) -> dict[str, Record]:
     for r in records:
         if not isinstance(r.ratio, float) or math.isnan(r.ratio):
             continue
-        key = f"{r.check} (cross-path)" if r.path == "legacy~native" else r.check
+        key = f"{r.check} (cross-path)" if is_pair(r) else r.check
         if key not in worst or r.ratio > worst[key].ratio:
             worst[key] = r
     return dict(sorted(worst.items()))
@@ -39,17 +42,18 @@ def _ratio(v: float) -> str:
 
 
 def pair_verdicts(records: list[Record]) -> dict[str, str]:
-    """Legacy-vs-native comparisons, one verdict per cell pair."""
+    """Cross-path comparisons, one verdict per (pair, baseline~path)."""
     worst: dict[str, str] = {}
     for r in records:
-        if r.path == "legacy~native" and SEVERITY[r.verdict] > SEVERITY.get(worst.get(r.cell, "SKIP"), 0):
-            worst[r.cell] = r.verdict
+        key = f"{r.cell} {r.path}"
+        if is_pair(r) and SEVERITY[r.verdict] > SEVERITY.get(worst.get(key, "SKIP"), 0):
+            worst[key] = r.verdict
     return worst
 
 
 def _counts(verdicts: dict[str, str]) -> str:
     counts = Counter(verdicts.values())
-    return ", ".join(f"{v} {counts.get(v, 0)}" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP"))
+    return ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICTS)
 
 
 def terminal_table(records: list[Record]) -> str:
@@ -61,13 +65,17 @@ def terminal_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int) -> str:
+def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
+                     not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
     out = [f"# parity run: {title}", ""]
+    if interrupted:
+        out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
+                f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
     out += ["| verdict | cells |", "|---|---|"]
-    out += [f"| {v} | {counts.get(v, 0)} |" for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP")]
-    out += ["", f"{cells_total} cells, {len(records)} records. Legacy-vs-native pairs: {_counts(pair_verdicts(records))}.", ""]
+    out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS]
+    out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
         out.append(f"| {check} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | {r.dtype} | {r.cell} | {r.name} |")
@@ -77,7 +85,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     out += ["", "## Records per check", "", "| check | PASS | FAIL | ERROR | TIMEOUT | SKIP |", "|---|---|---|---|---|---|"]
     for check in sorted(by_check):
         c = by_check[check]
-        out.append(f"| {check} | " + " | ".join(str(c.get(v, 0)) for v in ("PASS", "FAIL", "ERROR", "TIMEOUT", "SKIP")) + " |")
+        out.append(f"| {check} | " + " | ".join(str(c.get(v, 0)) for v in VERDICTS) + " |")
     bad = [r for r in records if r.verdict in ("FAIL", "ERROR", "TIMEOUT")]
     out += ["", "## Non-PASS cells", ""]
     if not bad:
@@ -90,6 +98,8 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
     if skipped:
         out += ["", "## Skipped cells", ""] + [f"- `{c}`: {d}" for c, d in skipped]
+    if not_run:
+        out += ["", "## Not run (interrupted)", ""] + [f"- `{c}`" for c in not_run]
     out += ["", "## Where the time went", "", "| phase | seconds |", "|---|---|"]
-    out += [f"| {k} | {v:.2f} |" for k, v in timings.items()]
+    out += [f"| {k} | {v:.2f} |" for k, v in timings.items() if isinstance(v, (int, float))]
     return "\n".join(out) + "\n"

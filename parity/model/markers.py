@@ -27,19 +27,25 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return owner, local
 
 
+def _store(owner: nn.Module, local: str) -> None:
+    owner.__dict__.setdefault(_MARK_ATTR, set()).add(local)
+
+
+def _stored(owner: nn.Module) -> set[str]:
+    return owner.__dict__.get(_MARK_ATTR, set())
+
+
 def mark_keep_fp32(module: nn.Module, *names: str) -> None:
     """Mark parameters or buffers (dotted names relative to ``module``) to stay FP32."""
     for name in names:
-        owner, local = _owner(module, name)
-        marks = owner.__dict__.setdefault(_MARK_ATTR, set())
-        marks.add(local)
+        _store(*_owner(module, name))
 
 
 def fp32_marked(module: nn.Module) -> set[str]:
     """Dotted names (relative to ``module``) of every marked parameter and buffer."""
     found = set()
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for local in sub.__dict__.get(_MARK_ATTR, ()):
+        for local in _stored(sub):
             found.add(f"{prefix}.{local}" if prefix else local)
     return found
 
@@ -50,7 +56,7 @@ def convert_except_marked(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     Works in place, like ``module.to(dtype)``; returns the module for chaining.
     """
     for sub in module.modules():
-        marks = sub.__dict__.get(_MARK_ATTR, set())
+        marks = _stored(sub)
         for local, param in sub._parameters.items():
             if param is None or not param.is_floating_point():
                 continue

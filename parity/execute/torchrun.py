@@ -13,8 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from parity.cellspec import Cell
-from parity.pool import CellFailure, from_bytes, to_bytes
+from parity.matrix.cell import Cell
+from parity.execute.pool import CellFailure, from_bytes, to_bytes
 
 
 def under_torchrun() -> bool:
@@ -39,7 +39,7 @@ class TorchrunExecutor:
         return "" if cell.ranks == self.world else f"needs {cell.ranks} ranks; torchrun launched {self.world}"
 
     def run(self, cell: Cell, timeout: float):
-        from parity.cell import run_rank
+        from parity.execute.worker import run_rank
 
         try:
             payload = ("ok", to_bytes(run_rank(cell, rank=self.rank, world=self.world, mesh=self.mesh, device=self.device)))

@@ -3,6 +3,7 @@
 A matrix file::
 
     description = "..."
+    models = ["pkg.module:factory"] # plugin models (optional); their names join the fixture axis
     steps = 2                       # optimizer steps per cell
     design = "product"              # or "covering"
     exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
@@ -31,18 +32,17 @@ import os
 import tomllib
 from dataclasses import dataclass
 
-from parity.cellspec import CHECKPOINTING, OUTPUT_DTYPES, SYNC, Cell
 from parity.errors import UsageError
-from parity.paths import PATHS
+from parity.matrix.cell import CHECKPOINTING, OUTPUT_DTYPES, SYNC, Cell
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed")
 FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", "checkpointing", "reshard", "output_dtype", "seed")
 
 
 def _matrix_dir() -> str:
-    import fixtures
+    import parity_fixtures
 
-    return os.path.join(os.path.dirname(fixtures.__file__), "matrices")
+    return os.path.join(os.path.dirname(parity_fixtures.__file__), "matrices")
 
 
 def available() -> list[str]:
@@ -133,7 +133,8 @@ def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
     return rows
 
 
-def load(name_or_path: str) -> Matrix:
+def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
+    """Expand a matrix. ``models`` (``--model`` sources) replace its fixture axis."""
     path = name_or_path
     if not os.path.exists(path):
         path = os.path.join(_matrix_dir(), f"{name_or_path}.toml")
@@ -144,9 +145,10 @@ def load(name_or_path: str) -> Matrix:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
-    from parity.fixture import registry
+    from parity.model.registry import registry
+    from parity.paths import path_names
 
-    keys = ("description", "steps", "design", "exhaustive", "rotate", "axes", "skip")
+    keys = ("description", "models", "steps", "design", "exhaustive", "rotate", "axes", "skip")
     unknown = [k for k in data if k not in keys]
     if unknown:
         raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: {', '.join(keys)}")
@@ -154,11 +156,20 @@ def load(name_or_path: str) -> Matrix:
     for key in axes_in:
         if key not in AXES:
             raise UsageError(f"{path}: unknown axis axes.{key}; valid: {', '.join(AXES)}")
-    defaults = {"fixture": list(registry()), "path": list(PATHS), "ranks": [1], "accumulation": ["1"],
+    sources = data.get("models", [])
+    if not isinstance(sources, list) or not all(isinstance(m, str) for m in sources):
+        raise UsageError(f"{path}: models must be a list of \"pkg.module:factory\" strings")
+    sources = [os.path.join(os.path.dirname(path), m) if m.partition(":")[0].endswith(".py") else m for m in sources]
+    if models:
+        sources = list(models)
+        axes_in = {k: v for k, v in axes_in.items() if k != "fixture"}
+    models = registry(tuple(sources))
+    source_of = {m.name: m.source for m in models.values() if m.source}
+    defaults = {"fixture": list(source_of) or list(models), "path": path_names(), "ranks": [1], "accumulation": ["1"],
                 "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0]}
     axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
-    _validate(path, "fixture", axes["fixture"], list(registry()))
-    _validate(path, "path", axes["path"], list(PATHS))
+    _validate(path, "fixture", axes["fixture"], list(models))
+    _validate(path, "path", axes["path"], path_names())
     _validate(path, "ranks", axes["ranks"], [1, 2, 4, 8])
     _validate(path, "checkpointing", axes["checkpointing"], list(CHECKPOINTING))
     _validate(path, "reshard", axes["reshard"], [True, False])
@@ -200,7 +211,7 @@ def load(name_or_path: str) -> Matrix:
         cell = Cell(
             fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
             checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
-            seed=row["seed"], steps=steps,
+            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""),
         )
         if cell.id not in seen:
             seen.add(cell.id)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parity import contracts
-from parity.cell import Observation
-from parity.cellspec import Cell
-from parity.compare import Assembled, Comparison, assemble, plan_comparisons
-from parity.fixture import get_fixture
-from parity.record import Record
-from parity.reference import replay_optimizer, run_reference
+from parity.execute.observation import Observation
+from parity.judge import contracts
+from parity.judge.compare import Assembled, Comparison, assemble, plan_comparisons
+from parity.judge.record import Record, Verdict
+from parity.judge.reference import replay_optimizer, run_reference
+from parity.matrix.cell import Cell
+from parity.model.registry import get_fixture
+from parity.paths import get_path
 
 
 def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
@@ -23,7 +24,7 @@ def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
     )
 
 
-def failure_record(cell: Cell, verdict: str, reason: str) -> Record:
+def failure_record(cell: Cell, verdict: Verdict, reason: str) -> Record:
     return Record(**base_fields(cell), check="run", name="cell", verdict=verdict, detail=reason.replace("\n", " | "))
 
 
@@ -35,29 +36,30 @@ class Judged:
 
 
 def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu") -> Judged:
-    fixture = get_fixture(cell.fixture)
-    expect, expected_reason = fixture.expects(cell.path)
+    fixture = get_fixture(cell.fixture, cell.source)
+    expect, expected_reason = fixture.expects(cell.path, get_path(cell.path).contract)
     first = observations[0]
     if first.expected_error:
         rep = first.report
         base = base_fields(cell, rep.taken, rep.fallback_reason)
-        legit = cell.path == "legacy" or expect == "fallback" or rep.fallback_reason.startswith("unsupported build")
-        verdict = "PASS" if legit else "FAIL"
+        # the path raised itself, or fell back as declared (or for lack of the API) into one that raises
+        legit = rep.taken == cell.path or expect == "fallback" or rep.fallback_reason.startswith("unsupported build")
+        verdict = Verdict.PASS if legit else Verdict.FAIL
         detail = first.expected_error if legit else f"{cell.path} was expected to shard this fixture: {first.expected_error}"
         return Judged([Record(**base, check="expected_error", name="isolation", verdict=verdict, detail=detail)])
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)
     records = []
     if expect == "isolation-error":
-        records.append(Record(**base, check="expected_error", name="isolation", verdict="FAIL",
-                              detail="expected legacy to raise IsolationError; it sharded instead"))
+        records.append(Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
+                              detail=f"expected {cell.path} to raise IsolationError; it sharded instead"))
     if expect == "fallback" or report.fallback_reason:
         reason = report.fallback_reason
         ok = bool(reason) and (
             reason.startswith("unsupported build") or (expect == "fallback" and expected_reason in reason)
         )
-        records.append(Record(**base, check="fallback", name=cell.path, verdict="PASS" if ok else "FAIL",
-                              detail=reason or f"expected a fallback to legacy ({expected_reason}); native was taken"))
+        records.append(Record(**base, check="fallback", name=cell.path, verdict=Verdict.PASS if ok else Verdict.FAIL,
+                              detail=reason or f"expected a fallback ({expected_reason}); {cell.path} was taken"))
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
     truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None
@@ -67,7 +69,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                              replayed=replayed, truth=truth)
     records += [c.record(base) for c in comps]
     if fixture.token_input:
-        records.append(Record(**base, check="input_grad", name="tokens", verdict="SKIP",
+        records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))
     records += contracts.check(cell, observations, ref, base)
     return Judged(records, comps, run)

@@ -1,8 +1,17 @@
 """Long-lived rank workers: one process group per rank count, reused cell after cell.
 
-A cell that raises, crashes a rank (e.g. a gloo abort) or hangs past its timeout becomes a
+A cell that raises, crashes a rank (e.g. a gloo abort) or stops making progress becomes a
 :class:`CellFailure` naming the rank; the pool is then torn down and restarted so the run
-goes on. Workers only observe (:func:`parity.cell.run_rank`); the parent judges.
+goes on. Workers only observe (:func:`parity.execute.worker.run_rank`); the parent judges.
+
+Hangs are found by silence, not by a guess of how long a cell takes: workers send a
+heartbeat after building and after every micro-batch, and a cell is a TIMEOUT only when no
+rank has reported anything for ``timeout`` seconds.
+
+Workers never outlive or block on their parent: they ignore SIGINT (the parent handles a
+Ctrl-C for the whole run), ask the kernel to kill them when the parent dies, stop taking
+cells once it is gone, and never wait on a result nobody reads (``cancel_join_thread``).
+Every file they create lives under the run's temporary folder, which the parent removes.
 """
 
 from __future__ import annotations
@@ -11,7 +20,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -19,13 +28,17 @@ import warnings
 
 import torch
 
-from parity.cellspec import Cell
+from parity.matrix.cell import Cell
 
 
 class CellFailure(Exception):
     def __init__(self, verdict: str, reason: str):
         self.verdict, self.reason = verdict, reason
         super().__init__(f"{verdict}: {reason}")
+
+
+class Interrupted(Exception):
+    """The parent was asked to stop (SIGINT/SIGTERM) while waiting on a pool."""
 
 
 def to_bytes(obj) -> bytes:
@@ -36,6 +49,16 @@ def to_bytes(obj) -> bytes:
 
 def from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (best effort elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _next_task(tasks, parent: int):
@@ -49,13 +72,22 @@ def _next_task(tasks, parent: int):
                 return None
 
 
-def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, parent: int) -> None:
+def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, parent: int, tmp: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent during spawn
+    _die_with_parent()
+    results.cancel_join_thread()  # exiting never waits for the parent to read
+    tempfile.tempdir = tmp  # DCP checkpoints and the like go where the parent cleans up
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parity.cell import run_rank
+    from parity.execute.worker import run_rank
+
+    def put(item) -> None:
+        if os.getppid() == parent:
+            results.put(item)
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -63,26 +95,36 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh(device_type, (world,))
-    results.put(("ready", rank, b""))
+    put(("ready", rank, b""))
     while (cell := _next_task(tasks, parent)) is not None:
         try:
-            obs = run_rank(cell, rank=rank, world=world, mesh=mesh, device=device)
-            results.put(("ok", rank, to_bytes(obs)))
+            obs = run_rank(cell, rank=rank, world=world, mesh=mesh, device=device,
+                           heartbeat=lambda what: put(("alive", rank, what.encode())))
+            put(("ok", rank, to_bytes(obs)))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a verdict
             tb = traceback.format_exc(limit=-3)
-            results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{tb}".encode()))
+            put(("error", rank, f"{type(exc).__name__}: {exc}\n{tb}".encode()))
     if os.getppid() == parent:
         dist.destroy_process_group()
 
 
 class RankPool:
-    """``world`` spawned ranks sharing one process group."""
+    """``world`` spawned ranks sharing one process group.
 
-    def __init__(self, world: int, device_type: str = "cpu", start_timeout: float = 120.0):
+    ``tmp``: the run's temporary folder (the store and every worker temp file live there).
+    ``stop_requested``: polled while waiting; when it returns True the wait raises
+    :class:`Interrupted`.
+    """
+
+    def __init__(self, world: int, device_type: str = "cpu", *, tmp: str | None = None,
+                 start_timeout: float = 300.0, stop_requested=lambda: False):
         self.world, self.device_type, self.start_timeout = world, device_type, start_timeout
+        self.tmp = tmp or tempfile.gettempdir()
+        self.stop_requested = stop_requested
         self.procs: list = []
         self.ready = False
         self.spawn_seconds = 0.0
+        self._generation = 0
 
     def start(self) -> None:
         if not self.procs:
@@ -95,28 +137,39 @@ class RankPool:
         """Spawn the ranks without waiting for them, so a pool can warm up while another works."""
         t0 = time.perf_counter()
         ctx = mp.get_context("spawn")
-        self._dir = tempfile.mkdtemp(prefix="parity-pg-")
-        store = os.path.join(self._dir, "store")
+        self._generation += 1
+        store = os.path.join(self.tmp, f"store-r{self.world}-{self._generation}")
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.procs = [
             ctx.Process(
-                target=_worker, args=(r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid()),
+                target=_worker,
+                args=(r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid(), self.tmp),
                 daemon=True,
             )
             for r in range(self.world)
         ]
-        for p in self.procs:
-            p.start()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # children inherit the mask
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
         self.spawn_seconds += time.perf_counter() - t0
         self.ready = False
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
     def _collect(self, kind: str, timeout: float) -> dict[int, bytes]:
+        """Wait for every rank's ``kind`` message; ``timeout`` counts seconds of silence."""
         got: dict[int, bytes] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         grace = None
         while len(got) + len(errors) < self.world:
+            if self.stop_requested():
+                raise Interrupted()
             now = time.monotonic()
             if now > deadline or (grace is not None and now > grace):
                 break
@@ -126,6 +179,9 @@ class RankPool:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead and grace is None:
                     grace = time.monotonic() + 2.0  # let surviving ranks report first
+                continue
+            deadline = time.monotonic() + timeout  # any message is progress
+            if status == "alive":
                 continue
             if status == "error":
                 errors[rank] = payload.decode()
@@ -140,7 +196,7 @@ class RankPool:
         if causes:
             raise CellFailure("ERROR", "; ".join(causes))
         missing = [r for r in range(self.world) if r not in got]
-        raise CellFailure("TIMEOUT", f"rank(s) {missing} gave no result within {timeout:.0f} s")
+        raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:.0f} s")
 
     def run(self, cell: Cell, timeout: float) -> list:
         """Run one cell on every rank; returns each rank's observation, rank order."""
@@ -156,17 +212,22 @@ class RankPool:
             raise
         return [from_bytes(got[r]) for r in range(self.world)]
 
-    def stop(self, kill: bool = False) -> None:
+    def stop(self, kill: bool = False, grace: float = 5.0) -> None:
+        """Ask idle workers to exit, wait up to ``grace`` seconds, kill whatever is left."""
+        self.procs = [p for p in self.procs if p.pid is not None]  # a failed launch started only some
         if not self.procs:
             return
         if not kill:
             for q in self.tasks:
                 q.put(None)
-            for p in self.procs:
-                p.join(timeout=5)
+        deadline = time.monotonic() + (0.0 if kill else grace)
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
+        for q in (*self.tasks, self.results):
+            q.close()
+            q.cancel_join_thread()
         self.procs = []
-        shutil.rmtree(self._dir, ignore_errors=True)

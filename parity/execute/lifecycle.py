@@ -1,0 +1,104 @@
+"""Contracts that need their own models (worker side): FP32 markers across a device move,
+optimizer state by FQN, and the DCP checkpoint lifecycle (save, load into the same path and
+into another, resume)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
+from torch.distributed.tensor import DTensor
+
+from parity.errors import IsolationError
+from parity.execute.observation import MarkerSeen, Observation, Resumed
+from parity.execute.training import build, train_step
+from parity.faults import Injector
+from parity.matrix.cell import Cell
+from parity.model.dtypes import dtype_name
+from parity.model.markers import convert_except_marked, fp32_marked
+from parity.model.plan import canonical_fqn
+from parity.model.registry import get_fixture
+
+#: Steps 0..RESUME_STEP-1 run before the checkpoint; step RESUME_STEP runs after loading it.
+RESUME_STEP = 1
+
+
+def _move(model: nn.Module, device) -> None:
+    """A real device move on accelerators; on CPU, ``_apply`` with a copy, which replaces
+    buffer objects exactly as a CPU->GPU move does."""
+    if torch.device(device).type == "cpu":
+        model._apply(lambda t: t.clone())
+    else:
+        model.to(device)
+
+
+def marker_contract(cell: Cell, device) -> dict[str, MarkerSeen]:
+    """Mark (as the fixture declares), move, convert to BF16; each marked tensor's fate."""
+    model = get_fixture(cell.fixture, cell.source).make(cell.seed)
+    marked = sorted(fp32_marked(model))
+    buffers = dict(model.named_buffers())
+    _move(model, device)
+    survived = fp32_marked(model)
+    convert_except_marked(model, torch.bfloat16)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return {
+        name: MarkerSeen(kind="buffer" if name in buffers else "param", after_move=name in survived,
+                         dtype=dtype_name(tensors[name].dtype))
+        for name in marked
+    }
+
+
+def _local(t):
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
+    """FQN -> {state key: local tensor or value}, as DCP's state-dict helpers map it."""
+    _, osd = dcp_state_dict.get_state_dict(model, opt)
+    return {canonical_fqn(k): {sk: _local(v) for sk, v in st.items()} for k, st in osd["state"].items()}
+
+
+def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector) -> dict[str, Resumed]:
+    """Train ``RESUME_STEP`` steps, save (DCP); load into a fresh model on the same path and
+    on the cell's cross-load target (the baseline, or for the baseline the path it is
+    compared with); train one more step. What each resumed run saw is compared with the
+    uninterrupted run's same step. ``inject`` is the cell's: what breaks its training breaks
+    these runs' too, so a resumed run is judged under the same conditions."""
+    ckpt_dir = [tempfile.mkdtemp(prefix="parity-dcp-") if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(ckpt_dir, src=0)
+    out: dict[str, Resumed] = {}
+    targets = [cell.path] + [t for t in (cell.crossload_target,) if t and t != cell.path]
+    try:
+        first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
+        for step in range(RESUME_STEP):
+            train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank))
+        msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir[0])
+        for target in targets:
+            try:
+                s = build(cell, target, mesh=mesh, device=device, inject=inject)
+            except IsolationError as exc:
+                out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
+                continue
+            msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=ckpt_dir[0])
+            dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"],
+                                          optim_state_dict=state["optim"])
+            obs = Observation(rank=rank)
+            train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs)
+            out[target] = Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
+                                  optim=optimizer_state(s.model, s.opt))
+    finally:
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt_dir[0], ignore_errors=True)
+    return out

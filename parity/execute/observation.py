@@ -1,0 +1,98 @@
+"""What a rank observed while running one cell, as plain CPU data for the judge.
+
+Workers only observe; the parent judges. Every field is filled in exactly one place
+(named in its docstring).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from parity.model.plan import PrecisionPlan
+from parity.paths.base import ShardReport
+
+
+@dataclass(kw_only=True)
+class NamesSnapshot:
+    """The model's names and identities at one stage (:func:`parity.execute.probes.names_snapshot`)."""
+
+    params: list[str]
+    """``named_parameters()`` FQNs, canonical, in order."""
+    state_dict: list[str]
+    """``state_dict()`` keys, canonical, in order."""
+    ids: dict[str, int]
+    """FQN -> ``id()`` of the parameter object."""
+    storage: dict[str, str]
+    """FQN -> parameter dtype name."""
+    modules: dict[str, list[str]]
+    """Module FQN -> qualified class names of its MRO (only the class itself before sharding)."""
+
+
+@dataclass(kw_only=True)
+class MarkerSeen:
+    """One FP32-marked tensor after a buffer-replacing move and a BF16 conversion."""
+
+    kind: str
+    after_move: bool
+    dtype: str
+
+
+@dataclass(kw_only=True)
+class Resumed:
+    """The step after loading the lifecycle's checkpoint into one path (:mod:`.lifecycle`)."""
+
+    taken: str = ""
+    skip: str = ""
+    """Why this path could not be loaded into (it cannot shard the model)."""
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    optim: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ContractsSeen:
+    """Contract observations (:mod:`parity.execute.probes` and :mod:`.lifecycle`)."""
+
+    unsharded: NamesSnapshot | None = None
+    """Before sharding (original classes only)."""
+    sharded: NamesSnapshot | None = None
+    lazy_init: NamesSnapshot | None = None
+    trained: NamesSnapshot | None = None
+    compute: dict[str, str] = field(default_factory=dict)
+    """Parameter FQN (per module alias) -> dtype read inside forward."""
+    policies: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
+    boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    """Module FQN -> {"in": [...], "out": [...]} floating dtypes."""
+    reduce: dict[str, list[str]] = field(default_factory=dict)
+    """Parameter FQN -> dtypes its gradient was reduced in."""
+    reduce_observable: bool = True
+    accum: dict[str, list[str]] = field(default_factory=dict)
+    """Parameter FQN -> dtypes of its unsharded gradient while sync was off."""
+    markers: dict[str, MarkerSeen] = field(default_factory=dict)
+    resume_step: int = 0
+    """The step a resumed run repeats; ``optim`` is the state right after it."""
+    optim: dict[str, dict] | None = None
+    """FQN -> optimizer state (local shards) at ``resume_step``."""
+    resume: dict[str, Resumed] | None = None
+    """Target path -> what the resumed run saw."""
+
+
+@dataclass(kw_only=True)
+class Observation:
+    rank: int
+    plan: PrecisionPlan | None = None
+    report: ShardReport | None = None
+    expected_error: str = ""
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    """Per (step, micro-batch), this rank's model output."""
+    input_grads: list[torch.Tensor | None] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step, fqn -> local gradient shard (full tensor for ignored parameters)."""
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step, fqn -> local parameter shard after the optimizer step."""
+    grad_norms: list[float] = field(default_factory=list)
+    contracts: ContractsSeen = field(default_factory=ContractsSeen)
+    timings: dict[str, float] = field(default_factory=dict)

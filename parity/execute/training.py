@@ -1,0 +1,118 @@
+"""Build a sharded model for a cell and train it, step by step, recording what it saw.
+
+Used by the worker for the cell itself and by the checkpoint lifecycle for its fresh
+models, so both train exactly the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parity.execute import probes
+from parity.execute.checkpointing import apply_checkpointing
+from parity.execute.observation import Observation
+from parity.faults import Injector
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
+from parity.model.recipe import make_optimizer
+from parity.model.registry import get_fixture
+from parity.paths import ShardReport, apply_sharding, plan_sharding
+
+#: Called with a short label whenever the worker makes progress (hang detection).
+Heartbeat = Callable[[str], None]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def global_grad_norm(params: list[nn.Parameter]) -> float:
+    """The 2-norm of all gradients as a training loop computes it on a sharded model."""
+    sharded = [p for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
+    plain = [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
+    total = 0.0
+    if sharded:
+        n = torch.nn.utils.clip_grad_norm_(sharded, max_norm=math.inf)
+        total += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    if plain:
+        total += float(torch.nn.utils.get_total_norm([p.grad for p in plain])) ** 2
+    return math.sqrt(total)
+
+
+@dataclass(kw_only=True)
+class Sharded:
+    """A freshly built, sharded model with its optimizer."""
+
+    model: nn.Module
+    plan: PrecisionPlan
+    report: ShardReport
+    ignored: set
+    opt: torch.optim.Optimizer
+    params: list[nn.Parameter]
+    names: dict[int, str]
+
+
+def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
+    """Model -> plan -> (activation checkpointing) -> sharding along ``path`` -> optimizer.
+    Raises :class:`IsolationError` when a dtype-split path cannot shard the model."""
+    fixture = get_fixture(cell.fixture, cell.source)
+    model = fixture.make(cell.seed, device)
+    ignored = fixture.ignored(model)
+    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32)
+    if obs is not None:
+        obs.plan = plan
+    plan = inject.site("plan", plan)
+    apply_checkpointing(model, cell.checkpointing, fixture.blocks)
+    report = plan_sharding(model, fixture.unit_roots, plan, path, ignored)
+    if obs is not None:
+        obs.report = report
+        obs.contracts.unsharded = probes.before_sharding(model)
+    apply_sharding(model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored)
+    inject.site("sharded", model=model)
+    params = list(model.parameters())
+    return Sharded(
+        model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params), params=params,
+        names={id(p): canonical_fqn(n) for n, p in model.named_parameters()},
+    )
+
+
+def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
+               recorder=None, heartbeat: Heartbeat | None = None) -> None:
+    """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
+    fixture = get_fixture(cell.fixture, cell.source)
+    for mb in range(cell.microbatches):
+        last = mb == cell.microbatches - 1
+        s.model.set_requires_gradient_sync(last or cell.sync == "every")
+        batch = fixture.batch(cell.seed, step, rank, mb).to(device)
+        inputs = batch.inputs
+        if not fixture.token_input:
+            inputs = tuple(x.requires_grad_() for x in inputs)
+        with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
+            out = s.model(*inputs)
+        loss = fixture.loss(out, batch.target) / cell.microbatches
+        loss.backward()
+        obs.outputs.append(_local(out))
+        grad = None if fixture.token_input else inputs[0].grad
+        obs.input_grads.append(None if grad is None else _local(grad))
+        if recorder:
+            recorder.after_backward(s.model, step, mb, last)
+        if heartbeat:
+            heartbeat(f"step {step} micro-batch {mb}")
+    for p in s.ignored:  # the emulated owner of ignored parameters reduces their gradients
+        if p.grad is not None and world > 1:
+            dist.all_reduce(p.grad)
+            if fixture.ignored_reduction == "mean":
+                p.grad.div_(world)
+    obs.grad_norms.append(global_grad_norm(s.params))
+    obs.grads.append({s.names[id(p)]: _local(p.grad) for p in s.params if p.grad is not None})
+    s.opt.step()
+    s.opt.zero_grad()
+    obs.params.append({s.names[id(p)]: _local(p) for p in s.params})

@@ -1,0 +1,77 @@
+"""Run one cell on one rank of a real process group and return what happened.
+
+The worker only observes; the parent process judges (reference, comparisons). What a rank
+returns is an :class:`~parity.execute.observation.Observation` of plain CPU tensors:
+outputs, input gradients, local gradient and parameter shards per step, the global
+gradient norm, the shard report and the contract observations.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from parity.errors import IsolationError
+from parity.execute import lifecycle, probes
+from parity.execute.observation import Observation
+from parity.execute.training import Heartbeat, build, train_step
+from parity.faults import Injector
+from parity.matrix.cell import Cell
+from parity.model.registry import get_fixture
+from parity.paths import ShardReport, get_path
+
+
+def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bool:
+    """Record an isolation error the fixture declares for the path that raised it."""
+    raised = get_path(exc.path)
+    if get_fixture(cell.fixture, cell.source).expects(exc.path, raised.contract)[0] != "isolation-error":
+        return False
+    obs.expected_error = str(exc)
+    obs.report = ShardReport(requested=cell.path, taken=exc.path, contract=raised.contract,
+                             fallback_reason=exc.fallback_reason)
+    return True
+
+
+def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
+             heartbeat: Heartbeat | None = None) -> Observation:
+    """Build, shard and train the cell; then the checkpoint lifecycle and marker contract."""
+    inject = Injector(cell.faults, rank=rank, world=world)
+    beat = heartbeat or (lambda what: None)
+    obs = Observation(rank=rank)
+    t0 = time.perf_counter()
+    with inject.active("main"):
+        inject.site("start")
+        try:
+            s = build(cell, cell.path, mesh=mesh, device=device, inject=inject, obs=obs)
+        except IsolationError as exc:
+            if _expected_isolation(cell, exc, obs):
+                return obs
+            raise
+        beat("built")
+        recorder = probes.Recorder(s.model, s.report)
+        obs.timings["build"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            for step in range(cell.steps):
+                train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
+                           heartbeat=beat)
+                if cell.lifecycle and step == lifecycle.RESUME_STEP:  # what a resumed run must reproduce
+                    obs.contracts.resume_step = step
+                    obs.contracts.optim = lifecycle.optimizer_state(s.model, s.opt)
+        finally:
+            recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
+        obs.timings["steps"] = time.perf_counter() - t1
+    if cell.lifecycle:
+        t2 = time.perf_counter()
+        with inject.active("lifecycle"):
+            obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
+                                                    inject=inject)
+        obs.timings["checkpoint"] = time.perf_counter() - t2
+        beat("checkpoint lifecycle")
+    with inject.active("main"):
+        inject.site("trained", model=s.model)
+        recorder.finish(s.model, obs.contracts)
+    with inject.active("markers"):
+        obs.contracts.markers = lifecycle.marker_contract(cell, device)
+    return obs

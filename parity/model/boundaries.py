@@ -1,0 +1,44 @@
+"""Module-boundary dtypes: the floating input/output dtypes each module sees.
+
+The sharded run and the reference install the same hooks, so both observe boundaries the
+same way; this module depends on nothing distributed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parity.model.dtypes import dtype_name
+from parity.model.plan import canonical_fqn
+
+
+def _float_dtypes(obj) -> list[str]:
+    if isinstance(obj, torch.Tensor):
+        return [dtype_name(obj.dtype)] if obj.is_floating_point() else []
+    if isinstance(obj, (tuple, list)):
+        return [d for o in obj for d in _float_dtypes(o)]
+    if isinstance(obj, dict):
+        return [d for o in obj.values() for d in _float_dtypes(o)]
+    return []
+
+
+def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
+    """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
+    FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
+    by the reference, so both observe boundaries the same way."""
+    handles = []
+    for name, mod in model.named_modules():
+        fqn = canonical_fqn(name)
+
+        def pre(module, args, kwargs, fqn=fqn):
+            if when():
+                sink.setdefault(fqn, {})["in"] = _float_dtypes((args, kwargs))
+
+        def post(module, args, output, fqn=fqn):
+            if when():
+                sink.setdefault(fqn, {})["out"] = _float_dtypes(output)
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    return handles

@@ -1,0 +1,115 @@
+"""Where models come from: the ``parity.models`` entry-point group and ``--model SOURCE``.
+
+An entry point (or a ``--model`` source) may name a :class:`~parity.model.spec.Fixture`, a
+factory returning one, or a collection of them. parity's own fixtures are registered the
+same way, by the ``parity_fixtures`` package this distribution installs (the ``fixtures/``
+folder); nothing imports a top-level ``fixtures`` package, so no other package of that
+name can shadow them or be shadowed.
+
+A source is ``pkg.module:attr`` or ``path/to/file.py:attr``. Workers receive it with each
+cell and load it again, so a plugin needs no installation to be run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import replace
+from importlib.metadata import entry_points
+
+from parity.errors import UsageError
+from parity.model.spec import Fixture, validate
+
+GROUP = "parity.models"
+_loaded_sources: dict[str, list[Fixture]] = {}
+
+
+def _specs(obj, where: str) -> list[Fixture]:
+    if isinstance(obj, Fixture):
+        return [validate(obj, where)]
+    if isinstance(obj, Mapping):
+        return [s for v in obj.values() for s in _specs(v, where)]
+    if isinstance(obj, (list, tuple)):
+        return [s for v in obj for s in _specs(v, where)]
+    if callable(obj):
+        try:
+            made = obj()
+        except Exception as exc:  # noqa: BLE001 - user code: name it, exit 2
+            raise UsageError(f"{where}: the factory raised {type(exc).__name__}: {exc}") from None
+        return _specs(made, where)
+    return [validate(obj, where)]
+
+
+@functools.cache
+def registered() -> dict[str, Fixture]:
+    """Every model registered through the ``parity.models`` entry-point group, by name."""
+    found: dict[str, Fixture] = {}
+    eps = sorted(entry_points(group=GROUP), key=lambda ep: (ep.name != "builtin", ep.name))
+    for ep in eps:
+        where = f"entry point {GROUP}:{ep.name} ({ep.value})"
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001
+            raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        for spec in _specs(obj, where):
+            found.setdefault(spec.name, spec)
+    return found
+
+
+def _import_source(source: str):
+    target, sep, attr = source.rpartition(":")
+    if not sep or not target or not attr:
+        raise UsageError(f"--model {source!r}: write pkg.module:factory or path/to/file.py:factory")
+    if target.endswith(".py"):
+        path = os.path.abspath(target)
+        if not os.path.isfile(path):
+            raise UsageError(f"--model {source!r}: no file {target}")
+        name = "parity_user_model_" + str(abs(hash(path)))
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001
+                del sys.modules[name]
+                raise UsageError(f"--model {source!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+        module = sys.modules[name]
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise UsageError(f"--model {source!r}: cannot import {target} ({exc}); install it or give a file path") from None
+    if not hasattr(module, attr):
+        raise UsageError(f"--model {source!r}: {target} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def load_source(source: str) -> list[Fixture]:
+    """The models a ``--model`` source describes, each remembering its source."""
+    if source not in _loaded_sources:
+        specs = _specs(_import_source(source), f"--model {source}")
+        _loaded_sources[source] = [replace(s, source=source) for s in specs]
+    return _loaded_sources[source]
+
+
+def registry(sources: tuple[str, ...] = ()) -> dict[str, Fixture]:
+    """Registered models plus those of ``sources`` (a source's model replaces a namesake)."""
+    found = dict(registered())
+    for source in sources:
+        for spec in load_source(source):
+            found[spec.name] = spec
+    if not found:
+        raise UsageError("no models registered: install parity (pip install -e .) or pass --model pkg.module:factory")
+    return found
+
+
+def get_fixture(name: str, source: str = "") -> Fixture:
+    models = registry((source,) if source else ())
+    if name not in models:
+        raise UsageError(f"unknown fixture {name!r}; valid: {', '.join(models)} (or --model pkg.module:factory)")
+    return models[name]

@@ -1,0 +1,144 @@
+"""What a model plugin is: a tiny seeded model plus how a training recipe hands it to FSDP.
+
+Built-in fixtures (the ``parity_fixtures`` package, folder ``fixtures/``) and a user's own
+model (``--model pkg.module:factory``) are the same thing: a :class:`Fixture`. The factory
+returns one; :func:`validate` says in one line what is missing or wrong.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parity.errors import UsageError
+from parity.model.dtypes import parse_dtype
+from parity.model.markers import set_compute_dtype
+
+#: Outcomes a fixture may declare per path name or per path contract.
+OUTCOMES = ("isolation-error", "fallback")
+#: How the emulated owner of ignored parameters reduces their gradients across ranks.
+IGNORED_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    inputs: tuple[torch.Tensor, ...]
+    target: torch.Tensor
+
+    def to(self, device) -> "Batch":
+        return Batch(inputs=tuple(t.to(device) for t in self.inputs), target=self.target.to(device))
+
+
+def _no_ignored(model: nn.Module) -> set:
+    return set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fixture:
+    """A model and its training recipe, as data. Fields are what a recipe knows about it."""
+
+    name: str
+    """Registry name (``fixture`` column, ``-k "fixture == ..."``)."""
+    description: str
+    """One line for listings."""
+    build: Callable[[], nn.Module]
+    """Constructs the model; weights come from the global RNG, seeded by :meth:`make`."""
+    unit_roots: tuple[str, ...]
+    """FQNs handed to ``fully_shard`` in order (blocks first, ``""`` = root last)."""
+    blocks: tuple[str, ...]
+    """Modules activation checkpointing wraps."""
+    make_batch: Callable[[torch.Generator], Batch]
+    """One micro-batch from a seeded CPU generator."""
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """Scalar FP32 loss from (output, target)."""
+    token_input: bool = False
+    """True when inputs are integer tokens (no input gradient exists)."""
+    keep_fp32: tuple[str, ...] = ()
+    """Strict-FP32 name patterns besides the class's ``_keep_in_fp32_modules_strict``."""
+    compute_dtypes: Mapping[str, str] = field(default_factory=dict)
+    """FQN -> compute dtype recorded on the parameter at load time (plan rule 2)."""
+    tied: tuple[tuple[str, ...], ...] = ()
+    """Groups of FQNs the model must tie (checked when the model is validated)."""
+    ignored: Callable[[nn.Module], set[nn.Parameter]] = _no_ignored
+    """Parameters owned by another parallelism unit (passed as ``ignored_params``)."""
+    ignored_reduction: str = "mean"
+    """How their owner reduces their gradients across ranks: ``mean`` or ``sum``."""
+    expect: Mapping[str, str] = field(default_factory=dict)
+    """Path name or path contract (``dtype-split``, ``per-parameter``) -> expected outcome
+    other than training: ``isolation-error``, or ``fallback:TEXT`` (the path falls back for
+    a reason containing TEXT). A path name wins over its contract."""
+    source: str = ""
+    """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
+    load it again from here. Empty for registered models."""
+
+    def expects(self, path: str, contract: str = "") -> tuple[str, str]:
+        """(outcome, reason text) expected on ``path``; ("", "") when it should just train."""
+        value = self.expect.get(path) or self.expect.get(contract, "")
+        kind, _, reason = value.partition(":")
+        return kind, reason
+
+    def make(self, seed: int, device: torch.device | str = "cpu") -> nn.Module:
+        """A fresh instance: seeded weights on CPU, recorded compute dtypes applied, then
+        moved to ``device`` (``meta`` builds without storage, for structure checks)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if torch.device(device).type == "meta":
+                with torch.device("meta"):
+                    model = self.build()
+            else:
+                model = self.build()
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for fqn, dtype in self.compute_dtypes.items():
+            set_compute_dtype(params[fqn], parse_dtype(dtype, what=f"{self.name}: compute_dtypes[{fqn!r}]"))
+        return model if torch.device(device).type == "meta" else model.to(device)
+
+    def batch(self, seed: int, step: int, rank: int, microbatch: int) -> Batch:
+        key = f"{self.name}/{seed}/{step}/{rank}/{microbatch}".encode()
+        gen = torch.Generator().manual_seed(zlib.crc32(key))
+        return self.make_batch(gen)
+
+
+def validate(spec: object, where: str) -> Fixture:
+    """Check what a factory returned; raise :class:`UsageError` naming the first problem."""
+    if not isinstance(spec, Fixture):
+        raise UsageError(f"{where} returned {type(spec).__name__}, not parity.model.Fixture; "
+                         "return Fixture(name=..., build=..., unit_roots=..., ...)")
+    for attr in ("build", "make_batch", "loss", "ignored"):
+        if not callable(getattr(spec, attr)):
+            raise UsageError(f"{where}: Fixture.{attr} must be callable")
+    if not spec.name or not spec.name.replace("_", "").replace("-", "").isalnum():
+        raise UsageError(f"{where}: Fixture.name {spec.name!r} must be a non-empty word (letters, digits, _ -)")
+    if spec.ignored_reduction not in IGNORED_REDUCTIONS:
+        raise UsageError(f"{where}: Fixture.ignored_reduction {spec.ignored_reduction!r}; valid: "
+                         f"{', '.join(IGNORED_REDUCTIONS)}")
+    for key, value in spec.expect.items():
+        if value.partition(":")[0] not in OUTCOMES:
+            raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error, fallback:TEXT")
+    try:
+        model = spec.make(0, "meta")
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is named
+        raise UsageError(f"{where}: building the model failed: {type(exc).__name__}: {exc}") from None
+    modules = {n for n, _ in model.named_modules()}
+    for what, names in (("unit_roots", spec.unit_roots), ("blocks", spec.blocks)):
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model")
+    if not spec.unit_roots:
+        raise UsageError(f"{where}: Fixture.unit_roots is empty; declare the modules handed to fully_shard")
+    params = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        params[n] = p
+    for fqn in spec.compute_dtypes:
+        if fqn not in params:
+            raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
+    for group in spec.tied:
+        if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
+            raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")
+    batch = spec.batch(0, 0, 0, 0)
+    if not isinstance(batch, Batch):
+        raise UsageError(f"{where}: Fixture.make_batch returned {type(batch).__name__}, not parity.model.Batch")
+    return spec

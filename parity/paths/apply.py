@@ -1,0 +1,99 @@
+"""Any registered path behind one call: :func:`plan_sharding` (pure) and :func:`shard`.
+
+``plan_sharding`` asks the path for its units, following its declared fallback when it is
+unavailable in this build or ineligible for the plan, and records why. ``shard`` then
+checks that every rank resolved the same plan and lets the taken path call ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+from torch import nn
+
+from parity.errors import IsolationError, RankMismatchError, UsageError
+from parity.model.plan import PrecisionPlan
+from parity.paths.base import Ineligible, ShardReport
+from parity.paths.registry import get_path
+from parity.paths.units import resolve_roots
+
+
+def _check_output_dtype(roots: tuple[str, ...], plan: PrecisionPlan) -> None:
+    # the outermost unit must be the root module alone, else output_dtype has nowhere to go
+    members = resolve_roots(roots, plan) if "" in roots else {}
+    if plan.config.output_dtype is not None and ("",) not in members:
+        raise UsageError(
+            f"output_dtype {plan.config.output_dtype} would be silently ignored: no outermost FSDP unit of "
+            "the root module alone (declare \"\" as the last unit root, untied from other roots, or leave "
+            "output_dtype natural)"
+        )
+
+
+def plan_sharding(
+    model: nn.Module, roots: tuple[str, ...], plan: PrecisionPlan, path: str,
+    ignored: set[nn.Parameter] | None = None,
+) -> ShardReport:
+    """The units ``path`` (or the chain of its fallbacks) would shard ``model`` into."""
+    _check_output_dtype(roots, plan)
+    requested, reasons, seen = path, [], set()
+    while True:
+        impl = get_path(path)
+        seen.add(path)
+        reason = impl.unavailable()
+        if reason is None:
+            try:
+                report = impl.plan(model, roots, plan, set(ignored or ()))
+            except Ineligible as exc:
+                reason = "; ".join(exc.reasons)
+            except IsolationError as exc:
+                raise IsolationError(exc.params, "; ".join(reasons), path=path) from None
+            else:
+                return replace(report, requested=requested, taken=path, contract=impl.contract,
+                               fallback_reason="; ".join(reasons))
+        reasons.append(reason)
+        if impl.fallback is None or impl.fallback in seen:
+            raise UsageError(f"path {path!r} cannot shard this model and declares no usable fallback: {reason}")
+        path = impl.fallback
+
+
+def check_rank_consistency(plan: PrecisionPlan, group: dist.ProcessGroup | None = None) -> None:
+    """Compare every rank's resolved compute dtypes; raise naming parameters and ranks.
+
+    Runs before any ``fully_shard``: a rank-dependent override would otherwise make ranks
+    build different all-gather buffers, which aborts gloo (nothing Python can catch).
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    mine = plan.compute_dtypes()
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = []
+    for fqn in sorted(set().union(*everyone)):
+        seen = {r: d.get(fqn, "<missing>") for r, d in enumerate(everyone)}
+        if len(set(seen.values())) > 1:
+            problems.append(f"{fqn} ({', '.join(f'rank {r}: {v}' for r, v in seen.items())})")
+    if problems:
+        raise RankMismatchError(
+            "compute dtypes differ across ranks for " + "; ".join(problems)
+            + "; make the precision plan rank-independent before sharding"
+        )
+
+
+def apply_sharding(
+    model: nn.Module, report: ShardReport, plan: PrecisionPlan, *, mesh=None,
+    reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
+) -> None:
+    """Check rank consistency, then let the taken path call ``fully_shard``."""
+    check_rank_consistency(plan)
+    get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()))
+
+
+def shard(
+    model: nn.Module, path: str, *, roots: tuple[str, ...], plan: PrecisionPlan, mesh=None,
+    reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
+) -> ShardReport:
+    """Shard ``model`` along ``path`` and report the units, the path taken and any fallback."""
+    report = plan_sharding(model, roots, plan, path, ignored)
+    apply_sharding(model, report, plan, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored=ignored)
+    return report

@@ -1,0 +1,77 @@
+"""The registry of sharding paths: parity's two, plus the ``parity.paths`` entry-point group.
+
+An entry point names a :class:`~parity.paths.base.ShardingPath` instance, a class, or a
+factory returning one. Nothing else in parity treats ``legacy`` or ``native`` specially:
+baseline, fallback and contract are each path's declared attributes.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib.metadata import entry_points
+
+from parity.errors import UsageError
+from parity.paths.base import CONTRACTS, ShardingPath
+from parity.paths.legacy import LegacyPath
+from parity.paths.native import NativePath
+
+GROUP = "parity.paths"
+_extra: dict[str, ShardingPath] = {}
+
+
+def _check(path: object, where: str) -> ShardingPath:
+    if isinstance(path, type) or (callable(path) and not isinstance(path, ShardingPath)):
+        path = path()
+    if not isinstance(path, ShardingPath):
+        raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply)")
+    if path.contract not in CONTRACTS:
+        raise UsageError(f"{where}: contract {path.contract!r}; valid: {', '.join(CONTRACTS)}")
+    return path
+
+
+@functools.cache
+def _entry_point_paths() -> dict[str, ShardingPath]:
+    found = {}
+    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+        where = f"entry point {GROUP}:{ep.name} ({ep.value})"
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001
+            raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        path = _check(obj, where)
+        found[path.name] = path
+    return found
+
+
+def register(path: ShardingPath) -> ShardingPath:
+    """Register a path in this process (tests, notebooks); entry points do it for installs."""
+    path = _check(path, f"path {getattr(path, 'name', path)!r}")
+    _extra[path.name] = path
+    return path
+
+
+def paths() -> dict[str, ShardingPath]:
+    """Every registered path by name: legacy, native, then plugins."""
+    found: dict[str, ShardingPath] = {"legacy": LegacyPath(), "native": NativePath()}
+    for name, path in {**_entry_point_paths(), **_extra}.items():
+        found.setdefault(name, path)
+    for name, path in list(found.items()):
+        if path.fallback is not None and path.fallback not in found:
+            raise UsageError(f"path {name!r} declares fallback {path.fallback!r}, which is not registered")
+    return found
+
+
+def path_names() -> list[str]:
+    return list(paths())
+
+
+def get_path(name: str) -> ShardingPath:
+    registered = paths()
+    if name not in registered:
+        raise UsageError(f"unknown path {name!r}; valid: {', '.join(registered)}")
+    return registered[name]
+
+
+def check_path(name: str) -> str:
+    get_path(name)
+    return name
