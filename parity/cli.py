@@ -187,9 +187,6 @@ def cmd_run(args) -> int:
         cells = unique
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
     cells = select(cells, opts["filter"])
-    run_paths = list(dict.fromkeys(c.path for c in cells))
-    partner = next((p for p in run_paths if p != baseline), "")  # the baseline's checkpoint cross-load
-    cells = [dataclasses.replace(c, crossload=partner) if c.path == baseline else c for c in cells]
     if args.list:
         for c in cells:
             reason = matrix.skip_reason(c)

@@ -98,6 +98,11 @@ def order_cells(cells: list[Cell]) -> list[Cell]:
     return sorted(cells, key=lambda c: (c.ranks, first[c.pair_id], c.path != c.baseline))
 
 
+def _partner(cell: Cell, paths: list[str]) -> str:
+    """The path a baseline cell's checkpoint is cross-loaded into: the run's first other path."""
+    return next((p for p in paths if p != cell.baseline), "")
+
+
 class _Signals:
     """SIGINT/SIGTERM set a flag that the run polls at safe points (no torn rows)."""
 
@@ -126,6 +131,9 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
     interrupted)."""
     device = options.device
     cells = order_cells([replace(c, device=device) for c in cells])
+    paths = list(dict.fromkeys(c.path for c in cells))
+    cells = [replace(c, crossload=_partner(c, paths)) if c.path == c.baseline and not c.crossload else c
+             for c in cells]
     torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     if executor is not None and executor.rank != 0:  # torchrun peers observe; rank 0 judges and writes
         for cell in cells:

@@ -16,8 +16,9 @@ def read_records(out_dir: str) -> list[dict]:
 def run_matrix(tmp_path):
     """Run real cells (spawned gloo ranks) and return (exit code, records)."""
 
-    def run(cells: list[Cell], *, timeout: float = 60.0, fp64: bool = False, name: str = "run"):
+    def run(cells: list[Cell], *, timeout: float = 120.0, fp64: bool = False, name: str = "run"):
         out = str(tmp_path / name)
+        run.last_out = out
         code = run_cells(cells, RunOptions(out_dir=out, timeout=timeout, fp64=fp64, progress=False))
         return code, read_records(out)
 

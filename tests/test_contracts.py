@@ -1,4 +1,4 @@
-"""Every contract check fails on a deliberate fault (real gloo ranks)."""
+"""Contract checks on real gloo ranks (their faults: tests/test_faults.py)."""
 
 import pytest
 import torch
@@ -8,39 +8,6 @@ from parity.matrix.cell import Cell
 from parity.errors import UsageError
 from parity.paths import plan_sharding
 from parity.model.plan import PrecisionConfig, resolve_plan
-
-# fault -> (fixture, path, extra axes, the contract check that must FAIL)
-CONTRACT_FAULTS = {
-    "drop_override": ("kda", "native", {}, "dtype.compute"),
-    "bf16_reduce": ("kda", "native", {"microbatches": 3, "sync": "last"}, "dtype.reduce"),
-    "cast_storage": ("kda", "native", {}, "dtype.storage"),
-    "cast_child_inputs": ("kda", "legacy", {}, "dtype.boundary"),
-    "drop_output_dtype": ("kda", "native", {"output_dtype": "float32"}, "dtype.output"),
-    "rename_param": ("kda", "native", {}, "names"),
-    "replace_param": ("kda", "native", {}, "identity"),
-    "lose_buffer_marker": ("kda", "native", {}, "marker"),
-    "swap_optimizer_state": ("frozen", "native", {}, "checkpoint.same"),
-    "misfile_optimizer_state": ("frozen", "legacy", {}, "optim.state"),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("contracts")
-def test_every_contract_check_fails_on_its_fault(run_matrix):
-    cells = [Cell(fixture=fx, path=p, ranks=2, faults=(f,), **axes) for f, (fx, p, axes, _) in CONTRACT_FAULTS.items()]
-    cells.append(Cell(fixture="kda", path="legacy", ranks=2, microbatches=3, sync="last", faults=("bf16_reduce",)))
-    code, records = run_matrix(cells)
-    assert code == 1
-    for fault, (_, _, _, check) in CONTRACT_FAULTS.items():
-        failing = {r["check"] for r in records if r["cell"].endswith(f"fault-{fault}") and r["verdict"] == "FAIL"}
-        assert check in failing, (fault, failing)
-    accum = {r["check"] for r in records if "legacy" in r["cell"] and "bf16_reduce" in r["cell"] and r["verdict"] == "FAIL"}
-    assert "dtype.accum" in accum
-    # the applied unit policies are checked against the plan, independently of the report
-    for fault in ("cast_child_inputs", "drop_output_dtype", "bf16_reduce"):
-        failing = {r["check"] for r in records if r["cell"].endswith(f"fault-{fault}") and r["verdict"] == "FAIL"}
-        assert "unit.policy" in failing, (fault, failing)
-
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("contracts")

@@ -31,7 +31,7 @@ def verdicts(records):
     worst = {}
     order = {"SKIP": 0, "PASS": 1, "FAIL": 2, "ERROR": 3, "TIMEOUT": 3}
     for r in records:
-        if r["path"] != "legacy~native":
+        if "~" not in r["path"]:
             worst[r["cell"]] = max(worst.get(r["cell"], "SKIP"), r["verdict"], key=order.get)
     return worst
 
@@ -54,29 +54,6 @@ def test_representative_slice_passes_on_both_paths_and_rank_counts(run_matrix):
     assert {r["verdict"] for r in lm_skip} == {"SKIP"}
 
 
-# fault -> the check that must turn FAIL
-NUMERIC_FAULTS = {
-    "drop_override": "grad",
-    "bf16_reduce": "grad",
-    "perturb_output": "output",
-    "perturb_input_grad": "input_grad",
-    "perturb_grad": "grad",
-    "scale_grad_norm": "grad_norm",
-    "perturb_param": "param",
-}
-
-
-@pytest.mark.xdist_group("faults")
-@pytest.mark.parametrize("path", ["legacy", "native"])
-def test_every_numeric_check_fails_on_its_fault(run_matrix, path):
-    cells = [Cell(fixture="kda", path=path, ranks=2, faults=(f,)) for f in NUMERIC_FAULTS]
-    code, records = run_matrix(cells)
-    assert code == 1
-    for fault, check in NUMERIC_FAULTS.items():
-        failing = {r["check"] for r in records if r["cell"].endswith(f"fault-{fault}") and r["verdict"] == "FAIL"}
-        assert check in failing, (fault, failing)
-
-
 @pytest.mark.xdist_group("faults")
 def test_bf16_reduction_fails_at_the_first_step_on_one_rank_too(run_matrix):
     cells = [Cell(fixture="kda", path="native", faults=("bf16_reduce",)),
@@ -90,9 +67,23 @@ def test_bf16_reduction_fails_at_the_first_step_on_one_rank_too(run_matrix):
     assert [r["verdict"] for r in tied] == ["FAIL"]
 
 
+def _measured_timeout(run_matrix, cell) -> float:
+    """A silence timeout from this machine's own pace: 5x a healthy cell's whole duration
+    (a heartbeat comes after every micro-batch, so a healthy gap is far shorter)."""
+    import json
+    import os
+
+    code, _ = run_matrix([cell], name="pace")
+    assert code == 0
+    with open(os.path.join(run_matrix.last_out, "timings.json")) as fh:
+        t = json.load(fh)
+    return max(5.0, 5 * sum(t.get(k, 0.0) for k in ("build", "steps", "checkpoint")))
+
+
 @pytest.mark.xdist_group("isolation")
 def test_crash_hang_and_raise_become_verdicts_and_the_run_goes_on(run_matrix):
     ok = dict(fixture="frozen", path="native", ranks=2)
+    timeout = _measured_timeout(run_matrix, Cell(**ok, seed=0))
     cells = [
         Cell(**ok, seed=1),
         Cell(**ok, seed=2, faults=("crash",)),
@@ -101,13 +92,13 @@ def test_crash_hang_and_raise_become_verdicts_and_the_run_goes_on(run_matrix):
         Cell(**ok, seed=5, faults=("raise",)),
         Cell(**ok, seed=6),
     ]
-    code, records = run_matrix(cells, timeout=8)
+    code, records = run_matrix(cells, timeout=timeout)
     v = verdicts(records)
     by_seed = {c.seed: v[c.id] for c in cells}
     assert by_seed == {1: "PASS", 2: "ERROR", 3: "PASS", 4: "TIMEOUT", 5: "ERROR", 6: "PASS"}
     detail = {r["cell"]: r["detail"] for r in records if r["check"] == "run"}
     assert "rank 1 died with exit code 17" in detail[cells[1].id]
-    assert "rank(s) [0, 1] gave no result within 8 s" in detail[cells[3].id]
+    assert f"rank(s) [0, 1] made no progress for {timeout:.0f} s" in detail[cells[3].id]
     assert "rank 0 raised RuntimeError: deliberate fault" in detail[cells[4].id]
     assert code == 1
 
@@ -116,10 +107,10 @@ def test_crash_hang_and_raise_become_verdicts_and_the_run_goes_on(run_matrix):
 def test_rank_dependent_override_is_caught_before_any_collective(run_matrix):
     cells = [
         Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_override",)),
-        Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_override", "skip_rank_check")),
+        Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_unchecked",)),
         Cell(fixture="kda", path="native", ranks=2),
     ]
-    code, records = run_matrix(cells, timeout=30)
+    code, records = run_matrix(cells)
     v = verdicts(records)
     assert [v[c.id] for c in cells] == ["ERROR", "ERROR", "PASS"]
     caught = next(r for r in records if r["cell"] == cells[0].id)

@@ -1,0 +1,52 @@
+"""Generated from the fault registry: each fault is flagged by exactly the checks it declares."""
+
+import pathlib
+
+import pytest
+
+from parity.faults import FAULTS
+from parity.matrix.cell import Cell
+
+#: The hang is judged by silence, with a timeout measured on this machine (test_integration).
+RUN_HERE = [name for name in FAULTS if name != "hang"]
+
+
+def _failing(records, name: str) -> set[str]:
+    return {r["check"] for r in records
+            if r["cell"].endswith(f"fault-{name}") and r["verdict"] in ("FAIL", "ERROR", "TIMEOUT")}
+
+
+@pytest.fixture(scope="module")
+def fault_records(tmp_path_factory):
+    from parity.runner import RunOptions, run_cells
+    from tests.conftest import read_records
+
+    out = str(tmp_path_factory.mktemp("faults") / "run")
+    cells = [Cell(**FAULTS[name].cell, faults=(name,)) for name in RUN_HERE]
+    code = run_cells(cells, RunOptions(out_dir=out, timeout=120, progress=False))
+    assert code == 1
+    return read_records(out)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+@pytest.mark.parametrize("name", RUN_HERE)
+def test_fault_is_flagged_by_exactly_its_declared_checks(fault_records, name):
+    assert _failing(fault_records, name) == set(FAULTS[name].flags), FAULTS[name].where
+
+
+def test_every_check_kind_has_a_fault():
+    flagged = set().union(*(f.flags for f in FAULTS.values()))
+    assert {"output", "input_grad", "grad", "grad_norm", "param", "unit.policy", "dtype.storage", "dtype.compute",
+            "dtype.reduce", "dtype.accum", "dtype.boundary", "dtype.output", "names", "identity", "marker",
+            "optim.state", "checkpoint.same", "checkpoint.cross", "run"} <= flagged
+
+
+def test_no_fault_name_appears_in_production_modules():
+    root = pathlib.Path(__file__).resolve().parents[1] / "parity"
+    for path in root.rglob("*.py"):
+        if path.name == "faults.py":
+            continue
+        text = path.read_text()
+        named = [n for n in FAULTS if f'"{n}"' in text or f"'{n}'" in text]
+        assert not named, (path, named)
