@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a matrix of cells and judge them")
     run.add_argument("--matrix", help="matrix name (fixtures/matrices) or .toml path (default: smoke)")
     run.add_argument("--model", action="append", help="plugin model source; replaces the matrix's fixture axis")
-    run.add_argument("--paths", help="comma list of registered paths, e.g. legacy,native")
+    run.add_argument("--paths", help="comma list of registered paths replacing the matrix's path axis, e.g. legacy,native")
     run.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
     run.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
     run.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
@@ -174,8 +174,9 @@ def cmd_run(args) -> int:
     ranks = _csv(opts["ranks"], "--ranks", [1, 2, 4, 8], int)
     faults = check_faults(opts["fault"])
     baseline = check_path(opts["baseline"])
-    if paths:
-        cells = [c for c in cells if c.path in paths]
+    if paths:  # the path axis becomes exactly these paths, for every pair group of the matrix
+        groups = list(dict.fromkeys(dataclasses.replace(c, path=paths[0]) for c in cells))
+        cells = [dataclasses.replace(g, path=p) for g in groups for p in paths]
     if ranks:
         cells = [c for c in cells if c.ranks in ranks]
     if opts["seed"] is not None:

@@ -1,0 +1,166 @@
+"""Plugin seams: paths and models from outside parity, and a layout whose stages stay apart."""
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from parity.errors import IsolationError
+from parity.model.plan import PrecisionConfig, resolve_plan
+from parity.paths import plan_sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OWN_MODEL = os.path.join(ROOT, "examples", "own_model", "my_model.py") + ":parity_model"
+
+
+def _parity(*args, env=None, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True, text=True, env=env, cwd=cwd)
+
+
+def _rows(out):
+    with open(os.path.join(out, "cells.csv")) as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_the_reference_loads_nothing_distributed_and_no_worker_module():
+    code = textwrap.dedent("""
+        import sys, torch
+        before = {m for m in sys.modules if m.startswith("torch.distributed")}
+        import parity.judge.reference
+        added = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
+        added += sorted(m for m in sys.modules if m.startswith(("parity.execute", "parity.runner", "parity.faults")))
+        print(added)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_importing_parity_never_imports_a_top_level_fixtures_package(tmp_path):
+    shadow = tmp_path / "fixtures"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('someone else's fixtures package')\n")
+    code = "import sys, parity.model.registry as r; print(len(r.registry())); print('fixtures' in sys.modules)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["6", "False"]
+
+
+class ExpertBank(nn.Module):
+    """A root whose FP32 minority is exactly a ModuleList (no forward)."""
+
+    _keep_in_fp32_modules_strict = ["routers"]
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.routers = nn.ModuleList([nn.Linear(16, 2) for _ in range(3)])
+
+    def forward(self, x):
+        x = self.proj(x)
+        return x + sum(r(x.float()).sum(-1, keepdim=True) for r in self.routers).to(x.dtype)
+
+
+def test_a_forwardless_container_minority_is_sharded_through_its_children():
+    model = ExpertBank()
+    plan = resolve_plan(model, PrecisionConfig())
+    report = plan_sharding(model, ("",), plan, "legacy")
+    assert [u.root for u in report.units] == ["routers.0", "routers.1", "routers.2", "<root>"]
+    assert all(u.param_dtype == torch.float32 for u in report.units[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("plugins")
+def test_a_forwardless_container_minority_trains_on_real_fsdp(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parity.paths import shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = ExpertBank()
+        plan = resolve_plan(model, PrecisionConfig())
+        shard(model, "legacy", roots=("",), plan=plan, mesh=init_device_mesh("cpu", (1,)))
+        model(torch.randn(2, 16)).sum().backward()
+        assert model.routers[0].weight.grad is not None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unknown_path_and_bad_model_factories_exit_2(tmp_path):
+    bad = tmp_path / "bad_model.py"
+    bad.write_text(textwrap.dedent("""
+        from parity.model import Fixture
+        def not_a_fixture():
+            return 42
+        def wrong_root():
+            from torch import nn
+            return Fixture(name="m", description="", build=lambda: nn.Linear(2, 2), unit_roots=("blocks.0", ""),
+                           blocks=(), make_batch=None, loss=None)
+    """))
+    cases = [
+        (["run", "--paths", "legacy,fast"], "unknown value 'fast'; valid: legacy, native"),
+        (["run", "--model", f"{bad}:not_a_fixture"], "returned int, not parity.model.Fixture"),
+        (["run", "--model", f"{bad}:wrong_root"], "Fixture.make_batch must be callable"),
+        (["run", "--model", f"{bad}:missing"], "has no attribute 'missing'"),
+        (["plan", "--model", "no_such_pkg.mod:make"], "cannot import no_such_pkg.mod"),
+    ]
+    for argv, message in cases:
+        proc = _parity(*argv)
+        assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("\n") == 1, (argv, proc.stderr)
+
+
+def _install_example(target) -> dict:
+    src = os.path.join(ROOT, "examples", "external_path")
+    uv = shutil.which("uv")
+    if uv:
+        cmd = [uv, "pip", "install", "--python", sys.executable, "--target", str(target), "--no-deps", src]
+    else:
+        cmd = [sys.executable, "-m", "pip", "install", "--target", str(target), "--no-deps", src]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return {**os.environ, "PYTHONPATH": str(target)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("plugins")
+def test_an_installed_external_path_is_judged_and_paired_with_legacy_and_native(tmp_path):
+    env = _install_example(tmp_path / "site")
+    listed = _parity("fixtures", env=env)
+    assert "owner_split    path (dtype-split)" in listed.stdout
+    select = ["--matrix", "smoke", "-k", "fixture in ('frozen', 'unisolatable') and ranks == 1 and microbatches == 1"]
+    for baseline, paths in (("legacy", "legacy,native,owner_split"), ("native", "native,owner_split")):
+        out = tmp_path / baseline
+        proc = _parity("run", *select, "--paths", paths, "--baseline", baseline, "--out", str(out), env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = _rows(out)
+        own = [r for r in rows if r["path"] == "owner_split"]
+        assert own and {r["verdict"] for r in own} <= {"PASS", "SKIP"}
+        pairs = [r for r in rows if r["path"] == f"{baseline}~owner_split"]
+        assert pairs and {r["verdict"] for r in pairs} == {"PASS"}
+        # a dtype-split plugin inherits the fixture's contract-keyed expectation
+        iso = [r for r in own if r["fixture"] == "unisolatable"]
+        assert [(r["check"], r["verdict"]) for r in iso] == [("expected_error", "PASS")]
+        assert "owner_split dtype-split cannot isolate" in iso[0]["detail"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("plugins")
+def test_the_own_model_walkthrough_from_the_readme(tmp_path):
+    plan = _parity("plan", "--model", OWN_MODEL)
+    assert plan.returncode == 0, plan.stderr
+    assert "layers.0.gate.A_log" in plan.stdout and "strict" in plan.stdout
+    assert "path requested=native taken=native" in plan.stdout
+    out = tmp_path / "own"
+    run = _parity("run", "--model", OWN_MODEL, "--out", str(out))
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = _rows(out)
+    assert {r["fixture"] for r in rows} == {"my_model"}
+    assert {r["path"] for r in rows} == {"legacy", "native", "legacy~native"}
+    assert {r["verdict"] for r in rows} <= {"PASS", "SKIP"}
