@@ -44,7 +44,7 @@ def _integer(value: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,run,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")

@@ -165,7 +165,7 @@ class _Run:
         self.device = options.device
         self.timings = Counter()
         self.pools: dict[int, RankPool] = {}
-        self.tmp = tempfile.mkdtemp(prefix="parity-run-")
+        self.tmp = ""
         self.finished: set[str] = set()
         self.writer = RecordWriter(os.path.join(options.out_dir, outdir.CELLS),
                                    append=os.path.exists(os.path.join(options.out_dir, outdir.CELLS)))
@@ -185,6 +185,7 @@ class _Run:
         progress = _Progress(len(self.todo), tty)
         self.wall0 = time.perf_counter()
         try:
+            self.tmp = tempfile.mkdtemp(prefix="parity-run-")  # pools' stores, workers' checkpoints
             for cell in self.todo:
                 if signals():
                     break
@@ -205,7 +206,8 @@ class _Run:
             for pool in self.pools.values():
                 pool.stop(kill=signals(), grace=3.0)
             self.writer.close()
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.tmp:
+                shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _run_one(self, cell: Cell, signals) -> list[Record]:
         reason = self._skip(cell)

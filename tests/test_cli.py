@@ -18,6 +18,14 @@ from parity.cli import main
         (["run", "-k", "fixture == 'nope'"], "no cells selected"),
         (["run", "-k", "ranks > 'x'"], "-k: cannot evaluate"),
         (["run", "-k", "1/0 == 1"], "-k: cannot evaluate"),
+        (["run", "--seed", "abc"], "argument --seed: must be an integer, got 'abc'"),
+        (["run", "--device", "tpu"], "invalid choice: 'tpu' (choose from 'auto', 'cpu', 'cuda')"),
+        (["run", "--timeout", "0"], "argument --timeout: must be a positive number of seconds, got '0'"),
+        (["run", "--timeout", "-5"], "must be a positive number of seconds"),
+        (["run", "--out", "/proc/version/x"], "--out /proc/version/x: cannot write there"),
+        (["run", "--bogus"], "unrecognized arguments: --bogus"),
+        ([], "required: {plan,run,fixtures}"),
+        (["run", "--resume", "/nonexistent-parity-dir"], "no run.json there"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
@@ -49,3 +57,49 @@ def test_list_prints_cells_without_running(capsys):
 def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "parity", "fixtures"], capture_output=True, text=True)
     assert proc.returncode == 0 and "smoke" in proc.stdout and "kda" in proc.stdout
+
+
+def test_an_out_dir_that_is_a_file_or_holds_another_run_is_refused(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["run", "--out", str(afile), "-k", "ranks == 1"]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "cells.csv").write_text("cell\n")
+    (old / "summary.md").write_text("48 PASS\n")
+    assert main(["run", "--out", str(old), "-k", "ranks == 1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds another run's results (cells.csv, summary.md); pass --overwrite" in err and err.count("\n") == 1
+
+
+def test_overwrite_removes_only_parity_files(tmp_path):
+    from parity.report import outdir
+
+    d = tmp_path / "out"
+    d.mkdir()
+    for name in ("cells.csv", "summary.md", "timings.json", "notes.txt"):
+        (d / name).write_text("old")
+    outdir.prepare(str(d), {"options": {}}, overwrite=True)
+    assert sorted(p.name for p in d.iterdir()) == ["notes.txt", "run.json"]
+
+
+def test_resume_refuses_changed_options_naming_them(capsys, tmp_path):
+    from parity.report import outdir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    options = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "fault": [],
+               "model": [], "baseline": "legacy", "device": "auto", "fp64": False}
+    outdir.write_manifest(str(d), {"options": options, "cells": [], "status": "interrupted"})
+    assert main(["run", "--resume", str(d), "--seed", "3"]) == 2
+    assert "seed differs from the interrupted run's (None recorded, 3 given)" in capsys.readouterr().err
+    assert main(["run", "--resume", str(d), "--overwrite"]) == 2
+    assert "give only one of them" in capsys.readouterr().err
+    assert main(["run", "--resume", str(d)]) == 2  # the smoke matrix selects cells; none were recorded
+    assert "selects different cells than the interrupted run" in capsys.readouterr().err
+
+
+def test_a_closed_stdout_is_not_a_traceback():
+    proc = subprocess.run(f"{sys.executable} -m parity fixtures | head -1", shell=True, capture_output=True, text=True)
+    assert proc.stdout.startswith("kda") and proc.stderr == ""
