@@ -305,7 +305,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=_perturb_param),
     _fault("misfile_optimizer_state", "DCP files one parameter's optimizer state under another FQN (get_state_dict)",
-           {"optim.state", "checkpoint.same"}, {"fixture": "frozen", "path": "legacy", "ranks": 2},
+           {"optim.state", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "legacy", "ranks": 2},
            patch=_misfile_optimizer_state, scopes=_MAIN),
     _fault("swap_optimizer_state", "DCP loads two same-shape parameters' optimizer states swapped (set_state_dict)",
            {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2},
