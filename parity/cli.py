@@ -1,4 +1,4 @@
-"""``python -m parity``: ``plan``, ``run``, ``fixtures``.
+"""``python -m parity``: ``plan``, ``run``, ``gate``, ``fixtures``.
 
 Exit codes: 0 success; 1 a cell failed (FAIL/ERROR/TIMEOUT); 2 bad input (one line naming
 the thing and the valid choices); 130/143 interrupted by SIGINT/SIGTERM.
@@ -14,10 +14,11 @@ import sys
 from parity.errors import UsageError
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
-RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "fault", "model", "baseline", "device", "fp64")
+RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "fault", "model", "baseline", "device", "fp64",
+                "require_native")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "fault": [],
-                "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "timeout": 60.0,
-                "out": "results/latest"}
+                "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
+                "timeout": 60.0, "out": "results/latest"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -42,9 +43,29 @@ def _integer(value: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
 
 
+def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
+    """Options shared by ``run`` and ``gate`` (what to run and how)."""
+    p.add_argument("--matrix", help=f"matrix name (fixtures/matrices) or .toml path (default: {matrix})")
+    p.add_argument("--model", action="append", help="plugin model source; replaces the matrix's fixture axis")
+    p.add_argument("--paths", help="comma list of registered paths replacing the matrix's path axis, e.g. legacy,native")
+    p.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
+    p.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
+    p.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
+    p.add_argument("--out", help="output directory (default: results/latest)")
+    p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
+    p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
+    p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
+    p.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
+    p.add_argument("--require-native", action="store_true", default=None,
+                   help="a fallback the fixture does not declare (unsupported build included) is a FAIL")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,run,fixtures}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,run,gate,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
@@ -53,21 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--output-dtype", default="natural")
     sub.add_parser("fixtures", help="list models, paths and matrices")
     run = sub.add_parser("run", help="run a matrix of cells and judge them")
-    run.add_argument("--matrix", help="matrix name (fixtures/matrices) or .toml path (default: smoke)")
-    run.add_argument("--model", action="append", help="plugin model source; replaces the matrix's fixture axis")
-    run.add_argument("--paths", help="comma list of registered paths replacing the matrix's path axis, e.g. legacy,native")
-    run.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
-    run.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
-    run.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
-    run.add_argument("--out", help="output directory (default: results/latest)")
-    run.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
-    run.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
-    run.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
-    run.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    run.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
-    run.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
-    run.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
+    _run_arguments(run, "smoke")
     run.add_argument("--list", action="store_true", help="print the selected cells and exit")
+    gate = sub.add_parser("gate", help="GO / NO-GO per model for enabling the native path")
+    _run_arguments(gate, "default")
+    gate.add_argument("--from", dest="from_dir", metavar="DIR", help="judge an existing results directory instead")
+    gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     return p
 
 
@@ -139,11 +151,11 @@ def cmd_fixtures(args) -> int:
     return 0
 
 
-def _run_settings(args) -> dict:
+def _run_settings(args, defaults: dict) -> dict:
     """The effective run options: given > recorded (``--resume``) > defaults."""
-    given = {k: getattr(args, k) for k in RUN_DEFAULTS if getattr(args, k) not in (None, [])}
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) not in (None, [])}
     if not args.resume:
-        return {**RUN_DEFAULTS, **given}
+        return {**defaults, **given}
     from parity.report.outdir import read_manifest
 
     if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(args.resume):
@@ -157,17 +169,15 @@ def _run_settings(args) -> dict:
         if key in RUN_IDENTITY and recorded.get(key) != value:
             raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
                              f"({recorded.get(key)!r} recorded, {value!r} given); drop it or start a new run")
-    return {**RUN_DEFAULTS, **recorded, **given, "out": args.resume}
+    return {**defaults, **recorded, **given, "out": args.resume}
 
 
-def cmd_run(args) -> int:
-    from parity.execute.torchrun import TorchrunExecutor, under_torchrun
+def _select(opts: dict):
+    """(matrix, cells) the options select."""
     from parity.faults import check_faults
     from parity.matrix import load, select
     from parity.paths import check_path, path_names
-    from parity.runner import RunOptions, resolve_device, run_cells
 
-    opts = _run_settings(args)
     matrix = load(opts["matrix"], tuple(opts["model"]))
     cells = list(matrix.cells)
     paths = _csv(opts["paths"], "--paths", path_names())
@@ -187,13 +197,13 @@ def cmd_run(args) -> int:
                 unique.append(c)
         cells = unique
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
-    cells = select(cells, opts["filter"])
-    if args.list:
-        for c in cells:
-            reason = matrix.skip_reason(c)
-            print(c.id + (f"  [SKIP: {reason}]" if reason else ""))
-        print(f"{len(cells)} cells")
-        return 0
+    return matrix, select(cells, opts["filter"])
+
+
+def _execute(args, opts: dict, matrix, cells) -> int:
+    from parity.execute.torchrun import TorchrunExecutor, under_torchrun
+    from parity.runner import RunOptions, resolve_device, run_cells
+
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
     identity = {k: opts[k] for k in RUN_IDENTITY}
@@ -207,13 +217,64 @@ def cmd_run(args) -> int:
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
     device = resolve_device(opts["device"])
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
-                         title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume))
+                         title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
+                         require_native=opts["require_native"])
     if under_torchrun():
         executor = TorchrunExecutor(device)
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731
         code = run_cells(cells, options, skip_reason=skip, executor=executor)
-        return code if executor.rank == 0 else 0
+        return code if executor.rank == 0 else -1
     return run_cells(cells, options, skip_reason=matrix.skip_reason)
+
+
+def cmd_run(args) -> int:
+    opts = _run_settings(args, RUN_DEFAULTS)
+    matrix, cells = _select(opts)
+    if args.list:
+        for c in cells:
+            reason = matrix.skip_reason(c)
+            print(c.id + (f"  [SKIP: {reason}]" if reason else ""))
+        print(f"{len(cells)} cells")
+        return 0
+    return max(0, _execute(args, opts, matrix, cells))
+
+
+def cmd_gate(args) -> int:
+    """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO per model."""
+    from parity.paths import check_path
+    from parity.report import gate, outdir
+    from parity.report.records import read_records
+
+    candidate = check_path(args.candidate)
+    if args.from_dir:
+        out = args.from_dir
+        manifest = outdir.read_manifest(out)
+        if manifest.get("status") != "complete":
+            raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
+                             f"finish it with python -m parity run --resume {out}")
+    else:
+        opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+        matrix, cells = _select(opts)
+        code = _execute(args, opts, matrix, cells)
+        if code < 0:
+            return 0  # a torchrun peer: rank 0 decides
+        out = opts["out"]
+        manifest = outdir.read_manifest(out)
+        if manifest.get("status") != "complete":
+            return code  # interrupted: the run already said so
+    records = read_records(os.path.join(out, outdir.CELLS))
+    decisions = gate.evaluate(records, candidate)
+    meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
+            "matrix": (manifest.get("options") or {}).get("matrix", ""),
+            "cells": len(manifest.get("cells", [])), "records": len(records)}
+    gate.write(out, decisions, records, meta=meta)
+    width = max((len(d.model) for d in decisions), default=5)
+    for d in decisions:
+        why = "; ".join(d.reasons or d.notes)
+        print(f"{d.model:<{width}}  {d.decision:<14}  {why[:200]}")
+    print(f"gate: {out}/gate.md, {out}/gate.json")
+    go = bool(decisions) and all(d.decision in (gate.GO, gate.NOT_APPLICABLE) for d in decisions)
+    return 0 if go else 1
 
 
 def _torch_version() -> str:
@@ -225,7 +286,7 @@ def _torch_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"plan": cmd_plan, "run": cmd_run, "fixtures": cmd_fixtures}[args.command](args)
+        return {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "fixtures": cmd_fixtures}[args.command](args)
     except UsageError as exc:
         print(f"parity: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,8 @@ class RunOptions:
     """Replace another run's results in ``out_dir`` instead of refusing."""
     resume: bool = False
     """Continue the run recorded in ``out_dir``: recorded pair groups are not rerun."""
+    require_native: bool = False
+    """A fallback the fixture does not declare (an unsupported build included) is a FAIL."""
 
 
 def resolve_device(device: str) -> str:
@@ -170,7 +172,13 @@ class _Run:
         self.writer = RecordWriter(os.path.join(options.out_dir, outdir.CELLS),
                                    append=os.path.exists(os.path.join(options.out_dir, outdir.CELLS)))
         self.group_left = Counter(c.pair_id for c in todo)
+        self.group_cells: dict[str, list[Cell]] = {}
+        for c in todo:
+            self.group_cells.setdefault(c.pair_id, []).append(c)
         self.baseline_judged: dict[str, object] = {}
+        self.unpaired: dict[tuple[str, str], str] = {}
+        """(pair group, path) -> why that cell has nothing to be compared with or from."""
+        self.paired: set[tuple[str, str]] = set()
 
     def _skip(self, cell: Cell) -> str:
         return _skip_reason(cell, self.device, self.skip_reason)
@@ -194,9 +202,11 @@ class _Run:
                     new = self._run_one(cell, signals)
                 except Interrupted:
                     break
+                self.group_left[cell.pair_id] -= 1
+                if self.group_left[cell.pair_id] == 0:
+                    new = new + self._unpaired_rows(cell.pair_id)
                 self.writer.write(new)
                 self.finished.add(cell.id)
-                self.group_left[cell.pair_id] -= 1
                 if self.group_left[cell.pair_id] == 0:
                     outdir.mark_group_done(self.options.out_dir, cell.pair_id)
                     self.baseline_judged.pop(cell.pair_id, None)
@@ -212,25 +222,34 @@ class _Run:
     def _run_one(self, cell: Cell, signals) -> list[Record]:
         reason = self._skip(cell)
         if reason:
+            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} was skipped: {reason}"
             return [Record(**base_fields(cell), check="run", name="cell", verdict=Verdict.SKIP, detail=reason)]
         try:
             observations = self._observe(cell, signals)
         except CellFailure as exc:
             if signals():  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
+            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} did not finish ({exc.verdict})"
             return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
         j0 = time.perf_counter()
         try:
-            judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device))
+            judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device),
+                                require_native=self.options.require_native)
         except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
+            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} could not be judged"
             return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
         new = judged.records
-        if judged.run is not None:
+        if judged.run is None:
+            self.unpaired[cell.pair_id, cell.path] = (
+                f"{new[0].path_taken} raised the fixture's expected isolation error" if new[0].verdict == Verdict.PASS
+                else f"{cell.path} did not train ({new[0].check} {new[0].verdict})")
+        else:
             if cell.path == cell.baseline:
                 self.baseline_judged[cell.pair_id] = (cell, judged)
             elif cell.pair_id in self.baseline_judged:
+                self.paired.add((cell.pair_id, cell.path))
                 try:
                     new = new + _cross_records(self.baseline_judged[cell.pair_id], (cell, judged))
                 except Exception as exc:  # noqa: BLE001 - a broken comparison is an ERROR row
@@ -238,6 +257,22 @@ class _Run:
                                         detail=f"cross-path comparison failed: {type(exc).__name__}: {exc}")]
         self.timings["reference+compare"] += time.perf_counter() - j0
         return new
+
+    def _unpaired_rows(self, group: str) -> list[Record]:
+        """One UNPAIRED row for every non-baseline cell of a finished group that was not compared."""
+        rows = []
+        for cell in self.group_cells[group]:
+            if cell.path == cell.baseline or (group, cell.path) in self.paired:
+                continue
+            if any(c.path == cell.baseline for c in self.group_cells[group]):
+                why = self.unpaired.get((group, cell.baseline)) or self.unpaired.get((group, cell.path), "")
+            else:
+                why = f"the baseline {cell.baseline} was not run for this cell (filtered out)"
+            if (group, cell.baseline) in self.unpaired and (group, cell.path) not in self.unpaired:
+                why += f"; {cell.path} was judged against the reference alone"
+            base = {**base_fields(cell), "cell": group, "path": f"{cell.baseline}~{cell.path}"}
+            rows.append(Record(**base, check="pair", name=cell.path, verdict=Verdict.UNPAIRED, detail=why))
+        return rows
 
     def _observe(self, cell: Cell, signals):
         if self.executor is not None:
@@ -275,6 +310,11 @@ class _Run:
             return EXIT_SIGNAL[received]
         print(terminal_table(records))
         print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
+        verdicts = cell_verdicts(records)
+        if verdicts and set(verdicts.values()) == {Verdict.SKIP}:
+            first = next(r.detail for r in records if r.verdict == Verdict.SKIP)
+            print(f"parity: every cell was skipped ({first}); nothing was checked", file=sys.stderr)
+            return 1
         return 1 if any(r.verdict in BAD for r in records) else 0
 
 

@@ -35,18 +35,47 @@ class Judged:
     run: Assembled | None = None
 
 
-def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu") -> Judged:
+def _fallback_kind(reason: str, expect: str, expected_reason: str) -> str:
+    """``declared`` (the fixture says this path falls back for this reason), ``unsupported
+    build`` (the API is missing here), or ``undeclared``."""
+    if expect == "fallback" and expected_reason in reason:
+        return "declared"
+    return "unsupported build" if reason.startswith("unsupported build") else "undeclared"
+
+
+def _expected_error_records(cell: Cell, observations: list[Observation], fixture, expect: str,
+                            expected_reason: str, require_native: bool) -> list[Record]:
+    """The path (or the one it fell back to) raised the isolation error the fixture declares:
+    legitimate only if this path raised it itself or reached it by a declared fallback (or
+    for lack of the API, unless native is required), and only if every rank's error names
+    every parameter the fixture declares."""
+    rep = observations[0].report
+    base = base_fields(cell, rep.taken, rep.fallback_reason)
+    kind = _fallback_kind(rep.fallback_reason, expect, expected_reason) if rep.taken != cell.path else ""
+    legit = rep.taken == cell.path or kind == "declared" or (kind == "unsupported build" and not require_native)
+    first = observations[0].expected_error
+    if not legit:
+        why = "native not exercised: " if kind == "unsupported build" else ""
+        return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
+                       detail=f"{why}{cell.path} was expected to shard this fixture: {first}")]
+    declared = [p for p in fixture.expects(rep.taken, get_path(rep.taken).contract)[1].split(",") if p]
+    missing = [(o.rank, p) for o in observations for p in declared if p not in o.expected_error]
+    if missing:
+        detail = "; ".join(f"rank {r} does not name {p}" for r, p in missing) + f" (rank 0: {first})"
+        return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL, detail=detail)]
+    return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.PASS,
+                   detail=f"on all {len(observations)} rank(s): {first}")]
+
+
+def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu",
+               require_native: bool = False) -> Judged:
+    """Records for one cell. ``require_native``: a fallback the fixture does not declare
+    (an unsupported build included) is a FAIL, not a legacy run that passed."""
     fixture = get_fixture(cell.fixture, cell.source)
     expect, expected_reason = fixture.expects(cell.path, get_path(cell.path).contract)
     first = observations[0]
-    if first.expected_error:
-        rep = first.report
-        base = base_fields(cell, rep.taken, rep.fallback_reason)
-        # the path raised itself, or fell back as declared (or for lack of the API) into one that raises
-        legit = rep.taken == cell.path or expect == "fallback" or rep.fallback_reason.startswith("unsupported build")
-        verdict = Verdict.PASS if legit else Verdict.FAIL
-        detail = first.expected_error if legit else f"{cell.path} was expected to shard this fixture: {first.expected_error}"
-        return Judged([Record(**base, check="expected_error", name="isolation", verdict=verdict, detail=detail)])
+    if any(o.expected_error for o in observations):
+        return Judged(_expected_error_records(cell, observations, fixture, expect, expected_reason, require_native))
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)
     records = []
@@ -55,18 +84,20 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                               detail=f"expected {cell.path} to raise IsolationError; it sharded instead"))
     if expect == "fallback" or report.fallback_reason:
         reason = report.fallback_reason
-        ok = bool(reason) and (
-            reason.startswith("unsupported build") or (expect == "fallback" and expected_reason in reason)
-        )
-        records.append(Record(**base, check="fallback", name=cell.path, verdict=Verdict.PASS if ok else Verdict.FAIL,
-                              detail=reason or f"expected a fallback ({expected_reason}); {cell.path} was taken"))
+        kind = _fallback_kind(reason, expect, expected_reason) if reason else "none"
+        ok = kind == "declared" or (kind == "unsupported build" and not require_native)
+        detail = reason or f"expected a fallback ({expected_reason}); {cell.path} was taken"
+        if kind == "unsupported build":
+            detail = f"native not exercised: {detail}"
+        records.append(Record(**base, check="fallback", name=kind, verdict=Verdict.PASS if ok else Verdict.FAIL,
+                              detail=detail))
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
     truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None
-    replayed = replay_optimizer(cell, fixture, plan, run.grads, device=device)
+    replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
     accumulating = cell.sync == "last" and cell.microbatches > 1
     comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=accumulating,
-                             replayed=replayed, truth=truth)
+                             replayed=replayed, world=cell.ranks, truth=truth)
     records += [c.record(base) for c in comps]
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,

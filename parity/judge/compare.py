@@ -4,13 +4,14 @@ allowed error, their ratio, and the dtype that justified the allowance."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.record import Record, judge
+from parity.judge.record import Record, conclusive, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
 
@@ -76,30 +77,50 @@ class Comparison:
     expected: torch.Tensor | float
     allowance: tolerance.Allowance
     truth: torch.Tensor | float | None = None
+    signal: float | None = None
+    """The size of what is judged; None: max |expected|."""
+
+    def _observed(self) -> tuple[float, float]:
+        """(observed, allowed): the worst element's for element-wise allowances."""
+        per = self.allowance.per_element
+        if per is None or not isinstance(self.actual, torch.Tensor) or self.actual.shape != per.shape:
+            if isinstance(self.actual, torch.Tensor):
+                return max_abs(self.actual, self.expected), self.allowance.allowed
+            return abs(self.actual - self.expected), self.allowance.allowed
+        diff = (self.actual.double() - self.expected.to(self.actual.device).double()).abs()
+        if not diff.numel() or not bool(diff.ne(0).any()):
+            return 0.0, self.allowance.allowed
+        ratios = torch.where(per > 0, diff / per.clamp_min(torch.finfo(torch.float64).tiny),
+                             torch.where(diff > 0, torch.inf, 0.0))
+        worst = int(torch.argmax(ratios))
+        return float(diff.flatten()[worst]), float(per.flatten()[worst])
 
     def record(self, base: dict) -> Record:
-        if isinstance(self.actual, torch.Tensor):
-            observed = max_abs(self.actual, self.expected)
-        else:
-            observed = abs(self.actual - self.expected)
-        ratio, verdict, detail = judge(observed, self.allowance.allowed)
+        observed, allowed = self._observed()
+        ratio, verdict, detail = judge(observed, allowed)
+        signal = self.signal if self.signal is not None else (
+            amax(self.expected) if isinstance(self.expected, torch.Tensor) else abs(self.expected))
+        verdict = conclusive(verdict, self.allowance.allowed, signal)
         detail = "; ".join(x for x in (detail, self.allowance.basis) if x)
         fp64 = ""
         if self.truth is not None:
             fp64 = max_abs(self.actual, self.truth) if isinstance(self.actual, torch.Tensor) else abs(self.actual - self.truth)
         return Record(
             **base, step=self.step, check=self.check, name=self.name, observed=observed,
-            allowed=self.allowance.allowed, ratio=ratio, dtype=self.allowance.dtype_name,
+            allowed=allowed, ratio=ratio, dtype=self.allowance.dtype_name,
             verdict=verdict, detail=detail, fp64_observed=fp64,
+            signal=signal, allowed_over_signal=vacuity(self.allowance.allowed, signal),
         )
 
 
 def plan_comparisons(
     run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int, accumulating: bool,
-    replayed: list[dict[str, torch.Tensor]], truth: ReferenceRun | None = None,
+    replayed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], world: int = 1,
+    truth: ReferenceRun | None = None,
 ) -> list[Comparison]:
     """Outputs, input gradients, gradients and the gradient norm against the reference run;
-    post-step parameters against the reference optimizer replayed on the observed gradients."""
+    post-step parameters against the reference optimizer replayed on the observed gradients
+    from the observed previous parameters (``replayed[step]`` = (before, after))."""
     out: list[Comparison] = []
     for k, per_rank in enumerate(run.outputs):
         step, mb = divmod(k, micro)
@@ -115,6 +136,7 @@ def plan_comparisons(
                 t = truth.input_grads[k][r] if truth else None
                 out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", g, eg, allow, t))
     for step, grads in enumerate(ref.grads):
+        spread = 0.0  # sum over gradients of numel x allowance^2
         for f, expected in grads.items():
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
@@ -123,21 +145,24 @@ def plan_comparisons(
                 # per-use contributions only land separately while accumulating without sync
                 uses=max(1, len(entry.tie_group)) if accumulating else 1, compute_dtype=entry.compute,
             )
+            spread += expected.numel() * allow.allowed ** 2
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None
             out.append(Comparison(step, "grad", f, actual, expected, allow, t))
         for f in sorted(set(run.grads[step]) - set(grads)):  # a gradient the plan says cannot exist
             allow = tolerance.gradient(torch.float32, torch.float32, ref.grad_terms, 0.0)
             out.append(Comparison(step, "grad", f, run.grads[step][f], torch.zeros(0), allow))
-        elements = sum(g.numel() for g in grads.values())
+        largest = max((g.numel() for g in grads.values()), default=1)
         gdtype = max((g.dtype for g in grads.values()), key=tolerance.unit_roundoff, default=torch.float32)
-        allow = tolerance.grad_norm(gdtype, elements, ref.grad_norms[step])
+        allow = tolerance.grad_norm(gdtype, largest, len(grads), world, ref.grad_norms[step], math.sqrt(spread))
         t = truth.grad_norms[step] if truth else None
         out.append(Comparison(step, "grad_norm", "global", run.grad_norms[step], ref.grad_norms[step], allow, t))
-        for f, expected in replayed[step].items():
-            allow = tolerance.parameter(plan[f].storage, step + 1, amax(expected))
+        before, after = replayed[step]
+        for f, expected in after.items():
+            update = expected - before[f]
+            allow = tolerance.parameter(plan[f].storage, expected, update)
             t = truth.params[step][f] if truth else None
-            out.append(Comparison(step, "param", f, run.params[step][f], expected, allow, t))
+            out.append(Comparison(step, "param", f, run.params[step][f], expected, allow, t, signal=amax(update)))
     return out
 
 
@@ -149,7 +174,7 @@ def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtyp
 def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[Comparison]:
     """Compare two paths' runs of one cell with the allowances of the first's comparisons."""
     out = []
-    for c in first:
+    for c in first:  # same allowance, same signal: the baseline's
         step = c.step
         if c.check in ("output", "input_grad"):
             r, mb = c.name.split("/")
@@ -161,5 +186,5 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             other = second.params[step][c.name]
         else:
             other = second.grad_norms[step]
-        out.append(Comparison(step, c.check, c.name, other, c.actual, c.allowance))
+        out.append(Comparison(step, c.check, c.name, other, c.actual, c.allowance, signal=c.signal))
     return out

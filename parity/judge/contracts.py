@@ -12,8 +12,8 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import amax, gather_full, max_abs
-from parity.judge.record import Record, Verdict, judge
+from parity.judge.compare import Comparison, amax, gather_full
+from parity.judge.record import Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -176,8 +176,9 @@ def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base:
 def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Resumed runs against the uninterrupted run's same step: gradients, parameters and
     optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
-    collectives); resuming on the other path gets the gradient/parameter allowances, since
-    another unit layout may reduce in another order on some backends (bitwise on gloo)."""
+    collectives); resuming on another path gets the gradient / one-step parameter / moment
+    allowances, since another unit layout may reduce in another order on some backends
+    (bitwise on gloo)."""
     rows = []
     main_state = _full_state([o.contracts.optim for o in observations], plan)
     step = observations[0].contracts.resume_step
@@ -192,26 +193,31 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
             continue
         per_rank = [o.contracts.resume[target] for o in observations]
         state = _full_state([r.optim for r in per_rank], plan)
-        items = []  # (name, resumed, uninterrupted, allowance-or-None)
-        for kind, src in (("grad", [o.grads[step] for o in observations]),
-                          ("param", [o.params[step] for o in observations])):
-            for f in src[0]:  # every tensor of the uninterrupted run must reappear
-                want, t = full(src, f), plan[f]
-                allow = (tolerance.gradient(t.reduce or t.storage, t.storage, cell.ranks * cell.microbatches, amax(want))
-                         if kind == "grad" else tolerance.parameter(t.storage, 1, amax(want)))
-                items.append((f"{kind}:{f}", full([getattr(r, kind + "s") for r in per_rank], f), want, allow))
+        comps = []
+        grads = [o.grads[step] for o in observations]
+        for f in grads[0]:  # every tensor of the uninterrupted run must reappear
+            want, t = full(grads, f), plan[f]
+            allow = tolerance.gradient(t.reduce or t.storage, t.storage, cell.ranks * cell.microbatches, amax(want))
+            comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
+        params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
+        for f in params[0]:
+            want = full(params, f)
+            update = want - full(previous, f)
+            allow = tolerance.parameter(plan[f].storage, want, update)
+            comps.append(Comparison(step, tag, f"param:{f}", full([r.params for r in per_rank], f), want, allow,
+                                    signal=amax(update)))
         for f, st in main_state.items():
             for k in ("exp_avg", "exp_avg_sq"):
                 want = st[k]
-                items.append((f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
-                              tolerance.parameter(plan[f].storage, 1, amax(want))))
-        for name, got, want, allow in items:
-            allowed = allow.allowed if tag == "cross" else 0.0
-            ratio, verdict, how = judge(max_abs(got, want), allowed)
-            rows.append(Record(**base, check=f"checkpoint.{tag}", name=f"{target}:{name}", observed=max_abs(got, want),
-                               allowed=allowed, ratio=ratio, dtype=dtype_name(want.dtype) if want.numel() else "",
-                               verdict=verdict, detail="; ".join(x for x in (how, allow.basis if tag == "cross" else "bitwise",
-                                                                             f"resumed on {per_rank[0].taken}") if x)))
+                comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
+                                        tolerance.moment(plan[f].storage, amax(want))))
+        for c in comps:
+            if tag == "same":
+                c.allowance = tolerance.Allowance(0.0, c.allowance.dtype, "bitwise")
+            row = c.record({**base})
+            row.check, row.name, row.step = f"checkpoint.{tag}", f"{target}:{c.name}", ""
+            row.detail = "; ".join(x for x in (row.detail, f"resumed on {per_rank[0].taken}") if x)
+            rows.append(row)
     return rows
 
 

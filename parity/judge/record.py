@@ -12,15 +12,21 @@ class Verdict(StrEnum):
 
     PASS = "PASS"
     FAIL = "FAIL"
+    INCONCLUSIVE = "INCONCLUSIVE"
+    """Within its allowance, but the allowance is at least as large as what it judges."""
     ERROR = "ERROR"
     TIMEOUT = "TIMEOUT"
     SKIP = "SKIP"
+    UNPAIRED = "UNPAIRED"
+    """A cross-path pair that could not be compared (the reason is in ``detail``)."""
 
 
 VERDICTS = tuple(v.value for v in Verdict)
-#: TIMEOUT/ERROR > FAIL > PASS > SKIP.
-SEVERITY = {Verdict.ERROR: 4, Verdict.TIMEOUT: 4, Verdict.FAIL: 3, Verdict.PASS: 1, Verdict.SKIP: 0}
-BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT)
+#: TIMEOUT/ERROR > FAIL > INCONCLUSIVE > UNPAIRED > PASS > SKIP.
+SEVERITY = {Verdict.ERROR: 5, Verdict.TIMEOUT: 5, Verdict.FAIL: 4, Verdict.INCONCLUSIVE: 3, Verdict.UNPAIRED: 2,
+            Verdict.PASS: 1, Verdict.SKIP: 0}
+#: Verdicts that make ``run`` exit 1.
+BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 
 
 @dataclass(kw_only=True)
@@ -49,6 +55,10 @@ class Record:
     detail: str = ""
     fp64_observed: float | str = ""
     """Error of the FSDP run against an FP64 reference (information, no verdict)."""
+    signal: float | str = ""
+    """The size of what was judged (max |expected|; max |dp| of the step for parameters)."""
+    allowed_over_signal: float | str = ""
+    """``allowed / signal``: at 1 or more the allowance proves nothing (INCONCLUSIVE)."""
 
 
 COLUMNS = [f.name for f in fields(Record)]
@@ -62,3 +72,17 @@ def judge(observed: float, allowed: float) -> tuple[float, Verdict, str]:
         return 0.0, Verdict.PASS, "exact"
     ratio = observed / allowed if allowed > 0 else math.inf
     return ratio, (Verdict.PASS if ratio <= 1.0 else Verdict.FAIL), ""
+
+
+def vacuity(allowed: float, signal: float) -> float:
+    """``allowed / signal`` (inf when something is allowed of nothing, 0 when nothing is)."""
+    if allowed <= 0:
+        return 0.0
+    return allowed / signal if signal > 0 else math.inf
+
+
+def conclusive(verdict: Verdict, allowed: float, signal: float) -> Verdict:
+    """A PASS whose allowance is at least as large as what it judges is INCONCLUSIVE."""
+    if verdict == Verdict.PASS and vacuity(allowed, signal) >= 1.0:
+        return Verdict.INCONCLUSIVE
+    return verdict

@@ -178,26 +178,32 @@ def run_reference(
 
 
 def replay_optimizer(
-    cell: Cell, fixture: Fixture, plan: PrecisionPlan, grads: list[dict[str, torch.Tensor]], *,
-    device: torch.device | str = "cpu",
-) -> list[dict[str, torch.Tensor]]:
-    """The reference optimizer stepped on *observed* gradients: parameters after each step.
+    cell: Cell, fixture: Fixture, plan: PrecisionPlan, grads: list[dict[str, torch.Tensor]],
+    params: list[dict[str, torch.Tensor]], *, device: torch.device | str = "cpu",
+) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """The reference optimizer stepped on *observed* gradients, each step starting from the
+    *observed* parameters after the previous one: (before, after) parameters per step.
 
-    Post-step parameters are judged against this, so the parameter check isolates the
+    Post-step parameters are judged against this, so the parameter check isolates one
     optimizer step (sharded AdamW, its state, master dtypes) from gradient differences, which
-    the gradient check judges on its own. Adam normalizes updates, so a gradient difference
-    far below its allowance can still flip the sign of a near-zero update element.
+    the gradient check judges on its own. Adam's moments depend on gradients only, so the
+    replayed optimizer state follows the sharded one exactly.
     """
     model = fixture.make(cell.seed).to(device)
     masters = dict(model.named_parameters())
     trainable = [t.fqn for t in plan.params if t.requires_grad]
     opt = make_optimizer([masters[f] for f in trainable])
     out = []
-    for step_grads in grads:
+    for step, step_grads in enumerate(grads):
+        if step > 0:
+            with torch.no_grad():
+                for f, p in params[step - 1].items():
+                    masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
+        before = {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}
         for f in trainable:
             g = step_grads.get(f)
             masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].dtype)
         opt.step()
         opt.zero_grad()
-        out.append({t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params})
+        out.append((before, {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}))
     return out

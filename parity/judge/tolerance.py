@@ -8,15 +8,13 @@ from the reference run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from parity.model.dtypes import coarser, dtype_name, unit_roundoff
 
-#: Roundings per element in one AdamW step (decoupled decay 2, first moment 3, second
-#: moment 4, bias corrections 2, sqrt 1, eps add 1, divide 1, step multiply 1, update 1).
-ADAMW_ROUNDINGS = 16
 #: Floating reductions (norms, sums over reduced precision) accumulate in at least FP32.
 ACCUMULATE_DTYPE = torch.float32
 
@@ -24,10 +22,13 @@ ACCUMULATE_DTYPE = torch.float32
 @dataclass(frozen=True)
 class Allowance:
     allowed: float
+    """The allowance (the largest one, for element-wise allowances)."""
     dtype: torch.dtype
     """The dtype whose unit roundoff justified the allowance."""
     basis: str
     """How it was derived, e.g. ``2 x u(bfloat16) x 3.1``."""
+    per_element: torch.Tensor | None = None
+    """Element-wise allowances, when the quantity is judged element by element."""
 
     @property
     def dtype_name(self) -> str:
@@ -67,22 +68,64 @@ def gradient(
     return Allowance(n * scale, dtype, basis)
 
 
-def grad_norm(grad_dtype: torch.dtype, elements: int, norm: float) -> Allowance:
-    """sqrt of a sum of ``elements`` squares accumulated in FP32 (bound N u |norm| covering
-    both sides' orderings), plus a final rounding in the gradient dtype if coarser."""
+def summation_depth(numel: int) -> int:
+    """Depth of the summation tree a reduction of ``numel`` terms uses (torch's reductions are
+    cascaded/pairwise: ceil(log2 n) levels), plus one for the final combination."""
+    return math.ceil(math.log2(max(numel, 2))) + 1
+
+
+def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, norm: float,
+              gradients: float = 0.0) -> Allowance:
+    """The global norm sqrt(sum g^2) as a training loop forms it: per tensor (per shard on
+    the sharded side) a reduction of its squares, then a sum over tensors, then an
+    all-reduce over ranks. A sum of non-negative terms through a summation tree of depth d
+    has relative error <= d u (Higham 4.2); the square root halves it. Both sides carry
+    such an error, so they differ by at most ``d u(float32) norm`` with
+    d = depth(largest tensor) + depth(tensors) + depth(ranks). Gradients stored in a coarser
+    dtype have their per-tensor norms rounded in it once on each side: ``+ 2 u(grad dtype)``.
+    The gradients themselves may differ within their own allowances A_f; by the triangle
+    inequality the norms then differ by at most ``gradients`` = sqrt(sum_f numel_f A_f^2)."""
     acc = ACCUMULATE_DTYPE if unit_roundoff(grad_dtype) >= unit_roundoff(ACCUMULATE_DTYPE) else grad_dtype
-    n = elements * unit_roundoff(acc)
-    basis = _fmt(elements, acc, norm)
+    depth = summation_depth(largest) + summation_depth(tensors) + summation_depth(world)
+    n = depth * unit_roundoff(acc)
+    basis = _fmt(depth, acc, norm)
     dtype = acc
     if grad_dtype != acc:
         n += 2 * unit_roundoff(grad_dtype)
         basis += f" + 2 x u({dtype_name(grad_dtype)}) x {norm:.3g}"
         dtype = grad_dtype
-    return Allowance(n * norm, dtype, basis)
+    if gradients:
+        basis += f" + {gradients:.3g} (allowed gradient differences)"
+    return Allowance(n * norm + gradients, dtype, basis)
 
 
-def parameter(storage_dtype: torch.dtype, steps: int, scale: float) -> Allowance:
-    """AdamW on identical gradients: ``ADAMW_ROUNDINGS`` roundings per element per step in
-    the storage dtype, accumulating over ``steps``."""
-    n = steps * ADAMW_ROUNDINGS
+#: AdamW roundings that happen at the parameter's own magnitude: the decoupled decay
+#: ``p * (1 - lr wd)`` and the update ``p - step``.
+ADAMW_AT_PARAM = 2
+#: Roundings inside the step itself (first moment 3, second moment 4, bias corrections 2,
+#: square root 1, eps add 1, divide 1, step-size multiply 1), relative to the step's size.
+ADAMW_AT_UPDATE = 14
+
+
+def parameter(storage_dtype: torch.dtype, param: torch.Tensor, update: torch.Tensor) -> Allowance:
+    """One AdamW step on identical gradients from identical weights, judged per element:
+    ``allowed_i = 2 u |p_i| + 14 u |dp_i|`` in the storage dtype (``update`` = dp, the
+    reference step). A frozen parameter (no update anywhere) must be bitwise equal."""
+    u = unit_roundoff(storage_dtype)
+    per_element = (ADAMW_AT_PARAM * u * param.double().abs() + ADAMW_AT_UPDATE * u * update.double().abs())
+    if not update.numel() or not bool(update.ne(0).any()):
+        per_element = torch.zeros_like(per_element)
+    basis = (f"per element {ADAMW_AT_PARAM} x u({dtype_name(storage_dtype)}) x |p| + "
+             f"{ADAMW_AT_UPDATE} x u({dtype_name(storage_dtype)}) x |dp|")
+    top = float(per_element.max()) if per_element.numel() else 0.0
+    return Allowance(top, storage_dtype, basis, per_element=per_element)
+
+
+#: Roundings in one AdamW moment update (second moment: multiply, square, scale, add).
+MOMENT_ROUNDINGS = 4
+
+
+def moment(storage_dtype: torch.dtype, scale: float) -> Allowance:
+    """An Adam moment after one update from identical gradients."""
+    n = MOMENT_ROUNDINGS
     return Allowance(n * unit_roundoff(storage_dtype) * scale, storage_dtype, _fmt(n, storage_dtype, scale))

@@ -69,8 +69,9 @@ class Fixture:
     """How their owner reduces their gradients across ranks: ``mean`` or ``sum``."""
     expect: Mapping[str, str] = field(default_factory=dict)
     """Path name or path contract (``dtype-split``, ``per-parameter``) -> expected outcome
-    other than training: ``isolation-error``, or ``fallback:TEXT`` (the path falls back for
-    a reason containing TEXT). A path name wins over its contract."""
+    other than training: ``isolation-error:P1,P2`` (the path raises an isolation error that
+    names every listed parameter, on every rank), or ``fallback:TEXT`` (the path falls back
+    for a reason containing TEXT). A path name wins over its contract."""
     source: str = ""
     """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
     load it again from here. Empty for registered models."""
@@ -117,7 +118,8 @@ def validate(spec: object, where: str) -> Fixture:
                          f"{', '.join(IGNORED_REDUCTIONS)}")
     for key, value in spec.expect.items():
         if value.partition(":")[0] not in OUTCOMES:
-            raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error, fallback:TEXT")
+            raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
+                             "fallback:TEXT")
     try:
         model = spec.make(0, "meta")
     except Exception as exc:  # noqa: BLE001 - any failure of user code is named

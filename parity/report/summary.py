@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 
-from parity.judge.record import SEVERITY, VERDICTS, Record
+import numpy as np
+
+from parity.judge.record import BAD, SEVERITY, VERDICTS, Record
 
 
 def is_pair(r: Record) -> bool:
@@ -65,6 +67,26 @@ def terminal_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+def ratio_distribution(records: list[Record]) -> list[str]:
+    """Markdown table: per check, the p50 / p99 / max of observed/allowed and the largest
+    allowed/signal -- how much headroom each check really has, and how sharp it is."""
+    ratios: dict[str, list[float]] = defaultdict(list)
+    vacuity: dict[str, float] = defaultdict(float)
+    for r in records:
+        if isinstance(r.ratio, float) and not math.isnan(r.ratio):
+            key = f"{r.check} (cross-path)" if is_pair(r) else r.check
+            ratios[key].append(r.ratio)
+            if isinstance(r.allowed_over_signal, float):
+                vacuity[key] = max(vacuity[key], r.allowed_over_signal)
+    out = ["| check | records | p50 ratio | p99 ratio | max ratio | max allowed/signal |", "|---|---|---|---|---|---|"]
+    for key in sorted(ratios):
+        v = np.asarray(ratios[key])
+        p50, p99 = np.percentile(v, [50, 99])
+        out.append(f"| {key} | {len(v)} | {_ratio(p50)} | {_ratio(p99)} | {_ratio(v.max())} | "
+                   f"{_ratio(vacuity[key]) if key in vacuity else '-'} |")
+    return out
+
+
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
                      not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
@@ -79,14 +101,15 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
         out.append(f"| {check} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | {r.dtype} | {r.cell} | {r.name} |")
+    out += ["", "## Ratio distribution per check", ""] + ratio_distribution(records)
     by_check = defaultdict(Counter)
     for r in records:
         by_check[r.check][r.verdict] += 1
-    out += ["", "## Records per check", "", "| check | PASS | FAIL | ERROR | TIMEOUT | SKIP |", "|---|---|---|---|---|---|"]
+    out += ["", "## Records per check", "", "| check | " + " | ".join(VERDICTS) + " |", "|---|" + "---|" * len(VERDICTS)]
     for check in sorted(by_check):
         c = by_check[check]
         out.append(f"| {check} | " + " | ".join(str(c.get(v, 0)) for v in VERDICTS) + " |")
-    bad = [r for r in records if r.verdict in ("FAIL", "ERROR", "TIMEOUT")]
+    bad = [r for r in records if r.verdict in BAD]
     out += ["", "## Non-PASS cells", ""]
     if not bad:
         out.append("None.")

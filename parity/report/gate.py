@@ -1,0 +1,136 @@
+"""The gate: one GO / NO-GO / NOT APPLICABLE per model for enabling a candidate path.
+
+Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
+
+- **NOT APPLICABLE**: the model declares that the candidate falls back (or raises), and in
+  every candidate cell it did exactly that for the declared reason.
+- **NO-GO** when any of these holds:
+  - *native not exercised*: a candidate cell took another path for a reason the model does
+    not declare (an unsupported build included) -- such a cell may PASS as a run of the
+    other path, but it is no evidence for the candidate;
+  - no candidate cell ran at all (none selected, or all SKIP);
+  - a candidate cell, or a ``baseline~candidate`` pair, is FAIL / ERROR / TIMEOUT /
+    INCONCLUSIVE (each failing check is named with its worst ratio and cell);
+  - a baseline cell failed (the comparison it should anchor is void);
+  - a pair could not be compared (UNPAIRED) for any reason other than the baseline raising
+    the model's declared isolation error.
+- **GO** otherwise. When the baseline cannot shard the model (declared isolation error),
+  the note says that the candidate was judged against the reference alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from parity.judge.record import BAD, Record, Verdict
+from parity.report.summary import cell_verdicts, is_pair, ratio_distribution
+
+GO, NO_GO, NOT_APPLICABLE = "GO", "NO-GO", "NOT APPLICABLE"
+
+
+@dataclass
+class Decision:
+    model: str
+    decision: str
+    reasons: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def _worst_failures(rows: list[Record]) -> list[str]:
+    by_check: dict[str, list[Record]] = defaultdict(list)
+    for r in rows:
+        if r.verdict in BAD:
+            by_check[(r.check, r.verdict)].append(r)
+    out = []
+    for (check, verdict), bad in sorted(by_check.items()):
+        rated = [r for r in bad if isinstance(r.ratio, float)]
+        worst = max(rated, key=lambda r: r.ratio) if rated else bad[0]
+        ratio = f", worst ratio {worst.ratio:.3g}" if rated else ""
+        out.append(f"{check}: {len(bad)} {verdict}{ratio} ({worst.cell} {worst.name}; {worst.detail[:160]})")
+    return out
+
+
+def decide(records: list[Record], model: str, candidate: str) -> Decision:
+    rows = [r for r in records if r.fixture == model]
+    own = [r for r in rows if not is_pair(r)]
+    verdicts = cell_verdicts(own)
+    cand_cells = {r.cell for r in own if r.path == candidate}
+    ran = {c for c in cand_cells if verdicts[c] != Verdict.SKIP}
+    base_cells = {r.cell for r in own if r.path != candidate}
+    pairs = [r for r in rows if is_pair(r) and r.path.endswith(f"~{candidate}")]
+    d = Decision(model, GO, counts={
+        "candidate cells": len(cand_cells), "candidate cells run": len(ran),
+        "candidate cells on the candidate path": len({r.cell for r in own if r.cell in ran and r.path_taken == candidate}),
+        "pairs compared": len({r.cell for r in pairs if r.verdict != Verdict.UNPAIRED}),
+        "pairs unpaired": len({r.cell for r in pairs if r.verdict == Verdict.UNPAIRED}),
+    })
+    if not ran:
+        d.decision = NO_GO
+        d.reasons.append(f"no {candidate} cell ran ({len(cand_cells)} selected, all skipped)" if cand_cells
+                         else f"no {candidate} cell in the results")
+        return d
+    fallbacks = [r for r in own if r.cell in ran and r.check == "fallback"]
+    expected_errors = [r for r in own if r.cell in ran and r.check == "expected_error"]
+    not_taken = {r.cell for r in own if r.cell in ran and r.path_taken and r.path_taken != candidate}
+    declared = {r.cell for r in fallbacks if r.name == "declared" and r.verdict == Verdict.PASS}
+    if not_taken and not_taken <= declared and all(verdicts[c] == Verdict.PASS for c in ran) and not_taken == ran:
+        d.decision = NOT_APPLICABLE
+        d.notes.append(f"{candidate} falls back in all {len(ran)} cells, as the model declares: "
+                       + next(r.detail for r in fallbacks if r.cell in declared))
+        return d
+    raised = {r.cell for r in expected_errors if r.path_taken == candidate and r.verdict == Verdict.PASS}
+    if raised == ran:
+        d.decision = NOT_APPLICABLE
+        d.notes.append(f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells")
+        return d
+    undeclared = not_taken - declared
+    if undeclared:
+        why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
+        d.reasons.append(f"native not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
+                         f"({'; '.join(why)[:300]})")
+    d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
+    failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
+    if failed_base:
+        d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}); "
+                         f"{candidate} cannot be compared with it there")
+    d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
+    unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
+    accepted = [r for r in unpaired if "raised the fixture's expected isolation error" in r.detail]
+    others = [r for r in unpaired if r not in accepted]
+    if others:
+        d.reasons.append(f"{len(others)} pairs not compared: {others[0].detail}")
+    if accepted:
+        d.notes.append(f"the baseline cannot shard this model (declared isolation error) in {len(accepted)} cells: "
+                       f"{candidate} was judged against the reference alone there")
+    if d.reasons:
+        d.decision = NO_GO
+    return d
+
+
+def evaluate(records: list[Record], candidate: str = "native") -> list[Decision]:
+    models = list(dict.fromkeys(r.fixture for r in records))
+    return [decide(records, m, candidate) for m in models]
+
+
+def write(out: str, decisions: list[Decision], records: list[Record], *, meta: dict) -> None:
+    """``gate.md`` (decision table first, then the evidence) and ``gate.json``."""
+    md = [f"# parity gate: enable `{meta['candidate']}`?", "",
+          "| model | decision | reasons / notes |", "|---|---|---|"]
+    for d in decisions:
+        text = "; ".join(d.reasons or d.notes) or "every check passed"
+        md.append(f"| {d.model} | **{d.decision}** | {text.replace('|', '/')[:400]} |")
+    md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", "", "## Evidence", ""]
+    for d in decisions:
+        md += [f"### {d.model}: {d.decision}", ""]
+        md += [f"- {k}: {v}" for k, v in d.counts.items()]
+        md += [f"- reason: {x}" for x in d.reasons] + [f"- note: {x}" for x in d.notes] + [""]
+    md += ["## Ratio distribution per check", ""] + ratio_distribution(records)
+    with open(os.path.join(out, "gate.md"), "w") as fh:
+        fh.write("\n".join(md) + "\n")
+    with open(os.path.join(out, "gate.json"), "w") as fh:
+        json.dump({**meta, "decisions": [asdict(d) for d in decisions],
+                   "go": all(d.decision in (GO, NOT_APPLICABLE) for d in decisions)}, fh, indent=2)
