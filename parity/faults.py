@@ -86,6 +86,22 @@ def _bf16_reduce():
     return _swap_attr(_fsdp()[0], "init_dtype_attrs", make)
 
 
+def _fsdp_rank_dependent_dtype():
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def make(orig):
+        def _resolve_for_param(self, param):
+            resolved = orig(self, param)
+            if dist.get_rank() == 1:  # rank 1 keeps every parameter in its own dtype
+                resolved = dataclasses.replace(resolved, param_dtype=param.dtype)
+            return resolved
+        return _resolve_for_param
+    return _swap_attr(MixedPrecisionPolicy, "_resolve_for_param", make)
+
+
 def _drop_output_dtype():
     return _swap_attr(_fsdp()[1], "_cast_output_dtype", lambda orig: lambda self, output: output)
 
@@ -316,6 +332,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"marker"}, _KDA2, patch=_lose_buffer_marker, scopes=("markers",)),
     _fault("rank_dependent_override", "rank 1 resolves one parameter's compute dtype differently (the plan)",
            {"run"}, _KDA2, site="plan", hook=_rank_dependent),
+    _fault("fsdp_rank_dependent_dtype",
+           "FSDP resolves compute dtypes differently on rank 1 (MixedPrecisionPolicy._resolve_for_param)",
+           {"run"}, _KDA2, patch=_fsdp_rank_dependent_dtype),
     _fault("rank_dependent_unchecked", "a rank-dependent plan with parity's rank check removed: gloo aborts",
            {"run"}, _KDA2, site="plan", hook=_rank_dependent, patch=_skip_rank_check),
     _fault("perturb_output", "the model's output on rank 0's first micro-batch is off by 1% of its max",

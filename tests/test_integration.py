@@ -109,16 +109,21 @@ def test_rank_dependent_override_is_caught_before_any_collective(run_matrix):
         Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_override",)),
         Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_unchecked",)),
         Cell(fixture="kda", path="native", ranks=2),
+        Cell(fixture="kda", path="legacy", ranks=2, faults=("fsdp_rank_dependent_dtype",)),
     ]
     code, records = run_matrix(cells)
     v = verdicts(records)
-    assert [v[c.id] for c in cells] == ["ERROR", "ERROR", "PASS"]
+    assert [v[c.id] for c in cells] == ["ERROR", "ERROR", "PASS", "ERROR"]
     caught = next(r for r in records if r["cell"] == cells[0].id)
     assert "RankMismatchError" in caught["detail"]
     assert "blocks.0.q_proj.weight (rank 0: bfloat16, rank 1: float32)" in caught["detail"]
     # without the check the ranks build different buffers and gloo aborts: an ERROR, not a hang
     crashed = next(r for r in records if r["cell"] == cells[1].id)
     assert "died with exit code" in crashed["detail"] or "raised" in crashed["detail"]
+    # a rank-dependent resolution inside FSDP is caught after fully_shard, before any collective
+    inside = next(r for r in records if r["cell"] == cells[3].id)
+    assert "RankMismatchError: FSDP resolved different original/compute/reduce dtypes" in inside["detail"]
+    assert "blocks.0.q_proj.weight (rank 0: float32/bfloat16/float32, rank 1: float32/float32/float32)" in inside["detail"]
 
 
 @pytest.mark.xdist_group("determinism")

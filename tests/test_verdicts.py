@@ -74,3 +74,31 @@ def test_a_fallback_for_another_reason_than_expected_fails(one_rank, monkeypatch
     cell = Cell(fixture="mixed_storage", path="native", steps=1)
     expect = {"native": "fallback:no common reduce dtype"}
     assert _verdicts_expecting(one_rank, monkeypatch, cell, expect, "fallback") == ["FAIL"]
+
+
+def test_an_expected_error_must_name_the_declared_parameters_on_every_rank(one_rank, monkeypatch):
+    cell = Cell(fixture="unisolatable", path="legacy", steps=1)
+    obs = _observe(one_rank, cell)
+    assert [r.verdict for r in judge_cell(cell, obs).records] == ["PASS"]
+    quiet = dataclasses.replace(obs[0], rank=1, expected_error="legacy dtype-split cannot isolate something else")
+    rows = judge_cell(dataclasses.replace(cell, ranks=2), [obs[0], quiet]).records
+    assert rows[0].verdict == "FAIL" and "rank 1 does not name blocks.0.lin.gain" in rows[0].detail
+    _expecting(monkeypatch, "unisolatable", {"dtype-split": "isolation-error:blocks.0.lin.gain,blocks.7.lin.gain"})
+    rows = judge_cell(cell, obs).records
+    assert rows[0].verdict == "FAIL" and "rank 0 does not name blocks.7.lin.gain" in rows[0].detail
+
+
+def test_an_unsupported_build_is_no_evidence_for_native(one_rank, monkeypatch):
+    from parity.paths import native
+    from parity.report.gate import NO_GO, decide
+
+    monkeypatch.setattr(native, "native_api_available", lambda: False)  # what torch <= 2.14 reports
+    cell = Cell(fixture="kda", path="native", steps=1)
+    obs = _observe(one_rank, cell)
+    rows = judge_cell(cell, obs).records
+    fallback = [r for r in rows if r.check == "fallback"]
+    assert [(r.name, r.verdict) for r in fallback] == [("unsupported build", "PASS")]  # a fine legacy run...
+    d = decide(rows, "kda", "native")
+    assert d.decision == NO_GO and d.reasons[0].startswith("native not exercised")  # ...but no evidence
+    strict = judge_cell(cell, obs, require_native=True).records
+    assert [r.verdict for r in strict if r.check == "fallback"] == ["FAIL"]

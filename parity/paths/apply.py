@@ -68,11 +68,7 @@ def check_rank_consistency(plan: PrecisionPlan, group: dist.ProcessGroup | None 
     mine = plan.compute_dtypes()
     everyone: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    problems = []
-    for fqn in sorted(set().union(*everyone)):
-        seen = {r: d.get(fqn, "<missing>") for r, d in enumerate(everyone)}
-        if len(set(seen.values())) > 1:
-            problems.append(f"{fqn} ({', '.join(f'rank {r}: {v}' for r, v in seen.items())})")
+    problems = _mismatches(everyone)
     if problems:
         raise RankMismatchError(
             "compute dtypes differ across ranks for " + "; ".join(problems)
@@ -80,13 +76,61 @@ def check_rank_consistency(plan: PrecisionPlan, group: dist.ProcessGroup | None 
         )
 
 
+def _mismatches(everyone: list[dict[str, str]]) -> list[str]:
+    problems = []
+    for fqn in sorted(set().union(*everyone)):
+        seen = {r: d.get(fqn, "<missing>") for r, d in enumerate(everyone)}
+        if len(set(seen.values())) > 1:
+            problems.append(f"{fqn} ({', '.join(f'rank {r}: {v}' for r, v in seen.items())})")
+    return problems
+
+
+def resolved_dtypes(model: nn.Module) -> dict[str, str]:
+    """fqn -> "original/compute/reduce" as ``fully_shard`` resolved them per parameter
+    (the policy each FSDP parameter holds before lazy initialization)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        for group in mod._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                policy = getattr(fp, "mp_policy", None)  # resolved per parameter inside fully_shard
+                if policy is None:
+                    continue
+                dtypes = (fp.sharded_param.dtype, policy.param_dtype, policy.reduce_dtype)
+                out[names.get(id(fp.sharded_param), "?")] = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+    return out
+
+
+def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """After ``fully_shard`` and before the first forward: every rank's dtypes as FSDP
+    resolved them (original / compute / reduce) must agree, or the first collective would
+    abort. Catches what the plan check cannot: a rank-dependent override function or an
+    FSDP-side resolution bug."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, resolved_dtypes(model), group=group)
+    problems = _mismatches(everyone)
+    if problems:
+        raise RankMismatchError(
+            "FSDP resolved different original/compute/reduce dtypes across ranks for " + "; ".join(problems)
+            + "; the override function (or FSDP) must resolve every parameter the same on every rank"
+        )
+
+
 def apply_sharding(
     model: nn.Module, report: ShardReport, plan: PrecisionPlan, *, mesh=None,
     reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
 ) -> None:
-    """Check rank consistency, then let the taken path call ``fully_shard``."""
+    """Check the plan's rank consistency, let the taken path call ``fully_shard``, then check
+    what FSDP resolved, on every rank, before anything reaches a collective."""
     check_rank_consistency(plan)
     get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()))
+    check_resolved_consistency(model)
 
 
 def shard(

@@ -1,0 +1,114 @@
+"""The gate's rules, each with a case that breaks it, and the records it reads."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from parity.judge import tolerance
+from parity.judge.compare import Comparison
+from parity.judge.record import Record, Verdict
+from parity.report.gate import GO, NO_GO, NOT_APPLICABLE, decide
+
+
+def _cell(fixture, path, i, **kw):
+    return f"{fixture}/{path}/r1/c{i}", kw
+
+
+def rec(fixture, path, i, check="grad", verdict="PASS", taken=None, **kw):
+    cell = f"{fixture}/{path}/r1/c{i}" if "~" not in path else f"{fixture}/r1/c{i}"
+    return Record(cell=cell, fixture=fixture, path=path, path_taken=taken if taken is not None else path.split("~")[0],
+                  check=check, name=kw.pop("name", "w"), verdict=Verdict(verdict), **kw)
+
+
+def healthy(fixture="m", n=2):
+    rows = []
+    for i in range(n):
+        rows += [rec(fixture, "legacy", i), rec(fixture, "native", i), rec(fixture, "legacy~native", i, taken="")]
+    return rows
+
+
+def test_healthy_results_are_go():
+    assert decide(healthy(), "m", "native").decision == GO
+
+
+def test_native_that_fell_back_for_an_unsupported_build_is_not_evidence():
+    rows = healthy()
+    rows = [r for r in rows if r.path != "native"]
+    for i in range(2):
+        rows += [rec("m", "native", i, taken="legacy", fallback_reason="unsupported build: torch 2.13.0 has no ..."),
+                 rec("m", "native", i, check="fallback", name="unsupported build", taken="legacy",
+                     fallback_reason="unsupported build: torch 2.13.0 has no ...")]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and d.reasons[0].startswith("native not exercised: 2 of 2 native cells")
+
+
+def test_a_declared_fallback_is_not_applicable_and_an_undeclared_one_is_no_go():
+    rows = [rec("m", "native", 0, taken="legacy", fallback_reason="unit x mixes trainable storage dtypes"),
+            rec("m", "native", 0, check="fallback", name="declared", taken="legacy",
+                fallback_reason="unit x mixes trainable storage dtypes")]
+    assert decide(rows, "m", "native").decision == NOT_APPLICABLE
+    rows[1].name = "undeclared"
+    rows[1].verdict = Verdict.FAIL
+    assert decide(rows, "m", "native").decision == NO_GO
+
+
+def test_all_native_cells_skipped_is_no_go():
+    rows = [rec("m", "legacy", 0), rec("m", "native", 0, check="run", verdict="SKIP")]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and "all skipped" in d.reasons[0]
+
+
+def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go():
+    for bad in (rec("m", "native", 0, verdict="FAIL", ratio=3.0),
+                rec("m", "native", 0, check="param", verdict="INCONCLUSIVE", ratio=0.0),
+                rec("m", "legacy~native", 0, verdict="FAIL", ratio=2.0, taken=""),
+                rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="",
+                    detail="legacy did not finish (ERROR)"),
+                rec("m", "legacy", 1, verdict="ERROR")):
+        d = decide(healthy() + [bad], "m", "native")
+        assert d.decision == NO_GO, bad
+    worst = decide(healthy() + [rec("m", "native", 0, verdict="FAIL", ratio=3.0)], "m", "native").reasons[0]
+    assert worst.startswith("native: grad: 1 FAIL, worst ratio 3")
+
+
+def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
+    rows = [rec("m", "native", 0), rec("m", "legacy", 0, check="expected_error"),
+            rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="",
+                detail="legacy raised the fixture's expected isolation error; native was judged against the "
+                       "reference alone")]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and "judged against the reference alone" in d.notes[0]
+
+
+def test_an_allowance_as_large_as_its_signal_is_inconclusive():
+    expected = torch.tensor([1.0, -2.0])
+    big = tolerance.Allowance(2.5, torch.float32, "too wide")
+    row = Comparison(0, "grad", "w", expected.clone(), expected, big).record(dict(cell="c", fixture="m", path="native"))
+    assert row.verdict == Verdict.INCONCLUSIVE and row.signal == 2.0 and math.isclose(row.allowed_over_signal, 1.25)
+    fine = tolerance.Allowance(1e-6, torch.float32, "sharp")
+    row = Comparison(0, "grad", "w", expected.clone(), expected, fine).record(dict(cell="c", fixture="m", path="native"))
+    assert row.verdict == Verdict.PASS
+
+
+def test_a_skipped_bf16_update_fails_the_parameter_check():
+    # the vacuity the old 16 s u max|p| allowance had: a BF16 parameter's whole AdamW step passed
+    before = (0.1 * torch.randn(64)).to(torch.bfloat16)  # weights of a tiny model
+    after = (before.float() - 1e-2 * torch.sign(torch.randn(64))).to(torch.bfloat16)
+    allow = tolerance.parameter(torch.bfloat16, after, after - before)
+    row = Comparison(0, "param", "w", before, after, allow, signal=float((after - before).abs().max())).record(
+        dict(cell="c", fixture="m", path="native"))
+    assert row.verdict == Verdict.FAIL and row.allowed_over_signal < 1
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gate")
+def test_a_run_where_every_cell_is_skipped_exits_nonzero(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--device", "cuda", "-k", "ranks == 2",
+                           "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs, so nothing is skipped")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("parity: every cell was skipped (needs 2 GPUs")
