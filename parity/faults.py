@@ -215,6 +215,43 @@ def _cast_child_inputs():
     return _swap_attr(units, "unit_policy", make)
 
 
+def _cast_buffers():
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            for mod in module.modules() if isinstance(module, nn.Module) else ():
+                for k, b in mod._buffers.items():  # as ``module.to(param_dtype)`` would
+                    if b is not None and b.is_floating_point():
+                        mod._buffers[k] = b.to(torch.bfloat16)
+            return out
+        return fully_shard
+    return _swap_attr(fsdp, "fully_shard", make)
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._fsdp_wrapped_module = inner
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+
+def _wrap_module():
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            if isinstance(module, nn.Module) and isinstance(getattr(module, "head", None), nn.Module):
+                module.head = _Wrapper(module.head)  # the root's head ends up inside a wrapper
+            return out
+        return fully_shard
+    return _swap_attr(fsdp, "fully_shard", make)
+
+
 def _skip_rank_check():
     from parity.paths import apply
 
@@ -328,6 +365,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            patch=_swap_optimizer_state, scopes=("lifecycle",)),
     _fault("cast_child_inputs", "a sharding helper lets FP32 child units cast their inputs (unit policy)",
            {"unit.policy", "dtype.boundary"}, {**_KDA2, "path": "legacy"}, patch=_cast_child_inputs),
+    _fault("cast_buffers", "fully_shard casts the floating buffers of what it shards to BF16",
+           {"buffer", "grad", "grad_norm"}, _KDA2, patch=_cast_buffers),
+    _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
+           {"names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "grad", "param"},
+           _KDA2, patch=_wrap_module),
     _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
            {"marker"}, _KDA2, patch=_lose_buffer_marker, scopes=("markers",)),
     _fault("rank_dependent_override", "rank 1 resolves one parameter's compute dtype differently (the plan)",

@@ -112,3 +112,21 @@ def test_a_run_where_every_cell_is_skipped_exits_nonzero(tmp_path):
         pytest.skip("this machine has the GPUs, so nothing is skipped")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("parity: every cell was skipped (needs 2 GPUs")
+
+
+def test_trajectory_allows_twice_the_emulations_distance_to_fp64_and_no_more():
+    from parity.judge.reference import ReferenceRun
+    from parity.judge.trajectory import trajectory_records
+    from parity.model.plan import PrecisionConfig, resolve_plan
+
+    model = torch.nn.Linear(4, 4)
+    plan = resolve_plan(model, PrecisionConfig())
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    truth = {n: p + 0.1 for n, p in init.items()}  # where FP64 training went
+    own = {n: p + 1e-3 for n, p in truth.items()}  # the emulation's own error
+    fp64, emulated = ReferenceRun(params=[truth]), ReferenceRun(params=[own])
+    base = dict(cell="c", fixture="m", path="native")
+    close = {n: p - 1.5e-3 for n, p in truth.items()}  # 1.5 x the emulation's distance
+    far = {n: p + 3e-3 for n, p in truth.items()}  # 3 x
+    assert {r.verdict for r in trajectory_records([close], emulated, fp64, init, plan, base)} == {Verdict.PASS}
+    assert {r.verdict for r in trajectory_records([far], emulated, fp64, init, plan, base)} == {Verdict.FAIL}

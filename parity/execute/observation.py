@@ -31,6 +31,14 @@ class NamesSnapshot:
 
 
 @dataclass(kw_only=True)
+class BufferSeen:
+    """One floating buffer of the sharded model, as this rank holds it."""
+
+    dtype: str
+    value: torch.Tensor
+
+
+@dataclass(kw_only=True)
 class MarkerSeen:
     """One FP32-marked tensor after a buffer-replacing move and a BF16 conversion."""
 
@@ -71,6 +79,8 @@ class ContractsSeen:
     reduce_observable: bool = True
     accum: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> dtypes of its unsharded gradient while sync was off."""
+    buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
+    """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)
     resume_step: int = 0
     """The step a resumed run repeats; ``optim`` is the state right after it."""

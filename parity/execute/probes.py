@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from parity.execute.observation import ContractsSeen, NamesSnapshot
+from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
 from parity.model.boundaries import record_boundaries
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
@@ -39,6 +39,12 @@ def names_snapshot(model: nn.Module) -> NamesSnapshot:
         storage={canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()},
         modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
     )
+
+
+def buffers_snapshot(model: nn.Module) -> dict[str, BufferSeen]:
+    """Every floating buffer: dtype and a CPU copy of its value."""
+    return {canonical_fqn(n): BufferSeen(dtype=dtype_name(b.dtype), value=b.detach().cpu().clone())
+            for n, b in model.named_buffers() if b.is_floating_point()}
 
 
 def before_sharding(model: nn.Module) -> NamesSnapshot:
@@ -80,6 +86,7 @@ class Recorder:
         self.reduce_observable = True
         self._orig_reduce = None
         self.sharded = names_snapshot(model)
+        self.buffers = {"sharded": buffers_snapshot(model)}
         self.lazy_init = None
         self.policies = applied_policies(model, report)
         self._handles = []
@@ -173,3 +180,4 @@ class Recorder:
         seen.reduce = {k: sorted(v) for k, v in self.reduce.items()}
         seen.reduce_observable = self.reduce_observable
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
+        seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

@@ -9,6 +9,7 @@ from parity.judge import contracts
 from parity.judge.compare import Assembled, Comparison, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
+from parity.judge.trajectory import trajectory_records
 from parity.matrix.cell import Cell
 from parity.model.registry import get_fixture
 from parity.paths import get_path
@@ -93,12 +94,14 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                               detail=detail))
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
-    truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64") if fp64 else None
+    truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64")
+    own = run_reference(cell, fixture, plan, report, device=device)  # its own trajectory, no resync
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
     accumulating = cell.sync == "last" and cell.microbatches > 1
     comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=accumulating,
-                             replayed=replayed, world=cell.ranks, truth=truth)
+                             replayed=replayed, world=cell.ranks, truth=truth if fp64 else None)
     records += [c.record(base) for c in comps]
+    records += trajectory_records(run.params, own, truth, replayed[0][0], plan, base)
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))

@@ -60,6 +60,32 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
     return rows
 
 
+def buffer_checks(observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan, base: dict) -> list[Record]:
+    """Every floating buffer of the sharded model, on every rank, after sharding and after
+    training: its planned dtype and, bitwise, the unsharded model's value (FSDP never casts
+    or moves buffers between dtypes; a helper that does would round, e.g., ``inv_freq``)."""
+    rows = []
+    for t in plan.tensors:
+        if t.kind != "buffer" or not t.storage.is_floating_point:
+            continue
+        want_dtype = dtype_name(t.storage)
+        for stage, ref_stage in (("sharded", "initial"), ("trained", "trained")):
+            want = ref.buffers.get(ref_stage, {}).get(t.fqn)
+            problems = []
+            for o in observations:
+                seen = o.contracts.buffers.get(stage, {}).get(t.fqn)
+                if seen is None:
+                    problems.append(f"rank {o.rank}: missing")
+                elif seen.dtype != want_dtype:
+                    problems.append(f"rank {o.rank}: {seen.dtype}")
+                elif want is not None and not torch.equal(seen.value.to(want.dtype), want):
+                    diff = float((seen.value.double() - want.double()).abs().max())
+                    problems.append(f"rank {o.rank}: value differs by {diff:.3g}")
+            rows.append(_row(base, "buffer", f"{t.fqn}@{stage}", not problems, f"{want_dtype}, the unsharded value",
+                             "held on every rank" if not problems else "; ".join(problems), dtype=want_dtype))
+    return rows
+
+
 def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: PrecisionPlan, base: dict) -> list[Record]:
     """Module-visible floating input/output dtypes at every unit boundary and FP32 holder,
     against the reference (same code, planned dtypes, the report's boundary casts)."""
@@ -195,18 +221,18 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         state = _full_state([r.optim for r in per_rank], plan)
         comps = []
         grads = [o.grads[step] for o in observations]
-        for f in grads[0]:  # every tensor of the uninterrupted run must reappear
+        for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear
             want, t = full(grads, f), plan[f]
             allow = tolerance.gradient(t.reduce or t.storage, t.storage, cell.ranks * cell.microbatches, amax(want))
             comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
         params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
-        for f in params[0]:
+        for f in (f for f in params[0] if plan.get(f)):
             want = full(params, f)
             update = want - full(previous, f)
             allow = tolerance.parameter(plan[f].storage, want, update)
             comps.append(Comparison(step, tag, f"param:{f}", full([r.params for r in per_rank], f), want, allow,
                                     signal=amax(update)))
-        for f, st in main_state.items():
+        for f, st in ((f, st) for f, st in main_state.items() if plan.get(f)):
             for k in ("exp_avg", "exp_avg_sq"):
                 want = st[k]
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
@@ -225,6 +251,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     obs = observations[0]
     plan = obs.plan
     rows = dtype_checks(cell, obs, plan, base)
+    rows += buffer_checks(observations, ref, plan, base)
     rows += boundary_checks(cell, obs, ref, plan, base)
     rows += unit_policy_checks(obs, plan, base)
     rows += identity_checks(obs, base)

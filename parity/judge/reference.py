@@ -26,7 +26,7 @@ from torch.func import functional_call
 
 from parity.matrix.cell import Cell
 from parity.model.boundaries import record_boundaries
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.recipe import make_optimizer
 from parity.model.spec import Fixture
 from parity.paths.base import ShardReport
@@ -45,6 +45,8 @@ class ReferenceRun:
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """``initial`` / ``trained`` -> floating buffer FQN -> value (the unsharded model's)."""
 
 
 def _cast_floats(obj, dtype):
@@ -57,6 +59,10 @@ def _cast_floats(obj, dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {canonical_fqn(n): b.detach().cpu().clone() for n, b in model.named_buffers() if b.is_floating_point()}
 
 
 def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
@@ -100,6 +106,7 @@ def run_reference(
     world, micro = cell.ranks, cell.microbatches
     accumulate_unsharded = cell.sync == "last" and micro > 1
     run = ReferenceRun(grad_terms=world * micro)
+    run.buffers["initial"] = _buffers(model)
 
     def compute_dtype(f):
         return torch.float64 if fp64 else entries[f].compute
@@ -112,7 +119,8 @@ def run_reference(
         if resync is not None and step > 0:
             with torch.no_grad():
                 for f, p in resync[step - 1].items():
-                    masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
+                    if f in masters:  # a name the model does not have fails the names check
+                        masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
         scale = {f: 0.0 for f in trainable}
@@ -174,6 +182,7 @@ def run_reference(
         run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
     for h in handles:
         h.remove()
+    run.buffers["trained"] = _buffers(model)
     return run
 
 
@@ -198,7 +207,8 @@ def replay_optimizer(
         if step > 0:
             with torch.no_grad():
                 for f, p in params[step - 1].items():
-                    masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
+                    if f in masters:
+                        masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         before = {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}
         for f in trainable:
             g = step_grads.get(f)

@@ -108,6 +108,10 @@ class PrecisionPlan:
     def __getitem__(self, fqn: str) -> TensorPlan:
         return self._by_fqn[canonical_fqn(fqn)]
 
+    def get(self, fqn: str) -> TensorPlan | None:
+        """The entry, or None for a name the unsharded model does not have."""
+        return self._by_fqn.get(canonical_fqn(fqn))
+
     @property
     def params(self) -> tuple[TensorPlan, ...]:
         return tuple(t for t in self.tensors if t.kind == "param")

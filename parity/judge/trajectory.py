@@ -1,0 +1,62 @@
+"""Multi-step evidence: where training goes, judged against an FP64 trajectory.
+
+Per-step checks resync the reference to the sharded run before every step, which is right
+for judging one step but says nothing about where several steps lead. Here three runs of
+the cell's steps are compared at the end: the sharded run S, the emulating reference E
+following its own trajectory (no resync) and the FP64 reference F.
+
+S and E are the same mixed-precision recipe; they differ only in the order of FP32 sums.
+Their distances to F are therefore the recipe's own error plus reordering noise, and a
+sharded run whose distance exceeds **twice** the emulation's is less accurate than the
+recipe can explain: ``d(S, F) <= 2 d(E, F) + u(storage) |F|``. The factor 2 is the triangle
+inequality for two computations of equal accuracy (d(S, E) <= d(S, F) + d(E, F)); the floor
+is one rounding in the storage dtype, for parameters the recipe computes exactly.
+Distances are L2 norms over each parameter: Adam's sign flips move single elements by ~lr,
+which a max norm would let swamp the comparison, while the L2 norm of the whole step
+(the signal) grows with every element that moved.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.judge.record import Record, conclusive, judge, vacuity
+from parity.judge.reference import ReferenceRun
+from parity.model.dtypes import dtype_name, unit_roundoff
+from parity.model.plan import PrecisionPlan
+
+#: d(S, F) may be at most this multiple of d(E, F) (see the module docstring).
+MULTIPLE = 2.0
+
+
+def _l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    return float((a.double() - b.double()).norm())
+
+
+def trajectory_records(sharded: list[dict[str, torch.Tensor]], own: ReferenceRun, fp64: ReferenceRun,
+                       initial: dict[str, torch.Tensor], plan: PrecisionPlan, base: dict) -> list[Record]:
+    """One record per trainable parameter at the last step."""
+    last = len(fp64.params) - 1
+    rows = []
+    for t in plan.params:
+        if not t.requires_grad:
+            continue
+        truth = fp64.params[last][t.fqn]
+        s = sharded[last].get(t.fqn, torch.zeros(0))
+        d_s, d_e = _l2(s, truth), _l2(own.params[last][t.fqn], truth)
+        floor = unit_roundoff(t.storage) * float(truth.double().norm())
+        allowed = MULTIPLE * d_e + floor
+        signal = _l2(truth, initial[t.fqn])
+        ratio, verdict, how = judge(d_s, allowed)
+        verdict = conclusive(verdict, allowed, signal)
+        basis = (f"L2 after {last + 1} steps: {MULTIPLE:g} x d(emulation, fp64) {d_e:.3g} + "
+                 f"1 x u({dtype_name(t.storage)}) x |fp64| {floor:.3g}")
+        rows.append(Record(**base, step=last, check="trajectory", name=t.fqn, observed=d_s, allowed=allowed,
+                           ratio=ratio, dtype=dtype_name(t.storage), verdict=verdict,
+                           detail="; ".join(x for x in (how, basis) if x), signal=signal,
+                           allowed_over_signal=vacuity(allowed, signal)))
+    return rows
