@@ -76,6 +76,20 @@ def _drop_override():
     return _swap_attr(_fsdp()[0], "init_dtype_attrs", make)
 
 
+def _holder_dt_bias_bf16():
+    seen = []
+
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self._module_info.param_name == "dt_bias":
+                seen.append(self)
+                if len(seen) % 2 == 0:  # the second holder's dt_bias only (one per block, in unit order)
+                    self.param_dtype = torch.bfloat16
+        return init_dtype_attrs
+    return _swap_attr(_fsdp()[0], "init_dtype_attrs", make)
+
+
 def _bf16_reduce():
     def make(orig):
         def init_dtype_attrs(self, mp_policy):
@@ -344,15 +358,17 @@ _ACCUM = {"microbatches": 3, "sync": "last"}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
-           {"grad", "dtype.compute"}, _KDA2, patch=_drop_override),
+           {"grad", "grad_norm", "trajectory", "dtype.compute", "divergence"}, _KDA2, patch=_drop_override),
+    _fault("holder_dt_bias_bf16", "FSDP all-gathers one holder's FP32 dt_bias (blocks.1.holder) in BF16",
+           {"grad", "grad_norm", "dtype.compute", "divergence"}, _KDA2, patch=_holder_dt_bias_bf16),
     _fault("bf16_reduce", "FSDP reduces every gradient in BF16 (FSDPParam.init_dtype_attrs)",
-           {"grad", "dtype.reduce", "dtype.accum"}, {**_KDA2, **_ACCUM}, patch=_bf16_reduce),
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum"}, {**_KDA2, **_ACCUM}, patch=_bf16_reduce),
     _fault("drop_output_dtype", "FSDP skips the outermost unit's output cast (FSDPState._cast_output_dtype)",
            {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32"}, patch=_drop_output_dtype),
     _fault("perturb_input_grad", "the root's input cast has a wrong backward on rank 0 (FSDPState._cast_forward_inputs)",
            {"input_grad"}, _KDA2, patch=_perturb_input_grad),
     _fault("perturb_grad", "one finalized gradient is off by 1e-4 (FSDPState._root_post_backward_final_callback)",
-           {"grad"}, _KDA2, patch=_perturb_grad),
+           {"grad", "grad_norm"}, _KDA2, patch=_perturb_grad),
     _fault("scale_grad_norm", "the sharded global norm is 1% high (torch.nn.utils.clip_grad_norm_)",
            {"grad_norm"}, _KDA2, patch=_scale_grad_norm),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
@@ -366,9 +382,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("cast_child_inputs", "a sharding helper lets FP32 child units cast their inputs (unit policy)",
            {"unit.policy", "dtype.boundary"}, {**_KDA2, "path": "legacy"}, patch=_cast_child_inputs),
     _fault("cast_buffers", "fully_shard casts the floating buffers of what it shards to BF16",
-           {"buffer", "grad", "grad_norm"}, _KDA2, patch=_cast_buffers),
+           {"buffer", "grad", "grad_norm", "divergence"}, _KDA2, patch=_cast_buffers),
     _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
-           {"names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "grad", "param"},
+           {"names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "grad", "param",
+            "trajectory"},
            _KDA2, patch=_wrap_module),
     _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
            {"marker"}, _KDA2, patch=_lose_buffer_marker, scopes=("markers",)),
@@ -381,7 +398,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"run"}, _KDA2, site="plan", hook=_rank_dependent, patch=_skip_rank_check),
     _fault("perturb_output", "the model's output on rank 0's first micro-batch is off by 1% of its max",
            # the lifecycle's own training is not perturbed, so resuming from it differs too
-           {"output", "input_grad", "grad", "grad_norm", "checkpoint.same", "checkpoint.cross"}, _KDA2,
+           {"output", "input_grad", "grad", "grad_norm", "trajectory", "divergence", "checkpoint.same",
+            "checkpoint.cross"}, _KDA2,
            site="sharded", hook=_perturb_output, scopes=_MAIN),
     _fault("rename_param", "a parameter is renamed after training", {"names", "identity", "dtype.storage"}, _KDA2,
            site="trained", hook=_rename, scopes=_MAIN),

@@ -29,6 +29,7 @@ import torch
 from parity.execute.pool import CellFailure, Interrupted, RankPool
 from parity.judge.cell import base_fields, failure_record, judge_cell
 from parity.judge.compare import cross_path
+from parity.judge.divergence import NUMERIC, locate
 from parity.judge.record import BAD, Record, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
@@ -241,6 +242,8 @@ class _Run:
             self.unpaired[cell.pair_id, cell.path] = f"{cell.path} could not be judged"
             return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
         new = judged.records
+        if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):
+            new = new + self._divergence(cell, signals, new[0])
         if judged.run is None:
             self.unpaired[cell.pair_id, cell.path] = (
                 f"{new[0].path_taken} raised the fixture's expected isolation error" if new[0].verdict == Verdict.PASS
@@ -257,6 +260,16 @@ class _Run:
                                         detail=f"cross-path comparison failed: {type(exc).__name__}: {exc}")]
         self.timings["reference+compare"] += time.perf_counter() - j0
         return new
+
+    def _divergence(self, cell: Cell, signals, first: Record) -> list[Record]:
+        """Re-run a numerically failing cell with per-module traces; name where it diverged."""
+        base = base_fields(cell, first.path_taken, first.fallback_reason)
+        try:
+            traced = self._observe(replace(cell, trace=True), signals)
+            return [locate(cell, traced, base, device=_ref_device(self.device))]
+        except CellFailure as exc:
+            return [Record(**base, check="divergence", name="-", verdict=Verdict.ERROR,
+                           detail=f"the traced re-run failed: {exc.reason}"[:500])]
 
     def _unpaired_rows(self, group: str) -> list[Record]:
         """One UNPAIRED row for every non-baseline cell of a finished group that was not compared."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.model.plan import PrecisionPlan
+from parity.model.trace import Trace
 from parity.paths.base import ShardReport
 
 
@@ -105,4 +106,6 @@ class Observation:
     """Per step, fqn -> local parameter shard after the optimizer step."""
     grad_norms: list[float] = field(default_factory=list)
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
+    trace: Trace | None = None
+    """Rank 0 of a traced run: per-module outputs and input gradients of the first micro-batch."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
+from parity.model import trace
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, get_path
 
@@ -50,6 +51,9 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             raise
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
+        if cell.trace and rank == 0:
+            obs.trace = trace.Trace()
+            trace.install(s.model, obs.trace, when=lambda: recorder.active)
         obs.timings["build"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:

@@ -26,6 +26,8 @@ from torch.func import functional_call
 
 from parity.matrix.cell import Cell
 from parity.model.boundaries import record_boundaries
+from parity.model.trace import Trace
+from parity.model.trace import install as install_trace
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.recipe import make_optimizer
 from parity.model.spec import Fixture
@@ -84,7 +86,7 @@ def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
-    resync: list[dict[str, torch.Tensor]] | None = None,
+    resync: list[dict[str, torch.Tensor]] | None = None, trace: Trace | None = None,
 ) -> ReferenceRun:
     """``resync[k]``: the sharded run's parameters after step k. When given, step k+1 starts
     from them, so every step is compared from identical weights: an allowed difference
@@ -136,6 +138,8 @@ def run_reference(
                     for f, t in entries.items()
                 }
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
+                if trace is not None and step == rank == mb == 0:
+                    rec += install_trace(model, trace)
                 out = functional_call(model, copies, inputs)
                 for h in rec:
                     h.remove()

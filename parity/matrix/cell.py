@@ -37,6 +37,8 @@ class Cell:
     """Where a plugin model comes from (``pkg.module:factory``); empty for registered ones."""
     baseline: str = "legacy"
     """The path other paths are compared with (``baseline~path`` rows)."""
+    trace: bool = False
+    """Also record per-module outputs and input gradients (re-runs of failing cells)."""
     crossload: str = ""
     """The path the checkpoint lifecycle loads this cell's checkpoint into; empty: the
     baseline (for the baseline itself: no cross-load)."""
@@ -76,7 +78,7 @@ class Cell:
 
     def axes(self) -> dict:
         d = asdict(self)
-        for run_level in ("faults", "source", "baseline", "crossload"):
+        for run_level in ("faults", "source", "baseline", "crossload", "trace"):
             d.pop(run_level)
         d["reshard"] = "on" if self.reshard else "off"
         d["output_dtype"] = dtype_name(self.precision().output_dtype)
