@@ -1,4 +1,5 @@
-"""nox sessions: ``parity`` (the smoke matrix, per torch version) and ``tests``.
+"""nox sessions: ``parity`` (the smoke matrix, per torch version), ``gate`` (GO / NO-GO per
+model on the default matrix, per torch version) and ``tests``.
 
 ``nox -s parity`` runs the smoke matrix under torch 2.15.0 (native API present) and 2.13.0
 (no ``param_dtype_override_fn``: every native cell must fall back to legacy and still pass).
@@ -30,8 +31,21 @@ def parity(session, torch):
     session.install("--no-deps", ".")  # torch is pinned above, even below the package's floor
     args = session.posargs or ["--matrix", "smoke", "--fp64"]
     if not any(a.startswith("--out") for a in args):
-        args = [*args, "--out", f"results/torch-{torch}"]
+        args = [*args, "--out", f"results/torch-{torch}", "--overwrite"]
     session.run("python", "-m", "parity", "run", *args)
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+def gate(session, torch):
+    """The gate on the default matrix: results/gate-torch-<version>/gate.md; exit 0 only on GO."""
+    _install_torch(session, torch)
+    session.install("numpy", "pandas")
+    session.install("--no-deps", ".")
+    args = session.posargs or []
+    if not any(a.startswith("--out") or a.startswith("--from") for a in args):
+        args = [*args, "--out", f"results/gate-torch-{torch}", "--overwrite"]
+    session.run("python", "-m", "parity", "gate", *args)
 
 
 @nox.session

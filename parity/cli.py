@@ -14,9 +14,10 @@ import sys
 from parity.errors import UsageError
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
-RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "fault", "model", "baseline", "device", "fp64",
-                "require_native")
-RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "fault": [],
+RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
+                "fp64", "require_native")
+RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
+                "fault": [],
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest"}
 
@@ -34,6 +35,13 @@ def _positive(value: str) -> float:
     if not x > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
     return x
+
+
+def _count(value: str) -> int:
+    n = _integer(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return n
 
 
 def _integer(value: str) -> int:
@@ -55,6 +63,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
     p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
+    p.add_argument("--steps", type=_count, help="optimizer steps per cell instead of the matrix's")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
@@ -196,6 +205,8 @@ def _select(opts: dict):
                 seen.add(c.id)
                 unique.append(c)
         cells = unique
+    if opts["steps"] is not None:
+        cells = [dataclasses.replace(c, steps=opts["steps"]) for c in cells]
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
     return matrix, select(cells, opts["filter"])
 

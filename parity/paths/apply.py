@@ -95,8 +95,9 @@ def resolved_dtypes(model: nn.Module) -> dict[str, str]:
     for mod in model.modules():
         if not isinstance(mod, FSDPModule):
             continue
-        for group in mod._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
+        state = mod._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14
+            for fp in group.fsdp_params if group is not None else ():
                 policy = getattr(fp, "mp_policy", None)  # resolved per parameter inside fully_shard
                 if policy is None:
                     continue
