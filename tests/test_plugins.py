@@ -164,3 +164,7 @@ def test_the_own_model_walkthrough_from_the_readme(tmp_path):
     assert {r["fixture"] for r in rows} == {"my_model"}
     assert {r["path"] for r in rows} == {"legacy", "native", "legacy~native"}
     assert {r["verdict"] for r in rows} <= {"PASS", "SKIP"}
+    gate = _parity("gate", "--from", str(out))
+    assert gate.returncode == 0, gate.stdout + gate.stderr
+    assert gate.stdout.splitlines()[0].split()[:2] == ["my_model", "GO"]
+    assert (out / "gate.md").exists() and (out / "gate.json").exists()

@@ -40,11 +40,63 @@ def test_coarser_storage_and_tied_uses_widen_with_the_right_dtype():
     assert t.dtype == torch.bfloat16 and math.isclose(t.allowed, 3 * 2**-24 + 3 * 2**-8)
 
 
-@given(st.integers(1, 10), st.floats(1e-3, 10.0))
-def test_parameter_allowance_grows_linearly_with_steps(steps, scale):
-    one = tolerance.parameter(torch.float32, 1, scale)
-    many = tolerance.parameter(torch.float32, steps, scale)
-    assert math.isclose(many.allowed, steps * one.allowed)
+def test_parameter_allowance_is_per_element_and_zero_for_frozen():
+    p, dp = torch.tensor([1.0, 0.1]), torch.tensor([1e-2, -1e-2])
+    a = tolerance.parameter(torch.float32, p, dp)
+    u = 2**-24
+    assert torch.allclose(a.per_element, torch.tensor([2 * u * 1.0 + 14 * u * 1e-2, 2 * u * 0.1 + 14 * u * 1e-2],
+                                                       dtype=torch.float64))
+    assert tolerance.parameter(torch.float32, p, torch.zeros(2)).allowed == 0.0
+
+
+def _contributions(seed: int, terms: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(terms, 1, generator=g) * 10
+    return torch.randn(terms, n, generator=g) * scale  # FP32 contributions of mixed magnitude
+
+
+def _sequential(parts: torch.Tensor) -> torch.Tensor:
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+@given(st.integers(0, 2**31), st.integers(1, 4), st.integers(1, 4), st.integers(1, 257))
+def test_legitimate_reorderings_of_a_gradient_sum_stay_within_the_allowance(seed, ranks, micro, n):
+    terms = ranks * micro
+    parts = _contributions(seed, terms, n)
+    scale = float(parts.double().abs().sum(0).max())  # the bound the reference records
+    allow = tolerance.gradient(torch.float32, torch.float32, terms, scale).allowed
+    sequential = _sequential(parts) / terms  # one order
+    by_rank = _sequential(torch.stack([_sequential(parts[r::ranks]) for r in range(ranks)])) / terms  # per rank first
+    pairwise = parts.sum(0) / terms  # torch's own (cascaded) order
+    for other in (by_rank, pairwise):
+        assert float((sequential.double() - other.double()).abs().max()) <= allow
+
+
+@given(st.integers(0, 2**31), st.integers(1, 8), st.integers(16, 257))
+def test_rounding_one_fp32_gradient_through_bf16_exceeds_the_allowance(seed, terms, n):
+    parts = _contributions(seed, terms, n)
+    scale = float(parts.double().abs().sum(0).max())
+    allow = tolerance.gradient(torch.float32, torch.float32, terms, scale).allowed
+    exact = parts.sum(0) / terms
+    rounded = exact.to(torch.bfloat16).float()
+    assert float((exact.double() - rounded.double()).abs().max()) > allow
+
+
+@given(st.integers(0, 2**31), st.integers(1, 4), st.lists(st.integers(1, 300), min_size=1, max_size=6))
+def test_legitimate_reorderings_of_the_global_norm_stay_within_the_allowance(seed, world, sizes):
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=g) * float(torch.rand(1, generator=g) * 5) for n in sizes]
+    reference = float(torch.nn.utils.get_total_norm(grads))  # whole tensors
+    partial = torch.zeros((), dtype=torch.float32)  # per-rank shards' squares, then an all-reduce
+    for r in range(world):
+        for t in grads:
+            partial = partial + t.chunk(world)[r].pow(2).sum() if r < len(t.chunk(world)) else partial
+    sharded = float(partial.sqrt())
+    allow = tolerance.grad_norm(torch.float32, max(sizes), len(sizes), world, reference).allowed
+    assert abs(sharded - reference) <= allow
 
 
 def test_judge_reports_exact_and_ratios():
