@@ -109,12 +109,13 @@ def _partner(cell: Cell, paths: list[str]) -> str:
 class _Signals:
     """SIGINT/SIGTERM set a flag that the run polls at safe points (no torn rows)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         self.received: int | None = None
+        self.enabled = enabled  # off under torchrun: its peers could not follow a stop; torchrun handles signals
         self._old = {}
 
     def __enter__(self):
-        for sig in EXIT_SIGNAL:
+        for sig in EXIT_SIGNAL if self.enabled else ():
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -156,7 +157,7 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
         done_groups = set()
     todo = [c for c in cells if c.pair_id not in done_groups]
     run = _Run(cells, todo, options, skip_reason, executor)
-    with _Signals() as signals:
+    with _Signals(enabled=executor is None) as signals:
         run.execute(signals)
     return run.finish(manifest, signals.received)
 
