@@ -45,7 +45,7 @@ def test_every_check_kind_has_a_fault():
 def test_no_fault_name_appears_in_production_modules():
     root = pathlib.Path(__file__).resolve().parents[1] / "parity"
     for path in root.rglob("*.py"):
-        if path.name == "faults.py":
+        if "faults" in path.parts:
             continue
         text = path.read_text()
         named = [n for n in FAULTS if f'"{n}"' in text or f"'{n}'" in text]

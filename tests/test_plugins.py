@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from parity.errors import IsolationError
 from parity.model.plan import PrecisionConfig, resolve_plan
 from parity.paths import plan_sharding
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule

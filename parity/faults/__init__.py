@@ -1,0 +1,146 @@
+"""Deliberate faults, as data: what each breaks, where, and which checks must flag it.
+
+A check that cannot fail is a defect, so every kind of check has a fault here that makes it
+fail; ``tests/test_faults.py`` is generated from :data:`FAULTS` and asserts that exactly the
+declared checks flag each fault. Most faults break behaviour *beside* parity -- FSDP's
+resolution of dtypes, its casts, its gradient finalization, torch's optimizer and norm, DCP's
+state-dict mapping -- the way a real bug there would; a few stand in for a buggy sharding
+helper or a broken model. Production modules never name a fault: they open a scope
+(:meth:`Injector.active`) or pass a hook site (:meth:`Injector.site`), and this module
+decides what happens there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from parity.errors import UsageError
+from parity.faults import patches as p
+
+#: Scopes a worker opens: building and training the cell, the checkpoint lifecycle (which
+#: trains fresh models and must see the same environment), the marker contract.
+SCOPES = ("main", "lifecycle", "markers")
+#: Where a broken environment (FSDP, torch, DCP, a helper) shows: everywhere the cell trains.
+TRAINING = ("main", "lifecycle")
+#: Hook sites a worker passes: before anything ("start"), the resolved plan ("plan", returns
+#: a plan), the sharded model ("sharded"), the trained model ("trained").
+SITES = ("start", "plan", "sharded", "trained")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    name: str
+    where: str
+    """What is broken and where, in one line."""
+    flags: frozenset[str]
+    """Checks whose records must turn FAIL (``run``: the cell turns ERROR/TIMEOUT)."""
+    cell: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    """Axis values of the cell the generated test runs (fixture, path, ranks, ...)."""
+    patch: Callable[[], Callable[[], None]] | None = None
+    """Installs the fault while one of ``scopes`` is open; returns the function that undoes it."""
+    scopes: tuple[str, ...] = TRAINING
+    site: str = ""
+    hook: Callable | None = None
+    """Called at ``site`` with (value, rank, world, **context); returns the value."""
+
+
+def _fault(name, where, flags, cell, **kw) -> Fault:
+    return Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell), **kw)
+
+
+_KDA2 = {"fixture": "kda", "path": "native", "ranks": 2}
+_MAIN = ("main",)  # only the cell's own training (its first forward, its trained model)
+_ACCUM = {"microbatches": 3, "sync": "last"}
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
+           {"grad", "grad_norm", "trajectory", "dtype.compute", "divergence"}, _KDA2, patch=p.drop_override),
+    _fault("holder_dt_bias_bf16", "FSDP all-gathers one holder's FP32 dt_bias (blocks.1.holder) in BF16",
+           {"grad", "grad_norm", "dtype.compute", "divergence"}, _KDA2, patch=p.holder_dt_bias_bf16),
+    _fault("bf16_reduce", "FSDP reduces every gradient in BF16 (FSDPParam.init_dtype_attrs)",
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum"}, {**_KDA2, **_ACCUM}, patch=p.bf16_reduce),
+    _fault("drop_output_dtype", "FSDP skips the outermost unit's output cast (FSDPState._cast_output_dtype)",
+           {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32"}, patch=p.drop_output_dtype),
+    _fault("perturb_input_grad", "the root's input cast has a wrong backward on rank 0 (FSDPState._cast_forward_inputs)",
+           {"input_grad"}, _KDA2, patch=p.perturb_input_grad),
+    _fault("perturb_grad", "one finalized gradient is off by 1e-4 (FSDPState._root_post_backward_final_callback)",
+           {"grad", "grad_norm"}, _KDA2, patch=p.perturb_grad),
+    _fault("scale_grad_norm", "the sharded global norm is 1% high (torch.nn.utils.clip_grad_norm_)",
+           {"grad_norm"}, _KDA2, patch=p.scale_grad_norm),
+    _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
+           {"param"}, _KDA2, patch=p.perturb_param),
+    _fault("misfile_optimizer_state", "DCP files one parameter's optimizer state under another FQN (get_state_dict)",
+           {"optim.state", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "legacy", "ranks": 2},
+           patch=p.misfile_optimizer_state, scopes=_MAIN),
+    _fault("swap_optimizer_state", "DCP loads two same-shape parameters' optimizer states swapped (set_state_dict)",
+           {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2},
+           patch=p.swap_optimizer_state, scopes=("lifecycle",)),
+    _fault("cast_child_inputs", "a sharding helper lets FP32 child units cast their inputs (unit policy)",
+           {"unit.policy", "dtype.boundary"}, {**_KDA2, "path": "legacy"}, patch=p.cast_child_inputs),
+    _fault("cast_buffers", "fully_shard casts the floating buffers of what it shards to BF16",
+           {"buffer", "grad", "grad_norm", "divergence"}, _KDA2, patch=p.cast_buffers),
+    _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
+           {"names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "grad", "param",
+            "trajectory"},
+           _KDA2, patch=p.wrap_module),
+    _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
+           {"marker"}, _KDA2, patch=p.lose_buffer_marker, scopes=("markers",)),
+    _fault("rank_dependent_override", "rank 1 resolves one parameter's compute dtype differently (the plan)",
+           {"run"}, _KDA2, site="plan", hook=p.rank_dependent),
+    _fault("fsdp_rank_dependent_dtype",
+           "FSDP resolves compute dtypes differently on rank 1 (MixedPrecisionPolicy._resolve_for_param)",
+           {"run"}, _KDA2, patch=p.fsdp_rank_dependent_dtype),
+    _fault("rank_dependent_unchecked", "a rank-dependent plan with parity's rank check removed: gloo aborts",
+           {"run"}, _KDA2, site="plan", hook=p.rank_dependent, patch=p.skip_rank_check),
+    _fault("perturb_output", "the model's output on rank 0's first micro-batch is off by 1% of its max",
+           # the lifecycle's own training is not perturbed, so resuming from it differs too
+           {"output", "input_grad", "grad", "grad_norm", "trajectory", "divergence", "checkpoint.same",
+            "checkpoint.cross"}, _KDA2,
+           site="sharded", hook=p.perturb_output, scopes=_MAIN),
+    _fault("rename_param", "a parameter is renamed after training", {"names", "identity", "dtype.storage"}, _KDA2,
+           site="trained", hook=p.rename, scopes=_MAIN),
+    _fault("replace_param", "a parameter object is replaced after training", {"identity"}, _KDA2,
+           site="trained", hook=p.replace, scopes=_MAIN),
+    _fault("cast_storage", "a parameter's storage is cast after training", {"dtype.storage"}, _KDA2,
+           site="trained", hook=p.cast_storage, scopes=_MAIN),
+    _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
+    _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
+    _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),
+)}
+
+
+def check_faults(names) -> tuple[str, ...]:
+    for name in names:
+        if name not in FAULTS:
+            raise UsageError(f"--fault: unknown value {name!r}; valid: {', '.join(FAULTS)}")
+    return tuple(names)
+
+
+class Injector:
+    """The faults of one cell on one rank: patches per scope, hooks per site."""
+
+    def __init__(self, names, *, rank: int, world: int):
+        self.faults = [FAULTS[n] for n in names]
+        self.rank, self.world = rank, world
+        self.scope: str | None = None
+
+    @contextlib.contextmanager
+    def active(self, scope: str) -> Iterator[None]:
+        """Patches of the faults active in ``scope``; hooks fire only inside their scopes."""
+        undo = [f.patch() for f in self.faults if f.patch is not None and scope in f.scopes]
+        outer, self.scope = self.scope, scope
+        try:
+            yield
+        finally:
+            self.scope = outer
+            for u in reversed(undo):
+                u()
+
+    def site(self, name: str, value=None, **context):
+        for f in self.faults:
+            if f.site == name and self.scope in f.scopes:
+                value = f.hook(value, rank=self.rank, world=self.world, **context)
+        return value

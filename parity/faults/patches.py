@@ -1,0 +1,309 @@
+"""How each deliberate fault breaks things: patches of FSDP, torch and DCP internals (the
+way a real bug there would behave), of a sharding helper's policy, and hooks at the
+worker's sites. The registry (:data:`parity.faults.FAULTS`) says which is which."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def swap_attr(owner, name: str, make: Callable) -> Callable[[], None]:
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    return lambda: setattr(owner, name, original)
+
+
+def fsdp_classes():
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_state
+
+    return _fsdp_param.FSDPParam, _fsdp_state.FSDPState
+
+
+# --- FSDP-side: dtype resolution, casts, gradient finalization -----------------------------
+
+
+def drop_override():
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self.orig_dtype == torch.float32 and self.param_dtype is None:
+                self.param_dtype = torch.bfloat16  # FSDP ignores "keep FP32"
+        return init_dtype_attrs
+    return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
+
+
+def holder_dt_bias_bf16():
+    seen = []
+
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self._module_info.param_name == "dt_bias":
+                seen.append(self)
+                if len(seen) % 2 == 0:  # the second holder's dt_bias only (one per block, in unit order)
+                    self.param_dtype = torch.bfloat16
+        return init_dtype_attrs
+    return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
+
+
+def bf16_reduce():
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self.orig_dtype.is_floating_point:
+                self.reduce_dtype = torch.bfloat16  # FSDP reduces in BF16 whatever the policy says
+        return init_dtype_attrs
+    return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
+
+
+def fsdp_rank_dependent_dtype():
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    def make(orig):
+        def _resolve_for_param(self, param):
+            resolved = orig(self, param)
+            if dist.get_rank() == 1:  # rank 1 keeps every parameter in its own dtype
+                resolved = dataclasses.replace(resolved, param_dtype=param.dtype)
+            return resolved
+        return _resolve_for_param
+    return swap_attr(MixedPrecisionPolicy, "_resolve_for_param", make)
+
+
+def drop_output_dtype():
+    return swap_attr(fsdp_classes()[1], "_cast_output_dtype", lambda orig: lambda self, output: output)
+
+
+class ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1 + 1e-2)
+
+
+def perturb_input_grad():
+    import torch.distributed as dist
+
+    def make(orig):
+        def _cast_forward_inputs(self, args, kwargs):
+            args, kwargs = orig(self, args, kwargs)
+            if self._is_root and dist.get_rank() == 0:  # the cast's backward is wrong on rank 0
+                args = tuple(ScaleGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                             for a in args)
+            return args, kwargs
+        return _cast_forward_inputs
+    return swap_attr(fsdp_classes()[1], "_cast_forward_inputs", make)
+
+
+def perturb_grad():
+    def make(orig):
+        def _root_post_backward_final_callback(self):
+            orig(self)
+            for state in self._state_ctx.all_states:
+                for group in state._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        if fp.sharded_param.grad is not None:
+                            fp.sharded_param.grad.mul_(1 + 1e-4)  # one finalized gradient is off
+                            return
+        return _root_post_backward_final_callback
+    return swap_attr(fsdp_classes()[1], "_root_post_backward_final_callback", make)
+
+
+# --- torch-side: the norm and the optimizer ------------------------------------------------
+
+
+def scale_grad_norm():
+    return swap_attr(torch.nn.utils, "clip_grad_norm_", lambda orig: lambda *a, **k: orig(*a, **k) * 1.01)
+
+
+def perturb_param():
+    def make(orig):
+        def step(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].mul_(1 + 1e-4)  # one update is off
+            return out
+        return step
+    return swap_attr(torch.optim.AdamW, "step", make)
+
+
+# --- DCP-side: state-dict mapping ----------------------------------------------------------
+
+
+def misfile_optimizer_state():
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def get_state_dict(model, optimizers, **kwargs):
+            msd, osd = orig(model, optimizers, **kwargs)
+            state = osd["state"]
+            keys = [k for k in state if "exp_avg" in state[k]]
+            shape = state[keys[0]]["exp_avg"].shape
+            other = next(k for k in keys if state[k]["exp_avg"].shape != shape)
+            state[other] = state.pop(keys[0])  # filed by position under the wrong FQN
+            return msd, osd
+        return get_state_dict
+    return swap_attr(sd, "get_state_dict", make)
+
+
+def swap_optimizer_state():
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def set_state_dict(model, optimizers, **kwargs):
+            out = orig(model, optimizers, **kwargs)
+            state = optimizers.state
+            params = [p for p in state if "exp_avg" in state[p]]
+            for i, a in enumerate(params):
+                for b in params[i + 1:]:
+                    if a.shape == b.shape:  # two same-shape parameters swap their state
+                        state[a], state[b] = state[b], state[a]
+                        return out
+            return out
+        return set_state_dict
+    return swap_attr(sd, "set_state_dict", make)
+
+
+# --- a sharding helper's bug: the policy it hands to FSDP ----------------------------------
+
+
+def cast_child_inputs():
+    from parity.paths import units
+
+    def make(orig):
+        def unit_policy(unit, params):
+            import dataclasses
+
+            pol = orig(unit, params)
+            return dataclasses.replace(pol, cast_forward_inputs=True)  # FP32 children cast inputs too
+        return unit_policy
+    return swap_attr(units, "unit_policy", make)
+
+
+def cast_buffers():
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            for mod in module.modules() if isinstance(module, nn.Module) else ():
+                for k, b in mod._buffers.items():  # as ``module.to(param_dtype)`` would
+                    if b is not None and b.is_floating_point():
+                        mod._buffers[k] = b.to(torch.bfloat16)
+            return out
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._fsdp_wrapped_module = inner
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+
+def wrap_module():
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            if isinstance(module, nn.Module) and isinstance(getattr(module, "head", None), nn.Module):
+                module.head = Wrapper(module.head)  # the root's head ends up inside a wrapper
+            return out
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)
+
+
+def skip_rank_check():
+    from parity.paths import apply
+
+    return swap_attr(apply, "check_rank_consistency", lambda orig: lambda *a, **k: None)
+
+
+# --- the model and its metadata ------------------------------------------------------------
+
+
+def lose_buffer_marker():
+    """Markers kept on the tensor itself (the naive design): a buffer-replacing move drops them."""
+    from parity.model import markers
+
+    def store(owner: nn.Module, local: str) -> None:
+        tensor = owner._parameters.get(local, owner._buffers.get(local))
+        tensor._parity_keep_fp32 = True
+
+    def stored(owner: nn.Module) -> set[str]:
+        items = list(owner._parameters.items()) + list(owner._buffers.items())
+        return {k for k, t in items if t is not None and getattr(t, "_parity_keep_fp32", False)}
+
+    undo = [swap_attr(markers, "_store", lambda o: store), swap_attr(markers, "_stored", lambda o: stored)]
+    return lambda: [u() for u in undo]
+
+
+def rank_dependent(plan, rank: int, world: int, **_):
+    if rank != 1:
+        return plan
+    victim = next(t for t in plan.params if t.trainable and t.compute != t.storage)
+    return plan.replace(victim.fqn, compute=victim.storage)
+
+
+def perturb_output(value, rank: int, world: int, model: nn.Module, **_):
+    calls = []
+
+    def hook(module, args, out):
+        if rank == 0 and not calls:
+            calls.append(1)
+            return out + 1e-2 * out.detach().abs().max()
+        calls.append(1)
+    model.register_forward_hook(hook)
+    return value
+
+
+def first_param(model: nn.Module):
+    name, param = next(iter(model.named_parameters()))
+    owner_name, _, local = name.rpartition(".")
+    return model.get_submodule(owner_name), local, param
+
+
+def rename(value, rank, world, model, **_):
+    owner, local, _ = first_param(model)
+    owner._parameters[local + "_renamed"] = owner._parameters.pop(local)
+    return value
+
+
+def replace(value, rank, world, model, **_):
+    owner, local, param = first_param(model)
+    owner._parameters[local] = nn.Parameter(param.detach().clone())
+    return value
+
+
+def cast_storage(value, rank, world, model, **_):
+    _, _, param = first_param(model)
+    param.data = param.data.to(torch.bfloat16 if param.dtype != torch.bfloat16 else torch.float32)
+    return value
+
+
+def crash(value, rank, world, **_):
+    if rank == world - 1:
+        os._exit(17)
+    return value
+
+
+def hang(value, rank, world, **_):
+    time.sleep(10_000)
+
+
+def raise_error(value, rank, world, **_):
+    raise RuntimeError("deliberate fault: raise")
