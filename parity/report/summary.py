@@ -81,7 +81,7 @@ def ratio_distribution(records: list[Record]) -> list[str]:
     out = ["| check | records | p50 ratio | p99 ratio | max ratio | max allowed/signal |", "|---|---|---|---|---|---|"]
     for key in sorted(ratios):
         v = np.asarray(ratios[key])
-        p50, p99 = np.percentile(v, [50, 99])
+        p50, p99 = np.percentile(v, [50, 99], method="nearest")  # no interpolation across inf
         out.append(f"| {key} | {len(v)} | {_ratio(p50)} | {_ratio(p99)} | {_ratio(v.max())} | "
                    f"{_ratio(vacuity[key]) if key in vacuity else '-'} |")
     return out
