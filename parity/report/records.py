@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from parity.judge.record import COLUMNS, Record, Verdict
 
-_NUMERIC = ("observed", "allowed", "ratio", "fp64_observed")
+_NUMERIC = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
 _INTS = ("ranks", "microbatches", "seed")
 
 
