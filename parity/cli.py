@@ -218,15 +218,21 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
     identity = {k: opts[k] for k in RUN_IDENTITY}
-    manifest = {"options": identity, "torch": _torch_version(), "cells": [c.id for c in cells]}
+    device = resolve_device(opts["device"])
+    manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
     if args.resume:
         from parity.report.outdir import read_manifest
 
-        recorded_cells = read_manifest(args.resume).get("cells")
-        if recorded_cells != manifest["cells"]:
+        if under_torchrun():
+            raise UsageError("--resume is not supported under torchrun; resume without torchrun or rerun the matrix")
+        recorded = read_manifest(args.resume)
+        for key in ("torch", "device"):
+            if recorded.get(key) != manifest[key]:
+                raise UsageError(f"--resume {args.resume}: the interrupted run used {key} {recorded.get(key)!r}, this "
+                                 f"one would use {manifest[key]!r}; resume where it ran or start a new run")
+        if recorded.get("cells") != manifest["cells"]:
             raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
-    device = resolve_device(opts["device"])
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"])
@@ -259,6 +265,8 @@ def cmd_gate(args) -> int:
     candidate = check_path(args.candidate)
     if args.from_dir:
         out = args.from_dir
+        if not os.path.isfile(os.path.join(out, outdir.CELLS)):
+            raise UsageError(f"--from {out}: no {outdir.CELLS} there; give the --out directory of a parity run")
         manifest = outdir.read_manifest(out)
         if manifest.get("status") != "complete":
             raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "

@@ -265,12 +265,20 @@ class _Run:
     def _divergence(self, cell: Cell, signals, first: Record) -> list[Record]:
         """Re-run a numerically failing cell with per-module traces; name where it diverged."""
         base = base_fields(cell, first.path_taken, first.fallback_reason)
+        if self.executor is not None:  # torchrun peers run each cell once; a re-run would desynchronize them
+            return [Record(**base, check="divergence", name="-", verdict=Verdict.SKIP,
+                           detail="not located under torchrun (re-run the cell without torchrun)")]
         try:
             traced = self._observe(replace(cell, trace=True), signals)
             return [locate(cell, traced, base, device=_ref_device(self.device))]
         except CellFailure as exc:
-            return [Record(**base, check="divergence", name="-", verdict=Verdict.ERROR,
-                           detail=f"the traced re-run failed: {exc.reason}"[:500])]
+            if signals():
+                raise Interrupted() from None
+            reason = exc.reason
+        except Exception as exc:  # noqa: BLE001 - a broken locator is that row's ERROR, not the run's
+            reason = f"{type(exc).__name__}: {exc}"
+        return [Record(**base, check="divergence", name="-", verdict=Verdict.ERROR,
+                       detail=f"the traced re-run failed: {reason}"[:500])]
 
     def _unpaired_rows(self, group: str) -> list[Record]:
         """One UNPAIRED row for every non-baseline cell of a finished group that was not compared."""

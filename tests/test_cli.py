@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from parity.cli import main
 
@@ -24,7 +25,7 @@ from parity.cli import main
         (["run", "--timeout", "-5"], "must be a positive number of seconds"),
         (["run", "--out", "/proc/version/x"], "--out /proc/version/x: cannot write there"),
         (["run", "--bogus"], "unrecognized arguments: --bogus"),
-        ([], "required: {plan,run,fixtures}"),
+        ([], "required: {plan,run,gate,fixtures}"),
         (["run", "--resume", "/nonexistent-parity-dir"], "no run.json there"),
     ],
 )
@@ -89,13 +90,19 @@ def test_resume_refuses_changed_options_naming_them(capsys, tmp_path):
 
     d = tmp_path / "run"
     d.mkdir()
-    options = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "fault": [],
-               "model": [], "baseline": "legacy", "device": "auto", "fp64": False}
-    outdir.write_manifest(str(d), {"options": options, "cells": [], "status": "interrupted"})
+    from parity.cli import RUN_DEFAULTS, RUN_IDENTITY
+
+    options = {k: RUN_DEFAULTS[k] for k in RUN_IDENTITY}
+    outdir.write_manifest(str(d), {"options": options, "cells": [], "status": "interrupted", "torch": "2.14.1",
+                                   "device": "cpu"})
     assert main(["run", "--resume", str(d), "--seed", "3"]) == 2
     assert "seed differs from the interrupted run's (None recorded, 3 given)" in capsys.readouterr().err
     assert main(["run", "--resume", str(d), "--overwrite"]) == 2
     assert "give only one of them" in capsys.readouterr().err
+    assert main(["run", "--resume", str(d)]) == 2
+    assert "the interrupted run used torch '2.14.1', this one would use" in capsys.readouterr().err
+    outdir.write_manifest(str(d), {"options": options, "cells": [], "status": "interrupted",
+                                   "torch": torch.__version__, "device": "cpu"})
     assert main(["run", "--resume", str(d)]) == 2  # the smoke matrix selects cells; none were recorded
     assert "selects different cells than the interrupted run" in capsys.readouterr().err
 

@@ -64,7 +64,8 @@ def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, d
     return {canonical_fqn(k): {sk: _local(v) for sk, v in st.items()} for k, st in osd["state"].items()}
 
 
-def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector) -> dict[str, Resumed]:
+def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
+           heartbeat=lambda what: None) -> dict[str, Resumed]:
     """Train ``RESUME_STEP`` steps, save (DCP); load into a fresh model on the same path and
     on the cell's cross-load target (the baseline, or for the baseline the path it is
     compared with); train one more step. What each resumed run saw is compared with the
@@ -78,9 +79,11 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector)
     try:
         first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
         for step in range(RESUME_STEP):
-            train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank))
+            train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
+                       heartbeat=heartbeat)
         msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir[0])
+        heartbeat("checkpoint saved")
         for target in targets:
             try:
                 s = build(cell, target, mesh=mesh, device=device, inject=inject)
@@ -92,8 +95,9 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector)
             dcp.load(state, checkpoint_id=ckpt_dir[0])
             dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"],
                                           optim_state_dict=state["optim"])
+            heartbeat(f"checkpoint loaded into {target}")
             obs = Observation(rank=rank)
-            train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs)
+            train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
             out[target] = Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
                                   optim=optimizer_state(s.model, s.opt))
     finally:

@@ -70,12 +70,12 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         t2 = time.perf_counter()
         with inject.active("lifecycle"):
             obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
-                                                    inject=inject)
+                                                    inject=inject, heartbeat=beat)
         obs.timings["checkpoint"] = time.perf_counter() - t2
-        beat("checkpoint lifecycle")
     with inject.active("main"):
         inject.site("trained", model=s.model)
         recorder.finish(s.model, obs.contracts)
+    beat("contracts")
     with inject.active("markers"):
         obs.contracts.markers = lifecycle.marker_contract(cell, device)
     return obs

@@ -39,9 +39,9 @@ class Judged:
 def _fallback_kind(reason: str, expect: str, expected_reason: str) -> str:
     """``declared`` (the fixture says this path falls back for this reason), ``unsupported
     build`` (the API is missing here), or ``undeclared``."""
-    if expect == "fallback" and expected_reason in reason:
-        return "declared"
-    return "unsupported build" if reason.startswith("unsupported build") else "undeclared"
+    if reason.startswith("unsupported build"):  # never what a model declares
+        return "unsupported build"
+    return "declared" if expect == "fallback" and expected_reason in reason else "undeclared"
 
 
 def _expected_error_records(cell: Cell, observations: list[Observation], fixture, expect: str,

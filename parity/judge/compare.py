@@ -89,6 +89,8 @@ class Comparison:
                 return max_abs(self.actual, self.expected), self.allowance.allowed
             return abs(self.actual - self.expected), self.allowance.allowed
         diff = (self.actual.double() - self.expected.to(self.actual.device).double()).abs()
+        if bool(diff.isnan().any()):
+            return float("nan"), self.allowance.allowed
         if not diff.numel() or not bool(diff.ne(0).any()):
             return 0.0, self.allowance.allowed
         ratios = torch.where(per > 0, diff / per.clamp_min(torch.finfo(torch.float64).tiny),
@@ -176,7 +178,10 @@ def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtyp
 def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[Comparison]:
     """Compare two paths' runs of one cell with the allowances of the first's comparisons."""
     out = []
-    for c in first:  # same allowance, same signal: the baseline's
+    # parameters are judged per path against the optimizer replayed on that path's own
+    # gradients; across paths, Adam may turn a legitimate gradient difference into an
+    # lr-sized one, so the paths' trajectories are judged by ``trajectory`` instead
+    for c in (c for c in first if c.check != "param"):  # same allowance, same signal: the baseline's
         step = c.step
         if c.check in ("output", "input_grad"):
             r, mb = c.name.split("/")

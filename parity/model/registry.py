@@ -84,6 +84,8 @@ def _import_source(source: str):
             module = importlib.import_module(target)
         except ImportError as exc:
             raise UsageError(f"--model {source!r}: cannot import {target} ({exc}); install it or give a file path") from None
+        except Exception as exc:  # noqa: BLE001 - user code failing at import is bad input too
+            raise UsageError(f"--model {source!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
     if not hasattr(module, attr):
         raise UsageError(f"--model {source!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)

@@ -117,9 +117,10 @@ def validate(spec: object, where: str) -> Fixture:
         raise UsageError(f"{where}: Fixture.ignored_reduction {spec.ignored_reduction!r}; valid: "
                          f"{', '.join(IGNORED_REDUCTIONS)}")
     for key, value in spec.expect.items():
-        if value.partition(":")[0] not in OUTCOMES:
+        kind, _, text = value.partition(":") if isinstance(value, str) else ("", "", "")
+        if kind not in OUTCOMES or (kind == "fallback" and not text):
             raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
-                             "fallback:TEXT")
+                             "fallback:TEXT (TEXT: part of the reason)")
     try:
         model = spec.make(0, "meta")
     except Exception as exc:  # noqa: BLE001 - any failure of user code is named
@@ -140,7 +141,10 @@ def validate(spec: object, where: str) -> Fixture:
     for group in spec.tied:
         if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
             raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")
-    batch = spec.batch(0, 0, 0, 0)
+    try:
+        batch = spec.batch(0, 0, 0, 0)
+    except Exception as exc:  # noqa: BLE001
+        raise UsageError(f"{where}: Fixture.make_batch failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(batch, Batch):
         raise UsageError(f"{where}: Fixture.make_batch returned {type(batch).__name__}, not parity.model.Batch")
     return spec

@@ -21,7 +21,10 @@ _extra: dict[str, ShardingPath] = {}
 
 def _check(path: object, where: str) -> ShardingPath:
     if isinstance(path, type) or (callable(path) and not isinstance(path, ShardingPath)):
-        path = path()
+        try:
+            path = path()
+        except Exception as exc:  # noqa: BLE001 - a plugin failing to construct is bad input
+            raise UsageError(f"{where}: constructing the path failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(path, ShardingPath):
         raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply)")
     if path.contract not in CONTRACTS:

@@ -60,8 +60,9 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     verdicts = cell_verdicts(own)
     cand_cells = {r.cell for r in own if r.path == candidate}
     ran = {c for c in cand_cells if verdicts[c] != Verdict.SKIP}
-    base_cells = {r.cell for r in own if r.path != candidate}
     pairs = [r for r in rows if is_pair(r) and r.path.endswith(f"~{candidate}")]
+    baselines = {r.path.split("~")[0] for r in pairs}
+    base_cells = {r.cell for r in own if r.path in baselines}
     d = Decision(model, GO, counts={
         "candidate cells": len(cand_cells), "candidate cells run": len(ran),
         "candidate cells on the candidate path": len({r.cell for r in own if r.cell in ran and r.path_taken == candidate}),

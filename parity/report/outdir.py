@@ -24,7 +24,7 @@ from parity.errors import UsageError
 MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
-RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS)
+RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json")
 
 
 def _usable(out: str) -> None:
@@ -63,12 +63,12 @@ def write_manifest(out: str, manifest: dict) -> None:
 def read_manifest(out: str) -> dict:
     path = os.path.join(out, MANIFEST)
     if not os.path.isfile(path):
-        raise UsageError(f"--resume {out}: no {MANIFEST} there; give the --out directory of an earlier run")
+        raise UsageError(f"{out}: no {MANIFEST} there; give the --out directory of an earlier parity run")
     try:
         with open(path) as fh:
             return json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
-        raise UsageError(f"--resume {out}: {MANIFEST} is unreadable ({exc}); start a new run with --overwrite") from None
+        raise UsageError(f"{out}: {MANIFEST} is unreadable ({exc}); start a new run with --overwrite") from None
 
 
 def mark_group_done(out: str, group: str) -> None:
@@ -97,6 +97,10 @@ def resume_point(out: str) -> set[str]:
             if os.path.exists(f):
                 os.remove(f)
         return set()
+    size = os.path.getsize(cells) if os.path.exists(cells) else -1
+    if size < entries[-1]["bytes"]:
+        raise UsageError(f"--resume {out}: {CELLS} is missing or shorter than {PROGRESS} records; "
+                         "start a new run with --overwrite")
     with open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
     with open(path, "w") as fh:

@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import asdict
 
+from parity.errors import UsageError
 from parity.judge.record import COLUMNS, Record, Verdict
 
 _NUMERIC = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
@@ -61,7 +62,11 @@ def read_records(path: str) -> list[Record]:
         text = fh.read()
     if text and not text.endswith("\n"):
         text = text[: text.rfind("\n") + 1]
-    rows = list(csv.DictReader(text.splitlines(keepends=True)))
+    reader = csv.DictReader(text.splitlines(keepends=True))
+    rows = list(reader)
+    if reader.fieldnames and list(reader.fieldnames) != COLUMNS:
+        raise UsageError(f"{path}: columns differ from this parity version's ({', '.join(COLUMNS[-3:])}, ...); "
+                         "rerun the matrix with this version")
     if rows and (None in rows[-1] or any(v is None for v in rows[-1].values())):
         rows = rows[:-1]
     return [_parse(r) for r in rows]
