@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("interrupt")]
+pytestmark = pytest.mark.slow
 
 SELECT = ["--matrix", "smoke", "-k", "fixture in ('kda', 'frozen')"]
 #: Imported by every process of the run (parent and workers): once some rows are recorded,
@@ -76,6 +76,7 @@ def uninterrupted(tmp_path_factory):
     return (out / "cells.csv").read_bytes()
 
 
+@pytest.mark.xdist_group("interrupt")
 @pytest.mark.parametrize("point, sig, code", [
     ("start-up", "TERM", 143),
     ("mid-cell", "INT", 130),

@@ -142,7 +142,10 @@ def test_an_installed_external_path_is_judged_and_paired_with_legacy_and_native(
         own = [r for r in rows if r["path"] == "owner_split"]
         assert own and {r["verdict"] for r in own} <= {"PASS", "SKIP"}
         pairs = [r for r in rows if r["path"] == f"{baseline}~owner_split"]
-        assert pairs and {r["verdict"] for r in pairs} == {"PASS"}
+        assert pairs and {r["verdict"] for r in pairs if r["fixture"] == "frozen"} == {"PASS"}
+        unpaired = [r for r in pairs if r["fixture"] == "unisolatable"]
+        assert [r["verdict"] for r in unpaired] == ["UNPAIRED"]
+        assert "raised the fixture's expected isolation error" in unpaired[0]["detail"]
         # a dtype-split plugin inherits the fixture's contract-keyed expectation
         iso = [r for r in own if r["fixture"] == "unisolatable"]
         assert [(r["check"], r["verdict"]) for r in iso] == [("expected_error", "PASS")]
