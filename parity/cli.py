@@ -19,7 +19,7 @@ RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", 
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "fault": [],
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
-                "timeout": 60.0, "out": "results/latest"}
+                "timeout": 60.0, "out": "results/latest", "junit": None}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,6 +68,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
     p.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
+    p.add_argument("--junit", metavar="FILE", help="also write JUnit XML (one test case per cell x check)")
     p.add_argument("--require-native", action="store_true", default=None,
                    help="a fallback the fixture does not declare (unsupported build included) is a FAIL")
 
@@ -217,6 +218,9 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
+    junit_dir = os.path.dirname(os.path.abspath(opts["junit"])) if opts["junit"] else ""
+    if junit_dir and not os.path.isdir(junit_dir):
+        raise UsageError(f"--junit {opts['junit']}: no folder {junit_dir}; give a path in an existing folder")
     identity = {k: opts[k] for k in RUN_IDENTITY}
     device = resolve_device(opts["device"])
     manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
@@ -235,7 +239,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
-                         require_native=opts["require_native"])
+                         require_native=opts["require_native"], junit=opts["junit"] or "")
     if under_torchrun():
         executor = TorchrunExecutor(device)
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731

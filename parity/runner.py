@@ -33,6 +33,7 @@ from parity.judge.divergence import NUMERIC, locate
 from parity.judge.record import BAD, Record, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
+from parity.report.junit import write_junit
 from parity.report.records import RecordWriter, read_records
 from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
 
@@ -60,6 +61,8 @@ class RunOptions:
     """Continue the run recorded in ``out_dir``: recorded pair groups are not rerun."""
     require_native: bool = False
     """A fallback the fixture does not declare (an unsupported build included) is a FAIL."""
+    junit: str = ""
+    """Also write JUnit XML here (one test case per cell x check)."""
 
 
 def resolve_device(device: str) -> str:
@@ -326,6 +329,8 @@ class _Run:
         with open(os.path.join(out, "timings.json"), "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
         outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete"})
+        if self.options.junit:
+            write_junit(self.options.junit, records, suite=self.options.title)
         if received:
             print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "
                   f"finished rows kept in {out} (continue: python -m parity run --resume {out})", file=sys.stderr)

@@ -130,3 +130,18 @@ def test_trajectory_allows_twice_the_emulations_distance_to_fp64_and_no_more():
     far = {n: p + 3e-3 for n, p in truth.items()}  # 3 x
     assert {r.verdict for r in trajectory_records([close], emulated, fp64, init, plan, base)} == {Verdict.PASS}
     assert {r.verdict for r in trajectory_records([far], emulated, fp64, init, plan, base)} == {Verdict.FAIL}
+
+
+def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from parity.report.junit import write_junit
+
+    rows = healthy(n=1) + [rec("m", "native", 0, check="param", verdict="FAIL", ratio=3.0, observed=3e-3,
+                               allowed=1e-3, detail="per element"),
+                           rec("m", "native", 0, check="input_grad", verdict="SKIP", detail="tokens")]
+    write_junit(str(tmp_path / "j.xml"), rows, suite="t")
+    suite = ET.parse(tmp_path / "j.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("5", "1", "1")
+    failure = suite.find("testcase[@name='param']/failure")
+    assert "observed 0.003, allowed 0.001, ratio 3.0" in failure.get("message")

@@ -160,8 +160,12 @@ def test_the_own_model_walkthrough_from_the_readme(tmp_path):
     assert "layers.0.gate.A_log" in plan.stdout and "strict" in plan.stdout
     assert "path requested=native taken=native" in plan.stdout
     out = tmp_path / "own"
-    run = _parity("run", "--model", OWN_MODEL, "--out", str(out))
+    run = _parity("run", "--model", OWN_MODEL, "--out", str(out), "--junit", str(tmp_path / "junit.xml"))
     assert run.returncode == 0, run.stderr[-2000:]
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) > 100 and suite.get("failures") == "0" and suite.get("errors") == "0"
     rows = _rows(out)
     assert {r["fixture"] for r in rows} == {"my_model"}
     assert {r["path"] for r in rows} == {"legacy", "native", "legacy~native"}
