@@ -173,7 +173,6 @@ class _Run:
         self.timings = Counter()
         self.pools: dict[int, RankPool] = {}
         self.tmp = ""
-        self.finished: set[str] = set()
         self.writer = RecordWriter(os.path.join(options.out_dir, outdir.CELLS),
                                    append=os.path.exists(os.path.join(options.out_dir, outdir.CELLS)))
         self.group_left = Counter(c.pair_id for c in todo)
@@ -211,7 +210,6 @@ class _Run:
                 if self.group_left[cell.pair_id] == 0:
                     new = new + self._unpaired_rows(cell.pair_id)
                 self.writer.write(new)
-                self.finished.add(cell.id)
                 if self.group_left[cell.pair_id] == 0:
                     outdir.mark_group_done(self.options.out_dir, cell.pair_id)
                     self.baseline_judged.pop(cell.pair_id, None)

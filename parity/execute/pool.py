@@ -158,9 +158,6 @@ class RankPool:
         self.spawn_seconds += time.perf_counter() - t0
         self.ready = False
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
     def _collect(self, kind: str, timeout: float) -> dict[int, bytes]:
         """Wait for every rank's ``kind`` message; ``timeout`` counts seconds of silence."""
         got: dict[int, bytes] = {}

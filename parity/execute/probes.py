@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
-from parity.model.boundaries import record_boundaries
+from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
 from parity.paths.base import ShardReport
@@ -42,8 +42,7 @@ def names_snapshot(model: nn.Module) -> NamesSnapshot:
 
 def buffers_snapshot(model: nn.Module) -> dict[str, BufferSeen]:
     """Every floating buffer: dtype and a CPU copy of its value."""
-    return {canonical_fqn(n): BufferSeen(dtype=dtype_name(b.dtype), value=b.detach().cpu().clone())
-            for n, b in model.named_buffers() if b.is_floating_point()}
+    return {fqn: BufferSeen(dtype=dtype_name(b.dtype), value=b) for fqn, b in float_buffers(model).items()}
 
 
 def before_sharding(model: nn.Module) -> NamesSnapshot:

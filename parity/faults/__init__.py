@@ -48,7 +48,9 @@ class Fault:
 
 
 def _fault(name, where, flags, cell, **kw) -> Fault:
-    return Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell), **kw)
+    fault = Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell), **kw)
+    assert set(fault.scopes) <= set(SCOPES) and fault.site in ("", *SITES), f"{name}: unknown scope or site"
+    return fault
 
 
 _KDA2 = {"fixture": "kda", "path": "native", "ranks": 2}

@@ -25,10 +25,10 @@ from torch import nn
 from torch.func import functional_call
 
 from parity.matrix.cell import Cell
-from parity.model.boundaries import record_boundaries
+from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
-from parity.model.plan import PrecisionPlan, canonical_fqn
+from parity.model.plan import PrecisionPlan
 from parity.model.recipe import make_optimizer
 from parity.model.spec import Fixture
 from parity.paths.base import ShardReport
@@ -61,10 +61,6 @@ def _cast_floats(obj, dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {canonical_fqn(n): b.detach().cpu().clone() for n, b in model.named_buffers() if b.is_floating_point()}
 
 
 def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
@@ -108,7 +104,7 @@ def run_reference(
     world, micro = cell.ranks, cell.microbatches
     accumulate_unsharded = cell.sync == "last" and micro > 1
     run = ReferenceRun(grad_terms=world * micro)
-    run.buffers["initial"] = _buffers(model)
+    run.buffers["initial"] = float_buffers(model)
 
     def compute_dtype(f):
         return torch.float64 if fp64 else entries[f].compute
@@ -186,7 +182,7 @@ def run_reference(
         run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
     for h in handles:
         h.remove()
-    run.buffers["trained"] = _buffers(model)
+    run.buffers["trained"] = float_buffers(model)
     return run
 
 

@@ -23,6 +23,11 @@ def _float_dtypes(obj) -> list[str]:
     return []
 
 
+def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical FQN -> a CPU copy of every floating buffer (both sides read buffers this way)."""
+    return {canonical_fqn(n): b.detach().cpu().clone() for n, b in model.named_buffers() if b.is_floating_point()}
+
+
 def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
     """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
     FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
