@@ -1,5 +1,6 @@
 """nox sessions: ``parity`` (the smoke matrix, per torch version), ``gate`` (GO / NO-GO per
-model on the default matrix, per torch version) and ``tests``.
+model on the default matrix, per torch version), ``models`` (real Hugging Face model classes
+through the gate) and ``tests``.
 
 ``nox -s parity`` runs the smoke matrix under torch 2.15.0 (native API present) and 2.13.0
 (no ``param_dtype_override_fn``: every native cell must fall back to legacy and still pass).
@@ -46,6 +47,19 @@ def gate(session, torch):
     if not any(a.startswith("--out") or a.startswith("--from") for a in args):
         args = [*args, "--out", f"results/gate-torch-{torch}", "--overwrite"]
     session.run("python", "-m", "parity", "gate", *args)
+
+
+@nox.session
+def models(session):
+    """Real model classes (Hugging Face, tiny configs) through the gate on the ``models``
+    matrix: results/models/gate.md; exit 0 only on GO / NOT APPLICABLE for every model."""
+    _install_torch(session, TORCH_VERSIONS[0])
+    session.install("numpy", "pandas", "transformers==5.24.0")
+    session.install("--no-deps", ".")
+    args = session.posargs or []
+    if not any(a.startswith("--out") or a.startswith("--from") for a in args):
+        args = [*args, "--out", "results/models", "--overwrite"]
+    session.run("python", "-m", "parity", "gate", "--matrix", "models", *args)
 
 
 @nox.session

@@ -11,7 +11,7 @@ from parity.cli import main
     "argv, message",
     [
         (["plan", "--fixture", "nope"], "unknown fixture 'nope'; valid: kda, lm, frozen"),
-        (["run", "--matrix", "nope"], "unknown matrix 'nope'; valid: default, full, smoke"),
+        (["run", "--matrix", "nope"], "unknown matrix 'nope'; valid: configs, default, full, models, smoke"),
         (["run", "--paths", "legacy,fast"], "--paths: unknown value 'fast'; valid: legacy, native"),
         (["run", "--ranks", "3"], "--ranks: unknown value '3'"),
         (["plan", "--fixture", "kda", "--output-dtype", "float8"], "unknown value 'float8'; valid: natural, float32"),

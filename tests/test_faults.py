@@ -9,11 +9,14 @@ from parity.matrix.cell import Cell
 
 #: The hang is judged by silence, with a timeout measured on this machine (test_integration).
 RUN_HERE = [name for name in FAULTS if name != "hang"]
+#: Faults only one configuration reveals: also run with that configuration turned off.
+QUIET = [name for name in RUN_HERE if FAULTS[name].quiet]
 
 
-def _failing(records, name: str) -> set[str]:
+def _failing(records, name: str, cell: dict | None = None) -> set[str]:
+    target = Cell(**(cell or FAULTS[name].cell), faults=(name,)).id
     return {r["check"] for r in records
-            if r["cell"].endswith(f"fault-{name}") and r["verdict"] in ("FAIL", "ERROR", "TIMEOUT", "INCONCLUSIVE")}
+            if r["cell"] == target and r["verdict"] in ("FAIL", "ERROR", "TIMEOUT", "INCONCLUSIVE")}
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +26,7 @@ def fault_records(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("faults") / "run")
     cells = [Cell(**FAULTS[name].cell, faults=(name,)) for name in RUN_HERE]
+    cells += [Cell(**{**FAULTS[name].cell, **FAULTS[name].quiet}, faults=(name,)) for name in QUIET]
     code = run_cells(cells, RunOptions(out_dir=out, timeout=120, progress=False))
     assert code == 1
     return read_records(out)
@@ -33,6 +37,16 @@ def fault_records(tmp_path_factory):
 @pytest.mark.parametrize("name", RUN_HERE)
 def test_fault_is_flagged_by_exactly_its_declared_checks(fault_records, name):
     assert _failing(fault_records, name) == set(FAULTS[name].flags), FAULTS[name].where
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults")
+@pytest.mark.parametrize("name", QUIET)
+def test_a_configuration_fault_is_silent_without_its_configuration(fault_records, name):
+    fault = FAULTS[name]
+    quiet = {**fault.cell, **fault.quiet}
+    assert any(r["cell"] == Cell(**quiet, faults=(name,)).id for r in fault_records)
+    assert _failing(fault_records, name, quiet) == set(), f"{name} flagged with {dict(fault.quiet)}"
 
 
 def test_every_check_kind_has_a_fault():

@@ -36,7 +36,7 @@ def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) ->
     """``full``: composable ``checkpoint`` on each block (names unchanged); ``selective``:
     ``checkpoint_wrapper`` with an op-level policy saving matmul outputs (adds the
     ``_checkpoint_wrapped_module`` prefix that :func:`parity.model.plan.canonical_fqn` removes)."""
-    if mode == "none":
+    if mode in ("none", "outer"):  # outer: after sharding, see checkpoint_units
         return
     for fqn in blocks:
         parent_name, _, child = fqn.rpartition(".")
@@ -51,3 +51,18 @@ def apply_checkpointing(model: nn.Module, mode: str, blocks: tuple[str, ...]) ->
         else:
             raise ValueError(f"unknown checkpointing {mode!r}")
 
+
+
+def checkpoint_units(model: nn.Module, report) -> None:
+    """AC(FSDP): wrap every non-root FSDP unit in a checkpoint wrapper, innermost first, so
+    the checkpoint saves the unit's *uncast* inputs and its recompute runs FSDP's hooks
+    (input cast, all-gather, override) again. The root is checkpointed by the training
+    loop's call (:func:`parity.execute.training.train_step`)."""
+    from parity.model.plan import canonical_fqn
+
+    targets = {m for unit in report.units for m in unit.modules if m}
+    for fqn in sorted(targets, key=lambda n: -n.count(".")):
+        real = next(n for n, _ in model.named_modules() if canonical_fqn(n) == fqn and n)
+        parent_name, _, child = real.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent.register_module(child, checkpoint_wrapper(parent.get_submodule(child)))

@@ -78,6 +78,9 @@ class Recorder:
         self.model = model
         self.active = False
         self.compute: dict[str, str] = {}
+        self._via_parent: dict[str, str] = {}
+        """Parameters a module reads from a child whose own forward never runs (e.g.
+        ``F.conv1d(x, self.conv1d.weight)``): seen when the parent's forward starts."""
         self.boundaries: dict[str, dict[str, list[str]]] = {}
         self.reduce: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
@@ -100,6 +103,11 @@ class Recorder:
                 for local, p in module._parameters.items():
                     if p is not None:
                         self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
+                for child_name, child in module._modules.items():
+                    prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
+                    for local, p in (child._parameters.items() if child is not None else ()):
+                        if p is not None:
+                            self._via_parent.setdefault(f"{prefix}.{local}", dtype_name(p.dtype))
         return hook
 
     def _patch_reduce(self) -> None:
@@ -172,7 +180,7 @@ class Recorder:
         """Fill ``seen`` with everything recorded, plus the trained model's names."""
         self.close()
         seen.sharded, seen.lazy_init, seen.trained = self.sharded, self.lazy_init, names_snapshot(model)
-        seen.compute = self.compute
+        seen.compute = {**self._via_parent, **self.compute}
         seen.policies = self.policies
         seen.boundaries = self.boundaries
         seen.reduce = {k: sorted(v) for k, v in self.reduce.items()}

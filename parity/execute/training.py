@@ -17,12 +17,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.execute import probes
-from parity.execute.checkpointing import apply_checkpointing
+from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
+from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
-from parity.model.recipe import make_optimizer
+from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
 
@@ -58,15 +59,19 @@ class Sharded:
     opt: torch.optim.Optimizer
     params: list[nn.Parameter]
     names: dict[int, str]
+    scaler: object | None = None
+    """float16: the sharded gradient scaler (found-inf agreed across ranks)."""
 
 
 def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
-    """Model -> plan -> (activation checkpointing) -> sharding along ``path`` -> optimizer.
-    Raises :class:`IsolationError` when a dtype-split path cannot shard the model."""
+    """Model -> plan -> (activation checkpointing) -> sharding along ``path`` -> (meta:
+    materialize) -> optimizer. Raises :class:`IsolationError` when a dtype-split path
+    cannot shard the model."""
     fixture = get_fixture(cell.fixture, cell.source)
-    model = fixture.make(cell.seed, device)
+    meta = cell.init == "meta"
+    model = fixture.make(cell.seed, "meta" if meta else device)
     ignored = fixture.ignored(model)
-    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32)
+    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze)
     if obs is not None:
         obs.plan = plan
     plan = inject.site("plan", plan)
@@ -76,18 +81,46 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored)
+    if meta:
+        ignored_names = {n for n, p in model.named_parameters() if p in ignored}
+        materialize(model, fixture.make(cell.seed), device)
+        # to_empty gives plain (ignored) parameters new objects: find them again by name
+        ignored = {p for n, p in model.named_parameters() if n in ignored_names}
+    if fixture.unused_params:
+        model.set_reduce_scatter_unused_params(True)
+    if cell.checkpointing == "outer":
+        checkpoint_units(model, report)
     inject.site("sharded", model=model)
     params = list(model.parameters())
+    scale = loss_scale(plan.config.param_dtype)
+    scaler = None
+    if scale != 1.0:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=torch.device(device).type, init_scale=scale)
     return Sharded(
-        model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params), params=params,
-        names={id(p): canonical_fqn(n) for n, p in model.named_parameters()},
+        model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
+        params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
     )
+
+
+def _forward(cell: Cell, model: nn.Module, inputs: tuple[torch.Tensor, ...]):
+    """``outer`` checkpointing also wraps the root unit: the model call itself."""
+    if cell.checkpointing == "outer":
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(model, *inputs, use_reentrant=False)
+    return model(*inputs)
 
 
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
                recorder=None, heartbeat: Heartbeat | None = None) -> None:
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
     fixture = get_fixture(cell.fixture, cell.source)
+    for p in s.params:  # the recipe's freeze schedule
+        t = s.plan.get(s.names[id(p)])
+        if t is not None and t.trainable_from:
+            p.requires_grad_(step >= t.trainable_from)
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync == "every")
@@ -96,11 +129,13 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         if not fixture.token_input:
             inputs = tuple(x.requires_grad_() for x in inputs)
         with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
-            out = s.model(*inputs)
+            out = fixture.output(_forward(cell, s.model, inputs))
         loss = fixture.loss(out, batch.target) / cell.microbatches
-        loss.backward()
+        (s.scaler.scale(loss) if s.scaler else loss).backward()
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
+        if grad is not None and s.scaler:
+            grad = grad / s.scaler.get_scale()  # a power of two: exact
         obs.input_grads.append(None if grad is None else _local(grad))
         if recorder:
             recorder.after_backward(s.model, step, mb, last)
@@ -111,8 +146,14 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             dist.all_reduce(p.grad)
             if fixture.ignored_reduction == "mean":
                 p.grad.div_(world)
+    if s.scaler:
+        s.scaler.unscale_(s.opt)
     obs.grad_norms.append(global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: _local(p.grad) for p in s.params if p.grad is not None})
-    s.opt.step()
+    if s.scaler:
+        s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
+        s.scaler.update()
+    else:
+        s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: _local(p) for p in s.params})

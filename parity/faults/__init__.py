@@ -45,10 +45,14 @@ class Fault:
     site: str = ""
     hook: Callable | None = None
     """Called at ``site`` with (value, rank, world, **context); returns the value."""
+    quiet: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    """Axis values under which the fault must flag nothing: a fault only one configuration
+    reveals names the configuration's off value here (e.g. ``init: seeded``)."""
 
 
-def _fault(name, where, flags, cell, **kw) -> Fault:
-    fault = Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell), **kw)
+def _fault(name, where, flags, cell, quiet=None, **kw) -> Fault:
+    fault = Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell),
+                  quiet=MappingProxyType(quiet or {}), **kw)
     assert set(fault.scopes) <= set(SCOPES) and fault.site in ("", *SITES), f"{name}: unknown scope or site"
     return fault
 
@@ -108,6 +112,29 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            site="trained", hook=p.replace, scopes=_MAIN),
     _fault("cast_storage", "a parameter's storage is cast after training", {"dtype.storage"}, _KDA2,
            site="trained", hook=p.cast_storage, scopes=_MAIN),
+    # configurations real recipes use: each fault is revealed by its configuration only
+    _fault("recompute_skips_input_cast",
+           "FSDP's pre-forward skips the input cast in an activation-checkpoint recompute (FSDPState._pre_forward)",
+           {"run"}, {"fixture": "residual_fp32", "path": "native", "ranks": 2, "checkpointing": "outer"},
+           quiet={"checkpointing": "full"}, patch=p.recompute_skips_input_cast),
+    _fault("meta_init_misplaced_shard",
+           "loading a full state dict after meta init gives rank 1 rank 0's rows of one parameter (set_model_state_dict)",
+           {"output", "input_grad", "grad", "grad_norm", "param", "trajectory", "divergence"}, {**_KDA2, "init": "meta"},
+           quiet={"init": "seeded"}, patch=p.meta_init_misplaced_shard),
+    _fault("uneven_grad_row", "the last rank's shard of an uneven parameter loses its last gradient row (FSDPParam.to_sharded_dtensor)",
+           {"grad", "grad_norm", "trajectory"}, {"fixture": "uneven", "path": "native", "ranks": 2},
+           quiet={"fixture": "lm"}, patch=p.uneven_grad_row),
+    _fault("unused_drops_accumulated",
+           "a parameter unused in the synchronizing micro-batch is reduced as zero, dropping earlier accumulation",
+           {"grad", "grad_norm", "trajectory"}, {"fixture": "routed", "path": "native", "ranks": 2, **_ACCUM},
+           quiet={"sync": "every"}, patch=p.unused_drops_accumulated),
+    _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
+           {"grad", "grad_norm", "trajectory", "dtype.reduce", "optim.state", "checkpoint.same", "checkpoint.cross"},
+           {"fixture": "staged", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
+           patch=p.unfrozen_stays_frozen),
+    _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
+           {"grad", "grad_norm", "trajectory"}, {**_KDA2, "param_dtype": "float16"},
+           quiet={"param_dtype": "bfloat16"}, patch=p.scaler_skips_dtensor),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),

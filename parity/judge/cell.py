@@ -21,7 +21,8 @@ def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
         cell=cell.id, fixture=cell.fixture, path=cell.path, path_taken=taken, fallback_reason=reason,
         ranks=cell.ranks, microbatches=cell.microbatches, sync=cell.sync,
         checkpointing=cell.checkpointing, reshard=axes["reshard"], output_dtype=axes["output_dtype"],
-        seed=cell.seed,
+        seed=cell.seed, param_dtype=cell.param_dtype, reduce_dtype=axes["reduce_dtype"], optimizer=cell.optimizer,
+        init=cell.init,
     )
 
 
@@ -99,7 +100,8 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
     accumulating = cell.sync == "last" and cell.microbatches > 1
     comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=accumulating,
-                             replayed=replayed, world=cell.ranks, truth=truth if fp64 else None)
+                             replayed=replayed, world=cell.ranks, truth=truth if fp64 else None,
+                             optimizer=cell.optimizer)
     records += [c.record(base) for c in comps]
     records += trajectory_records(run.params, own, truth, replayed[0][0], plan, base)
     if fixture.token_input:

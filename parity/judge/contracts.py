@@ -18,6 +18,7 @@ from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
+from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
 
 
@@ -113,7 +114,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> lis
     per-parameter unit always computes in ``param_dtype`` (overrides keep the rest) and
     casts its inputs; a dtype-split unit computes in ``param_dtype`` if any member does,
     else in its members' dtype, and casts inputs only then; every unit reduces in its
-    trainable members' planned reduce dtype; only the outermost unit casts outputs."""
+    trainable members' planned reduce dtype (a None ``reduce_dtype`` reduces in the
+    gradients' storage dtype, torch >= 2.15); only the outermost unit casts outputs."""
     config = plan.config
     rows = []
     native = obs.report.contract == PER_PARAMETER
@@ -126,7 +128,10 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> lis
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:
             want["reduce_dtype"] = dtype_name(reduces.pop())
-        got = obs.contracts.policies.get(unit.root, {})
+        got = dict(obs.contracts.policies.get(unit.root, {}))
+        storages = {dtype_name(t.storage) for t in members if t.trainable}
+        if config.reduce_dtype is None and got.get("reduce_dtype") == "natural" and len(storages) == 1:
+            got["reduce_dtype"] = storages.pop()  # None reduces in each gradient's (storage) dtype
         bad = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != v}
         rows.append(_row(base, "unit.policy", unit.root, not bad, want,
                          "as planned" if not bad else "; ".join(f"{k}={g} (want {w})" for k, (w, g) in bad.items())))
@@ -176,25 +181,26 @@ def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
     }
 
 
-def optimizer_checks(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+def optimizer_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Optimizer state per FQN: keys, dtypes and shapes follow the plan, in any parameter order."""
+    recipe = optimizer_recipe(cell.optimizer)
     state = _full_state([o.contracts.optim for o in observations], plan)
+    step = observations[0].contracts.resume_step
     rows = []
     for t in plan.params:
-        if not t.requires_grad:
+        if not t.requires_grad or t.trainable_from > step:
             ok = t.fqn not in state
             rows.append(_row(base, "optim.state", t.fqn, ok, "no state (frozen)", "none" if ok else "state"))
             continue
         st = state.get(t.fqn)
         if st is None:
-            rows.append(_row(base, "optim.state", t.fqn, False, "AdamW state", "missing"))
+            rows.append(_row(base, "optim.state", t.fqn, False, f"{recipe.name} state", "missing"))
             continue
-        step = observations[0].contracts.resume_step
         shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations]).shape)
-        want = f"keys exp_avg,exp_avg_sq,step; {dtype_name(t.storage)}; shape {shape}"
-        got = f"keys {','.join(sorted(st))}; {dtype_name(st['exp_avg'].dtype)}; shape {list(st['exp_avg'].shape)}"
-        ok = sorted(st) == ["exp_avg", "exp_avg_sq", "step"] and st["exp_avg"].dtype == t.storage
-        ok = ok and list(st["exp_avg"].shape) == shape
+        first = st.get(recipe.moments[0], torch.zeros(0))
+        want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(t.storage)}; shape {shape}"
+        got = f"keys {','.join(sorted(st))}; {dtype_name(first.dtype)}; shape {list(first.shape)}"
+        ok = sorted(st) == sorted(recipe.state_keys) and first.dtype == t.storage and list(first.shape) == shape
         rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(t.storage)))
     return rows
 
@@ -205,6 +211,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     collectives); resuming on another path gets the gradient / one-step parameter / moment
     allowances, since another unit layout may reduce in another order on some backends
     (bitwise on gloo)."""
+    recipe = optimizer_recipe(cell.optimizer)
     rows = []
     main_state = _full_state([o.contracts.optim for o in observations], plan)
     step = observations[0].contracts.resume_step
@@ -229,11 +236,12 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         for f in (f for f in params[0] if plan.get(f)):
             want = full(params, f)
             update = want - full(previous, f)
-            allow = tolerance.parameter(plan[f].storage, want, update)
+            allow = tolerance.parameter(plan[f].storage, want, update, at_param=recipe.at_param,
+                                        at_update=recipe.at_update)
             comps.append(Comparison(step, tag, f"param:{f}", full([r.params for r in per_rank], f), want, allow,
                                     signal=amax(update)))
         for f, st in ((f, st) for f, st in main_state.items() if plan.get(f)):
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in recipe.moments:
                 want = st[k]
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(plan[f].storage, amax(want))))
@@ -257,6 +265,6 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     rows += identity_checks(obs, base)
     rows += marker_checks(obs, base)
     if obs.contracts.resume is not None:
-        rows += optimizer_checks(observations, plan, base)
+        rows += optimizer_checks(cell, observations, plan, base)
         rows += resume_checks(cell, observations, plan, base)
     return rows

@@ -43,6 +43,10 @@ class Record:
     reshard: str = "on"
     output_dtype: str = "natural"
     seed: int = 0
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+    init: str = "seeded"
     step: int | str = ""
     check: str = ""
     name: str = ""

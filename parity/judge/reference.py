@@ -10,7 +10,12 @@ the precision plan and the unit boundaries of a path's report:
   the order the sync mode implies (reduce every micro-batch, or accumulate unsharded and
   reduce once), then stored in the parameter's storage dtype;
 - ignored parameters keep their storage dtype and are averaged by their emulated owner;
-- one FP32 AdamW step (:func:`parity.model.recipe.make_optimizer`) per optimizer step.
+- float16 scales the loss by the recipe's power-of-two loss scale and unscales the reduced
+  gradients (exact), skipping a step whose gradients overflowed, as the gradient scaler does;
+- a model with ``unused_params`` gives every trainable parameter a gradient (zero when no
+  rank used it), as ``set_reduce_scatter_unused_params(True)`` does; parameters unfrozen
+  by the recipe join at their step;
+- one FP32 optimizer step (:func:`parity.model.recipe.make_optimizer`) per optimizer step.
 
 ``mode="fp64"`` runs the same loop with every tensor in FP64 and no boundary casts: the
 "true" values, reported for information only.
@@ -29,7 +34,7 @@ from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import make_optimizer
+from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.spec import Fixture
 from parity.paths.base import ShardReport
 from parity.paths.units import module_index
@@ -79,6 +84,13 @@ def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
     return handles
 
 
+def _unscaled(grad: torch.Tensor, reduce_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """A scaled gradient in the reduce dtype, divided by the loss scale (exact there): FSDP
+    reduces the scaled gradient and the scaler divides afterwards; with a power-of-two scale
+    the two orders give the same values. Unscaled gradients keep their own dtype."""
+    return grad if scale == 1.0 else grad.to(reduce_dtype) / scale
+
+
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
@@ -99,7 +111,8 @@ def run_reference(
                     mod._buffers[k] = b.double()
     entries = {t.fqn: t for t in plan.params}
     trainable = [f for f, t in entries.items() if t.requires_grad]
-    opt = make_optimizer([masters[f] for f in trainable])
+    opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
+    scale = 1.0 if fp64 else loss_scale(plan.config.param_dtype)
     handles = [] if fp64 else _boundary_hooks(model, report)
     world, micro = cell.ranks, cell.microbatches
     accumulate_unsharded = cell.sync == "last" and micro > 1
@@ -121,7 +134,7 @@ def run_reference(
                         masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
-        scale = {f: 0.0 for f in trainable}
+        terms_scale = {f: 0.0 for f in trainable}
         for mb in range(micro):
             outs, in_grads, per_rank = [], [], []
             for rank in range(world):
@@ -130,20 +143,26 @@ def run_reference(
                 if not fixture.token_input:
                     inputs = tuple(x.detach().requires_grad_() for x in inputs)
                 copies = {
-                    f: masters[f].detach().to(compute_dtype(f)).requires_grad_(t.requires_grad)
+                    f: masters[f].detach().to(compute_dtype(f)).requires_grad_(
+                        t.requires_grad and step >= t.trainable_from)
                     for f, t in entries.items()
                 }
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 if trace is not None and step == rank == mb == 0:
                     rec += install_trace(model, trace)
-                out = functional_call(model, copies, inputs)
+                out = fixture.output(functional_call(model, copies, inputs))
                 for h in rec:
                     h.remove()
                 loss = fixture.loss(out, batch.target) / micro
-                loss.backward()
+                (loss * scale).backward()
                 outs.append(out.detach().cpu())  # results live on the CPU, like the ranks'
-                in_grads.append(None if fixture.token_input else inputs[0].grad.cpu())
-                per_rank.append({f: copies[f].grad for f in trainable if copies[f].grad is not None})
+                in_grads.append(None if fixture.token_input else inputs[0].grad.cpu() / scale)
+                per_rank.append({f: _unscaled(copies[f].grad, reduce_dtype(f), scale)
+                                 for f in trainable if copies[f].grad is not None})
+                if fixture.unused_params:  # every rank reduces every trainable tensor
+                    for f in trainable:
+                        if copies[f].requires_grad and f not in per_rank[-1] and entries[f].ownership == "managed":
+                            per_rank[-1][f] = torch.zeros_like(copies[f], dtype=reduce_dtype(f))
             run.outputs.append(outs)
             run.input_grads.append(in_grads)
             for f in trainable:
@@ -151,7 +170,7 @@ def run_reference(
                 if not grads:
                     continue
                 for g in grads:
-                    scale[f] += float(g.double().abs().max()) / world
+                    terms_scale[f] += float(g.double().abs().max()) / world
                 rd = reduce_dtype(f)
                 if entries[f].ownership == "ignored" or accumulate_unsharded:
                     for r, g in enumerate(per_rank):
@@ -174,10 +193,13 @@ def run_reference(
                     total = total + p
                 masters[f].grad = (total / world if world > 1 else total).to(masters[f].dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
+        # the gradient scaler skips a step whose gradients overflowed
+        skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
         run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
         run.grads.append({f: masters[f].grad.detach().cpu().clone() for f in trainable if masters[f].grad is not None})
-        run.grad_scale.append(scale)
-        opt.step()
+        run.grad_scale.append(terms_scale)
+        if not skip_step:
+            opt.step()
         opt.zero_grad()
         run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
     for h in handles:
@@ -201,7 +223,8 @@ def replay_optimizer(
     model = fixture.make(cell.seed).to(device)
     masters = dict(model.named_parameters())
     trainable = [t.fqn for t in plan.params if t.requires_grad]
-    opt = make_optimizer([masters[f] for f in trainable])
+    opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
+    scaled = loss_scale(plan.config.param_dtype) != 1.0
     out = []
     for step, step_grads in enumerate(grads):
         if step > 0:
@@ -213,7 +236,8 @@ def replay_optimizer(
         for f in trainable:
             g = step_grads.get(f)
             masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].dtype)
-        opt.step()
+        if not (scaled and any(not bool(g.isfinite().all()) for g in step_grads.values())):
+            opt.step()
         opt.zero_grad()
         out.append((before, {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}))
     return out

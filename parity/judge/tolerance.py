@@ -99,24 +99,19 @@ def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, n
     return Allowance(n * norm + gradients, dtype, basis)
 
 
-#: AdamW roundings that happen at the parameter's own magnitude: the decoupled decay
-#: ``p * (1 - lr wd)`` and the update ``p - step``.
-ADAMW_AT_PARAM = 2
-#: Roundings inside the step itself (first moment 3, second moment 4, bias corrections 2,
-#: square root 1, eps add 1, divide 1, step-size multiply 1), relative to the step's size.
-ADAMW_AT_UPDATE = 14
-
-
-def parameter(storage_dtype: torch.dtype, param: torch.Tensor, update: torch.Tensor) -> Allowance:
-    """One AdamW step on identical gradients from identical weights, judged per element:
-    ``allowed_i = 2 u |p_i| + 14 u |dp_i|`` in the storage dtype (``update`` = dp, the
-    reference step). A frozen parameter (no update anywhere) must be bitwise equal."""
+def parameter(storage_dtype: torch.dtype, param: torch.Tensor, update: torch.Tensor, *,
+              at_param: int = 2, at_update: int = 14) -> Allowance:
+    """One optimizer step on identical gradients from identical weights, judged per element:
+    ``allowed_i = at_param u |p_i| + at_update u |dp_i|`` in the storage dtype (``update`` =
+    dp, the reference step). The counts are the optimizer recipe's roundings per step
+    (:class:`parity.model.recipe.OptimizerRecipe`; AdamW 2 and 14 by default). A frozen
+    parameter (no update anywhere) must be bitwise equal."""
     u = unit_roundoff(storage_dtype)
-    per_element = (ADAMW_AT_PARAM * u * param.double().abs() + ADAMW_AT_UPDATE * u * update.double().abs())
+    per_element = at_param * u * param.double().abs() + at_update * u * update.double().abs()
     if not update.numel() or not bool(update.ne(0).any()):
         per_element = torch.zeros_like(per_element)
-    basis = (f"per element {ADAMW_AT_PARAM} x u({dtype_name(storage_dtype)}) x |p| + "
-             f"{ADAMW_AT_UPDATE} x u({dtype_name(storage_dtype)}) x |dp|")
+    basis = (f"per element {at_param} x u({dtype_name(storage_dtype)}) x |p| + "
+             f"{at_update} x u({dtype_name(storage_dtype)}) x |dp|")
     top = float(per_element.max()) if per_element.numel() else 0.0
     return Allowance(top, storage_dtype, basis, per_element=per_element)
 

@@ -8,8 +8,15 @@ from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionConfig
 
 SYNC = ("every", "last")
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "full", "selective", "outer")
 OUTPUT_DTYPES = ("natural", "float32", "bfloat16", "float16")
+PARAM_DTYPES = ("bfloat16", "float16")
+REDUCE_DTYPES = ("float32", "natural")
+OPTIMIZERS = ("adamw", "sgd")
+INITS = ("seeded", "meta")
+#: Axis values that keep a cell id as it was before the axis existed.
+_QUIET = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "optimizer": "adamw", "init": "seeded"}
+_ID_TAG = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,11 +30,21 @@ class Cell:
     sync: str = "every"
     """``every``: reduce after each micro-batch; ``last``: ``set_requires_gradient_sync(False)`` until the last."""
     checkpointing: str = "none"
-    """``none``; ``full`` (composable ``checkpoint`` on every block); ``selective`` (wrapper + op-level SAC)."""
+    """``none``; ``full`` (composable ``checkpoint`` on every block); ``selective`` (wrapper + op-level SAC),
+    both inside the units; ``outer``: a checkpoint wrapper around every non-root FSDP unit (AC(FSDP))."""
     reshard: bool = True
     """``reshard_after_forward``."""
     output_dtype: str = "natural"
     """Outermost unit's ``output_dtype`` (``natural`` = None)."""
+    param_dtype: str = "bfloat16"
+    """``MixedPrecisionPolicy.param_dtype`` of the recipe; ``float16`` trains with a loss scale."""
+    reduce_dtype: str = "float32"
+    """Gradient reduction dtype; ``natural`` = None (each gradient's own dtype, torch >= 2.15)."""
+    optimizer: str = "adamw"
+    """``adamw`` or ``sgd`` (with momentum): :data:`parity.model.recipe.OPTIMIZERS`."""
+    init: str = "seeded"
+    """``seeded``: built with weights; ``meta``: built on the meta device, sharded, ``to_empty``,
+    then loaded from a seeded full state dict (the way large models are built)."""
     seed: int = 0
     steps: int = 2
     device: str = "cpu"
@@ -54,6 +71,7 @@ class Cell:
             f"ac-{self.checkpointing}", f"reshard-{'on' if self.reshard else 'off'}",
             f"out-{self.output_dtype}", f"s{self.seed}",
         ]
+        parts += [f"{_ID_TAG[k]}-{getattr(self, k)}" for k, quiet in _QUIET.items() if getattr(self, k) != quiet]
         if self.faults:
             parts.append("fault-" + "+".join(self.faults))
         return "/".join(parts)
@@ -70,7 +88,11 @@ class Cell:
         return self.id.replace(f"/{self.path}/", "/", 1)
 
     def precision(self) -> PrecisionConfig:
-        return PrecisionConfig(output_dtype=parse_dtype(self.output_dtype, what="output_dtype", allow_natural=True))
+        return PrecisionConfig(
+            param_dtype=parse_dtype(self.param_dtype, what="param_dtype"),
+            reduce_dtype=parse_dtype(self.reduce_dtype, what="reduce_dtype", allow_natural=True),
+            output_dtype=parse_dtype(self.output_dtype, what="output_dtype", allow_natural=True),
+        )
 
     @property
     def crossload_target(self) -> str:
@@ -82,4 +104,5 @@ class Cell:
             d.pop(run_level)
         d["reshard"] = "on" if self.reshard else "off"
         d["output_dtype"] = dtype_name(self.precision().output_dtype)
+        d["reduce_dtype"] = dtype_name(self.precision().reduce_dtype)
         return d

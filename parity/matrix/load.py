@@ -18,6 +18,10 @@ A matrix file::
     reshard = [true, false]
     output_dtype = ["natural", "float32", "bfloat16", "float16"]
     seed = [0, 1]
+    param_dtype = ["bfloat16", "float16"]       # float16 trains with a loss scale
+    reduce_dtype = ["float32", "natural"]       # natural: None
+    optimizer = ["adamw", "sgd"]
+    init = ["seeded", "meta"]
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -33,10 +37,15 @@ import tomllib
 from dataclasses import dataclass
 
 from parity.errors import UsageError
-from parity.matrix.cell import CHECKPOINTING, OUTPUT_DTYPES, SYNC, Cell
+from parity.matrix.cell import CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, REDUCE_DTYPES, SYNC, Cell
 
-AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed")
-FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", "checkpointing", "reshard", "output_dtype", "seed")
+AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed",
+        "param_dtype", "reduce_dtype", "optimizer", "init")
+FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", "checkpointing", "reshard", "output_dtype", "seed",
+                "param_dtype", "reduce_dtype", "optimizer", "init")
+#: Axes whose values are checked against a fixed list.
+_CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
+            "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS}
 
 
 def _matrix_dir() -> str:
@@ -166,14 +175,15 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     models = registry(tuple(sources))
     source_of = {m.name: m.source for m in models.values() if m.source}
     defaults = {"fixture": list(source_of) or list(models), "path": path_names(), "ranks": [1], "accumulation": ["1"],
-                "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0]}
+                "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0],
+                "param_dtype": ["bfloat16"], "reduce_dtype": ["float32"], "optimizer": ["adamw"], "init": ["seeded"]}
     axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
     _validate(path, "fixture", axes["fixture"], list(models))
     _validate(path, "path", axes["path"], path_names())
     _validate(path, "ranks", axes["ranks"], [1, 2, 4, 8])
-    _validate(path, "checkpointing", axes["checkpointing"], list(CHECKPOINTING))
     _validate(path, "reshard", axes["reshard"], [True, False])
-    _validate(path, "output_dtype", axes["output_dtype"], list(OUTPUT_DTYPES))
+    for axis, choices in _CHOICES.items():
+        _validate(path, axis, axes[axis], list(choices))
     if not all(isinstance(s, int) and not isinstance(s, bool) for s in axes["seed"]) or not axes["seed"]:
         raise UsageError(f"{path}: axes.seed must be a non-empty list of integers")
     for v in axes["accumulation"]:
@@ -211,7 +221,8 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         cell = Cell(
             fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
             checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
-            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""),
+            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""), param_dtype=row["param_dtype"],
+            reduce_dtype=row["reduce_dtype"], optimizer=row["optimizer"], init=row["init"],
         )
         if cell.id not in seen:
             seen.add(cell.id)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,8 @@ class TensorPlan:
     rule: str = "default"
     """Which resolution rule decided ``compute``: strict, recorded, default."""
     numel: int = 0
+    trainable_from: int = 0
+    """The first optimizer step that trains it (> 0: built frozen, unfrozen by the recipe)."""
 
     @property
     def trainable(self) -> bool:
@@ -89,7 +92,7 @@ class TensorPlan:
             "requires_grad": str(self.requires_grad),
             "ownership": self.ownership,
             "tie_group": ",".join(self.tie_group) or "-",
-            "rule": self.rule,
+            "rule": self.rule + (f", unfrozen at step {self.trainable_from}" if self.trainable_from else ""),
         }
 
 
@@ -164,12 +167,19 @@ def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: P
     return tensor.dtype, "default"
 
 
+def unfreeze_step(fqn: str, unfreeze: Mapping[str, int]) -> int | None:
+    """The step a recipe unfreezes ``fqn`` at (a pattern is the FQN or a module above it)."""
+    hits = [step for pat, step in unfreeze.items() if fqn == pat or fqn.startswith(pat + ".")]
+    return min(hits) if hits else None
+
+
 def resolve_plan(
     model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset(),
-    keep_fp32: tuple[str, ...] = (),
+    keep_fp32: tuple[str, ...] = (), unfreeze: Mapping[str, int] | None = None,
 ) -> PrecisionPlan:
     """Resolve the plan for every parameter and buffer of ``model`` (see module docstring);
-    ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``)."""
+    ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``); ``unfreeze``
+    (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable."""
     strict = strict_fp32_names(model, keep_fp32)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
@@ -183,8 +193,10 @@ def resolve_plan(
         fqn = names[0]
         compute, rule = _resolve_compute(fqn, p, strict, config)
         ownership = "ignored" if pid in ignored_ids else "managed"
+        later = None if p.requires_grad else unfreeze_step(fqn, unfreeze or {})
+        requires_grad = p.requires_grad or later is not None
         reduce = None
-        if ownership == "managed" and p.requires_grad and p.is_floating_point():
+        if ownership == "managed" and requires_grad and p.is_floating_point():
             base = config.reduce_dtype or p.dtype
             reduce = base if compute == config.param_dtype else finer(base, compute)
         tensors.append(
@@ -194,11 +206,12 @@ def resolve_plan(
                 storage=p.dtype,
                 compute=p.dtype if ownership == "ignored" else compute,
                 reduce=reduce,
-                requires_grad=p.requires_grad,
+                requires_grad=requires_grad,
                 ownership=ownership,
                 tie_group=tuple(names) if len(names) > 1 else (),
                 rule="ignored" if ownership == "ignored" else rule,
                 numel=p.numel(),
+                trainable_from=later or 0,
             )
         )
     for name, b in model.named_buffers():

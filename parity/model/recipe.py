@@ -1,13 +1,67 @@
-"""The training recipe both sides share: the optimizer. The sharded run and the reference
-build it from here, so the reference needs nothing from the worker modules."""
+"""The training recipe both sides share: the optimizer and, for float16, the loss scale.
+
+The sharded run and the reference build both from here, so the reference needs nothing
+from the worker modules. An optimizer recipe also says how one of its steps may round
+(the per-element parameter allowance) and which state it keeps (the optimizer checks).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-LR, WEIGHT_DECAY = 1e-2, 0.1
+LR, WEIGHT_DECAY, MOMENTUM = 1e-2, 0.1, 0.9
+#: float16 training scales the loss; a power of two, so scaling and unscaling are exact and
+#: the reference can apply the same factor. Small enough that a tiny model's first steps do
+#: not overflow (a skipped step would leave nothing to compare).
+LOSS_SCALE = 2.0**8
 
 
-def make_optimizer(params) -> torch.optim.Optimizer:
-    """FP32 AdamW with non-zero weight decay."""
+@dataclass(frozen=True, kw_only=True)
+class OptimizerRecipe:
+    name: str
+    make: Callable[[list], torch.optim.Optimizer]
+    """Builds the optimizer over a parameter list (FP32 math on the storage dtype)."""
+    state_keys: tuple[str, ...]
+    """Every key its per-parameter state holds."""
+    moments: tuple[str, ...]
+    """State tensors compared after a resume (each one update from identical gradients)."""
+    at_param: int
+    """Roundings per step at the parameter's own magnitude."""
+    at_update: int
+    """Roundings per step relative to the step's size."""
+
+
+def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+
+
+OPTIMIZERS: dict[str, OptimizerRecipe] = {
+    # AdamW: decoupled decay and the final subtraction at |p|; moments (3 + 4), bias
+    # corrections 2, sqrt, eps add, divide, step-size multiply relative to the step
+    "adamw": OptimizerRecipe(name="adamw", make=_adamw, state_keys=("exp_avg", "exp_avg_sq", "step"),
+                             moments=("exp_avg", "exp_avg_sq"), at_param=2, at_update=14),
+    # SGD with momentum: decay term and the final subtraction at |p|; gradient add,
+    # momentum multiply and add, learning-rate multiply relative to the step
+    "sgd": OptimizerRecipe(name="sgd", make=_sgd, state_keys=("momentum_buffer",),
+                           moments=("momentum_buffer",), at_param=2, at_update=4),
+}
+
+
+def optimizer_recipe(name: str) -> OptimizerRecipe:
+    return OPTIMIZERS[name]
+
+
+def make_optimizer(params, name: str = "adamw") -> torch.optim.Optimizer:
+    return OPTIMIZERS[name].make(params)
+
+
+def loss_scale(param_dtype: torch.dtype) -> float:
+    """The loss scale a recipe uses with ``param_dtype`` (1 = no scaler)."""
+    return LOSS_SCALE if param_dtype == torch.float16 else 1.0

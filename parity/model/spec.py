@@ -37,6 +37,10 @@ def _no_ignored(model: nn.Module) -> set:
     return set()
 
 
+def _same(output):
+    return output
+
+
 @dataclass(frozen=True, kw_only=True)
 class Fixture:
     """A model and its training recipe, as data. Fields are what a recipe knows about it."""
@@ -55,6 +59,9 @@ class Fixture:
     """One micro-batch from a seeded CPU generator."""
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """Scalar FP32 loss from (output, target)."""
+    output: Callable[[object], torch.Tensor] = _same
+    """The tensor of the model's return value that the loss reads and parity compares
+    (e.g. ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``)."""
     token_input: bool = False
     """True when inputs are integer tokens (no input gradient exists)."""
     keep_fp32: tuple[str, ...] = ()
@@ -72,6 +79,13 @@ class Fixture:
     other than training: ``isolation-error:P1,P2`` (the path raises an isolation error that
     names every listed parameter, on every rank), or ``fallback:TEXT`` (the path falls back
     for a reason containing TEXT). A path name wins over its contract."""
+    unused_params: bool = False
+    """Some parameters get no gradient on some ranks or micro-batches (routed experts, a
+    branch): the recipe calls ``set_reduce_scatter_unused_params(True)`` so every rank reduces
+    the same tensors, and an unused trainable parameter's gradient is zero, not None."""
+    unfreeze: Mapping[str, int] = field(default_factory=dict)
+    """FQN pattern -> step: parameters the model builds frozen and training unfreezes before
+    that optimizer step (staged fine-tuning). The plan treats them as trainable."""
     source: str = ""
     """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
     load it again from here. Empty for registered models."""
@@ -108,7 +122,7 @@ def validate(spec: object, where: str) -> Fixture:
     if not isinstance(spec, Fixture):
         raise UsageError(f"{where} returned {type(spec).__name__}, not parity.model.Fixture; "
                          "return Fixture(name=..., build=..., unit_roots=..., ...)")
-    for attr in ("build", "make_batch", "loss", "ignored"):
+    for attr in ("build", "make_batch", "loss", "ignored", "output"):
         if not callable(getattr(spec, attr)):
             raise UsageError(f"{where}: Fixture.{attr} must be callable")
     if not spec.name or not spec.name.replace("_", "").replace("-", "").isalnum():
@@ -138,6 +152,11 @@ def validate(spec: object, where: str) -> Fixture:
     for fqn in spec.compute_dtypes:
         if fqn not in params:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
+    for pattern, step in spec.unfreeze.items():
+        hits = [n for n in params if n == pattern or n.startswith(pattern + ".")]
+        if not hits or not isinstance(step, int) or step < 0:
+            raise UsageError(f"{where}: Fixture.unfreeze[{pattern!r}] = {step!r}; give a parameter or module "
+                             "FQN of the model and a step >= 0")
     for group in spec.tied:
         if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
             raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")
