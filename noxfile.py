@@ -66,5 +66,5 @@ def models(session):
 def tests(session):
     """The test suite, parallel with pytest-xdist."""
     _install_torch(session, TORCH_VERSIONS[0])
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,hf]")  # hf: the real model classes (tests/test_configs.py)
     session.run("pytest", "-n", "2", "--dist", "loadgroup", *session.posargs)

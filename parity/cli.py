@@ -111,11 +111,11 @@ def _csv(value: str | None, what: str, valid: list, conv=str) -> list | None:
 def _model_for_plan(args):
     from parity.model.registry import get_fixture, load_source
 
-    if bool(args.fixture) == bool(args.model):
-        raise UsageError("plan: give exactly one of --fixture NAME or --model pkg.module:factory")
-    if args.model:
+    if not args.fixture and not args.model:
+        raise UsageError("plan: give --fixture NAME, --model pkg.module:factory, or both (a model of that source)")
+    if args.model and not args.fixture:
         return load_source(args.model)[0]
-    return get_fixture(args.fixture)
+    return get_fixture(args.fixture, args.model or "")
 
 
 def cmd_plan(args) -> int:

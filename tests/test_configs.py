@@ -1,0 +1,74 @@
+"""The configurations real recipes use (matrix ``configs``) and real model classes (``models``)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parity.matrix import load
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionConfig, resolve_plan
+from parity.model.registry import get_fixture
+
+
+def test_configs_matrix_covers_every_configuration():
+    m = load("configs")
+    cells = m.cells
+    assert {"uneven", "routed", "staged", "residual_fp32"} <= {c.fixture for c in cells}
+    for axis, value in (("init", "meta"), ("checkpointing", "outer"), ("param_dtype", "float16"),
+                        ("optimizer", "sgd"), ("reduce_dtype", "natural")):
+        assert any(getattr(c, axis) == value for c in cells), axis
+    assert {c.checkpointing for c in cells if c.fixture == "residual_fp32"} >= {"outer"}
+    skipped = [c for c in cells if m.skip_reason(c)]
+    assert skipped and all(c.param_dtype == "float16" and c.fixture in ("frozen", "ignored") for c in skipped)
+
+
+def test_new_axes_keep_old_cell_ids_and_tag_new_values():
+    assert Cell(fixture="kda", path="native").id == "kda/native/r1/mb1-every/ac-none/reshard-on/out-natural/s0"
+    cell = Cell(fixture="kda", path="native", param_dtype="float16", optimizer="sgd", init="meta", reduce_dtype="natural")
+    assert cell.id.endswith("/s0/pd-float16/rd-natural/opt-sgd/init-meta")
+    assert cell.precision().reduce_dtype is None
+
+
+def test_a_recipe_unfreeze_plans_the_parameter_trainable_from_its_step():
+    fixture = get_fixture("staged")
+    plan = resolve_plan(fixture.make(0), PrecisionConfig(), unfreeze=fixture.unfreeze)
+    t = plan["blocks.0.adapter.down.weight"]
+    assert t.requires_grad and t.trainable_from == 1 and t.reduce is not None
+    assert plan["blocks.0.proj.weight"].trainable_from == 0
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("configs")
+def test_configs_matrix_passes_on_both_paths(tmp_path):
+    out = tmp_path / "configs"
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "configs", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from tests.conftest import read_records
+
+    records = read_records(str(out))
+    assert {r["verdict"] for r in records} <= {"PASS", "SKIP", "UNPAIRED"}
+    unpaired = [r for r in records if r["verdict"] == "UNPAIRED"]
+    assert all("was skipped" in r["detail"] for r in unpaired)
+    # green is earned: every configuration ran cells that passed, on both paths as taken
+    ran = {(r["fixture"], r["path_taken"]) for r in records if r["check"] == "grad" and r["verdict"] == "PASS"}
+    for fixture in ("uneven", "routed", "staged", "residual_fp32"):
+        assert {(fixture, "legacy"), (fixture, "native")} <= ran
+    for column, value in (("init", "meta"), ("checkpointing", "outer"), ("param_dtype", "float16")):
+        assert any(r[column] == value and r["check"] == "grad" and r["verdict"] == "PASS" for r in records), column
+    # unused parameters were really unused somewhere: a zero gradient judged PASS
+    assert any(r["fixture"] == "routed" and r["check"] == "grad" and "experts.3" in r["name"]
+               and float(r["signal"]) == 0.0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("models")
+def test_real_model_classes_go_through_the_gate(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "models"
+    proc = subprocess.run([sys.executable, "-m", "parity", "gate", "--matrix", "models", "-k", "ranks == 2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.startswith("hf_")}
+    assert lines == {"hf_kimi_linear": "GO", "hf_qwen3_next": "GO", "hf_deepseek_v3": "GO", "hf_llama": "GO"}
