@@ -12,11 +12,15 @@ import os
 import sys
 
 from parity.errors import UsageError
+from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
+#: Run options that set one axis for every cell (replacing the matrix's values).
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
-                "fp64", "require_native")
+                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
+                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None,
                 "fault": [],
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
@@ -64,6 +68,10 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
     p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
     p.add_argument("--steps", type=_count, help="optimizer steps per cell instead of the matrix's")
+    p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
+    p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="every cell's reduce_dtype (natural: None)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="every cell's optimizer")
+    p.add_argument("--init", choices=INITS, help="every cell's initialization (meta: build on meta, to_empty, load)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
@@ -203,9 +211,10 @@ def _select(opts: dict):
         cells = [dataclasses.replace(g, path=p) for g in groups for p in paths]
     if ranks:
         cells = [c for c in cells if c.ranks in ranks]
-    if opts["seed"] is not None:
+    given = {k: opts[k] for k in AXIS_OPTIONS if opts[k] is not None}
+    if given:
         seen, unique = set(), []
-        for c in (dataclasses.replace(c, seed=opts["seed"]) for c in cells):
+        for c in (dataclasses.replace(c, **given) for c in cells):
             if c.id not in seen:
                 seen.add(c.id)
                 unique.append(c)
