@@ -1,6 +1,7 @@
 """nox sessions: ``parity`` (the smoke matrix, per torch version), ``gate`` (GO / NO-GO per
 model on the default matrix, per torch version), ``models`` (real Hugging Face model classes
-through the gate) and ``tests``.
+through the gate), ``bench`` (collectives, bytes, packing, memory, step time per path),
+``report`` (the HTML report, checked in headless Chromium) and ``tests``.
 
 ``nox -s parity`` runs the smoke matrix under torch 2.15.0 (native API present) and 2.13.0
 (no ``param_dtype_override_fn``: every native cell must fall back to legacy and still pass).
@@ -60,6 +61,25 @@ def models(session):
     if not any(a.startswith("--out") or a.startswith("--from") for a in args):
         args = [*args, "--out", "results/models", "--overwrite"]
     session.run("python", "-m", "parity", "gate", "--matrix", "models", *args)
+
+
+@nox.session
+def bench(session):
+    """Collectives, bytes, packing time, memory and step time per fixture x path:
+    results/bench/bench.md, bench.csv and PNG plots (the ``plot`` extra)."""
+    _install_torch(session, TORCH_VERSIONS[0])
+    session.install("numpy", "pandas", "matplotlib")
+    session.install("--no-deps", ".")
+    args = session.posargs or ["--plot"]
+    session.run("python", "-m", "parity", "bench", *args)
+
+
+@nox.session
+def report(session):
+    """report.html rendered in headless Chromium (apt-get install chromium); fails without it."""
+    _install_torch(session, TORCH_VERSIONS[0])
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "browser", "tests/test_report.py", env={"PARITY_REQUIRE_BROWSER": "1"})
 
 
 @nox.session

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -83,7 +84,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{plan,run,gate,fixtures}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                           metavar="{plan,run,gate,bench,compare,report,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
@@ -98,6 +100,26 @@ def _parser() -> argparse.ArgumentParser:
     _run_arguments(gate, "default")
     gate.add_argument("--from", dest="from_dir", metavar="DIR", help="judge an existing results directory instead")
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
+    gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
+                      "(parity compare; --baseline names the baseline *path*)")
+    rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
+    rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
+    cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
+    cmp.add_argument("old", help="baseline results directory (cells.csv / bench.csv, or a digest.json)")
+    cmp.add_argument("new", help="results directory to judge")
+    cmp.add_argument("--factor", type=_positive, default=2.0, help="a check's worst ratio may grow this much (2)")
+    cmp.add_argument("--write-digest", metavar="DIR", help="also write NEW's digest.json into DIR (a baseline)")
+    bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
+    bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
+    bench.add_argument("--model", action="append", default=[], help="plugin models: pkg.module:factory (repeatable)")
+    bench.add_argument("--paths", default="legacy,native", help="comma list of paths (legacy,native)")
+    bench.add_argument("--ranks", type=_count, default=2, help="rank count (2)")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--warmup", type=_integer, default=2, help="unmeasured steps first (2)")
+    bench.add_argument("--steps", type=_count, default=10, help="measured steps (10)")
+    bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
+    bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
+    bench.add_argument("--timeout", type=_positive, default=120.0, help="seconds without progress (120)")
     return p
 
 
@@ -300,10 +322,22 @@ def cmd_gate(args) -> int:
             return code  # interrupted: the run already said so
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
+    if args.compare_to:
+        from parity.report.compare import compare, concerns
+
+        bad, _ = compare(_digest_of(args.compare_to, "--compare-to"), _digest_of(out, "gate"))
+        for d in decisions:
+            mine = [b for b in bad if concerns(b, d.model)]
+            if mine:
+                d.decision = gate.NO_GO
+                d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
     meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
             "matrix": (manifest.get("options") or {}).get("matrix", ""),
             "cells": len(manifest.get("cells", [])), "records": len(records)}
     gate.write(out, decisions, records, meta=meta)
+    from parity.report.html import write_html
+
+    write_html(out, records)
     width = max((len(d.model) for d in decisions), default=5)
     for d in decisions:
         why = "; ".join(d.reasons or d.notes)
@@ -311,6 +345,58 @@ def cmd_gate(args) -> int:
     print(f"gate: {out}/gate.md, {out}/gate.json")
     go = bool(decisions) and all(d.decision in (gate.GO, gate.NOT_APPLICABLE) for d in decisions)
     return 0 if go else 1
+
+
+def _digest_of(directory: str, what: str) -> dict:
+    from parity.report.compare import digest
+
+    if not os.path.isdir(directory):
+        raise UsageError(f"{what} {directory}: no such directory")
+    d = digest(directory)
+    if not d:
+        raise UsageError(f"{what} {directory}: no cells.csv or digest.json there; give a parity results directory")
+    return d
+
+
+def cmd_report(args) -> int:
+    from parity.report.html import write_html
+    from parity.report.records import read_records
+
+    cells = os.path.join(args.dir, "cells.csv")
+    if not os.path.isfile(cells):
+        raise UsageError(f"report: no cells.csv in {args.dir}; give the --out directory of a parity run")
+    print(write_html(args.dir, read_records(cells)))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from parity.report.compare import DIGEST, compare, report
+
+    old, new = _digest_of(args.old, "compare"), _digest_of(args.new, "compare")
+    bad, info = compare(old, new, factor=args.factor)
+    print(report(args.old, args.new, bad, info))
+    if args.write_digest:
+        os.makedirs(args.write_digest, exist_ok=True)
+        with open(os.path.join(args.write_digest, DIGEST), "w") as fh:
+            json.dump(new, fh, indent=0, sort_keys=True)
+    return 1 if bad else 0
+
+
+def cmd_bench(args) -> int:
+    from parity.bench.run import run_bench
+    from parity.model.registry import load_source, registered
+    from parity.paths import path_names
+    from parity.runner import resolve_device
+
+    if args.warmup < 0:
+        raise UsageError("--warmup must be >= 0")
+    sourced = [(f.name, src) for src in args.model for f in load_source(src)]
+    known = dict(sourced) if sourced else {name: "" for name in registered()}
+    names = _csv(args.fixtures, "--fixtures", list(known)) or list(known)
+    paths = _csv(args.paths, "--paths", path_names())
+    return run_bench(models=[(n, known[n]) for n in names], paths=paths, ranks=args.ranks,
+                     device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
+                     plots=args.plot, timeout=args.timeout)
 
 
 def _torch_version() -> str:
@@ -322,7 +408,10 @@ def _torch_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        return {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "fixtures": cmd_fixtures}[args.command](args)
+        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": cmd_bench, "compare": cmd_compare,
+                    "report": cmd_report,
+                    "fixtures": cmd_fixtures}
+        return commands[args.command](args)
     except UsageError as exc:
         print(f"parity: {exc}", file=sys.stderr)
         return 2

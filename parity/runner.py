@@ -34,6 +34,7 @@ from parity.judge.record import BAD, Record, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
 from parity.report.junit import write_junit
+from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
 from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
 
@@ -327,6 +328,7 @@ class _Run:
         with open(os.path.join(out, "timings.json"), "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
         outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete"})
+        write_html(out, records)
         if self.options.junit:
             write_junit(self.options.junit, records, suite=self.options.title)
         if received:

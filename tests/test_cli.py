@@ -11,6 +11,10 @@ from parity.cli import main
     "argv, message",
     [
         (["plan", "--fixture", "nope"], "unknown fixture 'nope'; valid: kda, lm, frozen"),
+        (["bench", "--fixtures", "nope"], "--fixtures: unknown value 'nope'"),
+        (["compare", "/nonexistent", "/nonexistent"], "compare /nonexistent: no such directory"),
+        (["report", "/tmp"], "report: no cells.csv in /tmp"),
+        (["run", "--param-dtype", "float32"], "argument --param-dtype: invalid choice"),
         (["run", "--matrix", "nope"], "unknown matrix 'nope'; valid: configs, default, full, models, smoke"),
         (["run", "--paths", "legacy,fast"], "--paths: unknown value 'fast'; valid: legacy, native"),
         (["run", "--ranks", "3"], "--ranks: unknown value '3'"),
@@ -25,7 +29,7 @@ from parity.cli import main
         (["run", "--timeout", "-5"], "must be a positive number of seconds"),
         (["run", "--out", "/proc/version/x"], "--out /proc/version/x: cannot write there"),
         (["run", "--bogus"], "unrecognized arguments: --bogus"),
-        ([], "required: {plan,run,gate,fixtures}"),
+        ([], "required: {plan,run,gate,bench,compare,report,fixtures}"),
         (["run", "--resume", "/nonexistent-parity-dir"], "no run.json there"),
     ],
 )

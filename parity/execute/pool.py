@@ -28,7 +28,6 @@ import warnings
 
 import torch
 
-from parity.matrix.cell import Cell
 
 
 class CellFailure(Exception):
@@ -83,6 +82,7 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from parity.bench.measure import BenchTask, measure_rank
     from parity.execute.worker import run_rank
 
     def put(item) -> None:
@@ -96,10 +96,11 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh(device_type, (world,))
     put(("ready", rank, b""))
-    while (cell := _next_task(tasks, parent)) is not None:
+    while (task := _next_task(tasks, parent)) is not None:
         try:
-            obs = run_rank(cell, rank=rank, world=world, mesh=mesh, device=device,
-                           heartbeat=lambda what: put(("alive", rank, what.encode())))
+            job = measure_rank if isinstance(task, BenchTask) else run_rank
+            obs = job(task, rank=rank, world=world, mesh=mesh, device=device,
+                      heartbeat=lambda what: put(("alive", rank, what.encode())))
             put(("ok", rank, to_bytes(obs)))
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a verdict
             tb = traceback.format_exc(limit=-3)
@@ -195,8 +196,9 @@ class RankPool:
         missing = [r for r in range(self.world) if r not in got]
         raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:.0f} s")
 
-    def run(self, cell: Cell, timeout: float) -> list:
-        """Run one cell on every rank; returns each rank's observation, rank order."""
+    def run(self, cell, timeout: float) -> list:
+        """Run one cell (or a :class:`~parity.bench.measure.BenchTask`) on every rank;
+        returns each rank's observation (or measurement), rank order."""
         try:
             if not self.procs or not self.ready:
                 self.start()

@@ -24,7 +24,7 @@ from parity.errors import UsageError
 MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
-RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json")
+RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json", "report.html")
 
 
 def _usable(out: str) -> None:

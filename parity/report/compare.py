@@ -1,0 +1,111 @@
+"""``python -m parity compare OLD NEW``: two result directories side by side.
+
+A directory is reduced to its **digest** (``digest.json``, small enough to commit under
+``results/baselines/``): each cell's worst verdict, each check's worst ratio, and the bench
+metrics (median, IQR) when ``bench.csv`` is there. A directory holding only a digest
+compares like a full one. Regressions:
+
+- a cell whose verdict got worse (PASS -> FAIL, ERROR, ...), or that the new run lacks;
+- a check whose worst ratio grew by more than ``factor`` and now exceeds ``floor`` (a tenth
+  of its allowance by default: below that, growth is rounding noise, not a trend);
+- a bench count or byte total that changed at all (they are deterministic), or a timed
+  metric whose median moved by more than the two runs' IQRs together.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+
+from parity.judge.record import SEVERITY, Verdict
+from parity.report.records import read_records
+
+DIGEST = "digest.json"
+
+
+def digest(directory: str) -> dict:
+    cells_csv = os.path.join(directory, "cells.csv")
+    if not os.path.isfile(cells_csv):
+        path = os.path.join(directory, DIGEST)
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as fh:
+            return json.load(fh)
+    cells: dict[str, str] = {}
+    checks: dict[str, float] = {}
+    for r in read_records(cells_csv):
+        prev = cells.get(r.cell)
+        if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
+            cells[r.cell] = str(r.verdict)
+        if isinstance(r.ratio, float) and math.isfinite(r.ratio):
+            checks[r.check] = max(checks.get(r.check, 0.0), r.ratio)
+    out = {"cells": cells, "checks": checks, "bench": {}}
+    bench_csv = os.path.join(directory, "bench.csv")
+    if os.path.isfile(bench_csv):
+        values: dict[str, list[float]] = {}
+        with open(bench_csv) as fh:
+            for row in csv.DictReader(fh):
+                values.setdefault(f"{row['fixture']}|{row['path']}|{row['metric']}", []).append(float(row["value"]))
+        for key, v in values.items():
+            q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0], v[0], v[0]]
+            out["bench"][key] = {"median": statistics.median(v), "iqr": q[2] - q[0], "n": len(v)}
+    return out
+
+
+def _worse(old: str, new: str) -> bool:
+    return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] and Verdict(new) != Verdict.SKIP
+
+
+def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:
+    """(regressions, other changes), each a line."""
+    bad, info = [], []
+    for cell, was in sorted(old.get("cells", {}).items()):
+        now = new.get("cells", {}).get(cell)
+        if now is None:
+            bad.append(f"cell {cell}: {was} before, not run now")
+        elif now != was:
+            (bad if _worse(was, now) else info).append(f"cell {cell}: {was} -> {now}")
+    added = sorted(set(new.get("cells", {})) - set(old.get("cells", {})))
+    if added:
+        info.append(f"{len(added)} cells only in the new run (e.g. {added[0]})")
+    for check, was in sorted(old.get("checks", {}).items()):
+        now = new.get("checks", {}).get(check)
+        if now is None:
+            continue
+        if now > floor and now > factor * was:
+            bad.append(f"check {check}: worst ratio {was:.3g} -> {now:.3g} (grew more than {factor:g}x)")
+        elif abs(now - was) > 1e-12:
+            info.append(f"check {check}: worst ratio {was:.3g} -> {now:.3g}")
+    for key, was in sorted(old.get("bench", {}).items()):
+        now = new.get("bench", {}).get(key)
+        if now is None:
+            continue
+        metric = key.split("|")[2]
+        exact = metric.startswith(("collectives", "bytes", "units"))
+        moved = abs(now["median"] - was["median"])
+        if (exact and moved > 0) or (not exact and moved > was["iqr"] + now["iqr"] and was["n"] > 1):
+            bad.append(f"bench {key.replace('|', ' / ')}: {was['median']:.4g} -> {now['median']:.4g}"
+                       + ("" if exact else f" (IQRs {was['iqr']:.3g}, {now['iqr']:.3g})"))
+    return bad, info
+
+
+def concerns(line: str, model: str) -> bool:
+    """Whether a regression line concerns ``model`` (a check's worst ratio concerns every model)."""
+    if line.startswith("cell "):
+        return line.startswith(f"cell {model}/")
+    if line.startswith("bench "):
+        return line.startswith(f"bench {model} /")
+    return True
+
+
+def report(old_dir: str, new_dir: str, bad: list[str], info: list[str]) -> str:
+    lines = [f"# parity compare: {old_dir} -> {new_dir}", "",
+             f"**{'REGRESSED' if bad else 'NO REGRESSION'}**: {len(bad)} regression(s), {len(info)} other change(s)", ""]
+    if bad:
+        lines += ["## Regressions", ""] + [f"- {b}" for b in bad] + [""]
+    if info:
+        lines += ["## Other changes", ""] + [f"- {i}" for i in info[:200]] + [""]
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""``report.html``: one self-contained page (no network, no script) for people.
+
+Top to bottom: the gate decision (when the directory holds ``gate.json``), a heatmap of the
+worst ratio per check x cell group (fixture / path; colour by ratio, INCONCLUSIVE / ERROR /
+TIMEOUT marked), the ratio distribution per check, the failing records with their details,
+the bench tables (when ``bench.md`` is there) and the versions and hardware.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections import defaultdict
+
+from parity.judge.record import BAD, SEVERITY, Record, Verdict
+from parity.report.summary import ratio_distribution
+
+REPORT = "report.html"
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}
+table{border-collapse:collapse;margin:0.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}
+th{background:#f4f4f4}.GO{color:#176f2c}.NO-GO{color:#b00020}.NA{color:#555}
+td.h{text-align:center;min-width:3.2em}pre{background:#f7f7f7;padding:0.5em;overflow-x:auto;font-size:12px}
+"""
+
+
+def _colour(ratio: float) -> str:
+    """Green (0) through yellow (0.5) to red (>= 1): how much of its allowance a check used."""
+    if not math.isfinite(ratio) or ratio >= 1:
+        return "#f4a6a6"
+    if ratio >= 0.5:
+        return "#f7e3a1"
+    return f"hsl(120, 45%, {92 - 30 * ratio:.0f}%)"
+
+
+def _esc(x) -> str:
+    return html.escape(str(x))
+
+
+def _table(header: list[str], rows: list[list[str]], raw: bool = False) -> str:
+    out = ["<table><tr>" + "".join(f"<th>{_esc(h)}</th>" for h in header) + "</tr>"]
+    for r in rows:
+        out.append("<tr>" + "".join(f"<td>{c if raw else _esc(c)}</td>" for c in r) + "</tr>")
+    return "\n".join(out) + "</table>"
+
+
+def heatmap(records: list[Record]) -> str:
+    worst: dict[tuple[str, str], Record] = {}
+    marks: dict[tuple[str, str], str] = {}
+    for r in records:
+        group = f"{r.fixture}/{r.path}"
+        key = (r.check, group)
+        if r.verdict in (Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE, Verdict.FAIL):
+            if SEVERITY[Verdict(r.verdict)] > SEVERITY.get(Verdict(marks.get(key, "SKIP")), 0):
+                marks[key] = str(r.verdict)
+        if isinstance(r.ratio, float) and not math.isnan(r.ratio):
+            if key not in worst or r.ratio > worst[key].ratio:
+                worst[key] = r
+    checks = sorted({k[0] for k in (*worst, *marks)})
+    groups = sorted({k[1] for k in (*worst, *marks)})
+    rows = []
+    for check in checks:
+        cells = [f"<th>{_esc(check)}</th>"]
+        for g in groups:
+            r, mark = worst.get((check, g)), marks.get((check, g), "")
+            if r is None and not mark:
+                cells.append('<td class="h"></td>')
+                continue
+            ratio = r.ratio if r is not None else math.inf
+            text = ("inf" if not math.isfinite(ratio) else f"{ratio:.2f}") + (f" {mark[:4]}" if mark else "")
+            tip = f"{r.cell} {r.name}: {r.detail}" if r is not None else mark
+            colour = _colour(math.inf if mark else ratio)
+            cells.append(f'<td class="h" style="background:{colour}" title="{_esc(tip)[:300]}">{_esc(text)}</td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    head = "<tr><th>check \\ fixture/path</th>" + "".join(f"<th>{_esc(g)}</th>" for g in groups) + "</tr>"
+    return f'<table id="heatmap">{head}\n' + "\n".join(rows) + "</table>"
+
+
+def _markdown_table(lines: list[str]) -> str:
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
+    rows = [r for r in rows if not all(set(c) <= {"-"} for c in r)]
+    return _table(rows[0], rows[1:]) if rows else ""
+
+
+def write_html(out_dir: str, records: list[Record]) -> str:
+    """Write ``report.html`` into ``out_dir`` from its records and whatever else is there."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>parity report</title><style>{_STYLE}</style>"
+             "</head><body>", f"<h1>parity report: {_esc(os.path.abspath(out_dir))}</h1>"]
+    gate_path = os.path.join(out_dir, "gate.json")
+    if os.path.isfile(gate_path):
+        with open(gate_path) as fh:
+            gate = json.load(fh)
+        parts.append(f"<h2 id='gate'>Gate: enable <code>{_esc(gate.get('candidate'))}</code>?</h2>")
+        rows = []
+        for d in gate.get("decisions", []):
+            cls = {"GO": "GO", "NO-GO": "NO-GO"}.get(d["decision"], "NA")
+            why = "; ".join(d.get("reasons") or d.get("notes") or []) or "every check passed"
+            rows.append([_esc(d["model"]), f"<b class='{cls}'>{_esc(d['decision'])}</b>", _esc(why[:600])])
+        parts.append(_table(["model", "decision", "reasons / notes"], rows, raw=True))
+    counts: dict[str, int] = defaultdict(int)
+    worst_cell: dict[str, Verdict] = {}
+    for r in records:
+        v = Verdict(r.verdict)
+        if r.cell not in worst_cell or SEVERITY[v] > SEVERITY[worst_cell[r.cell]]:
+            worst_cell[r.cell] = v
+    for v in worst_cell.values():
+        counts[str(v)] += 1
+    parts.append("<h2>Cells</h2><p id='counts'>" + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) + "</p>")
+    parts += ["<h2>Worst ratio per check and fixture/path</h2>",
+              "<p>observed / allowed; green: under half the allowance, yellow: over half, red: over it or "
+              "marked FAIL / INCONCLUSIVE (INCO) / ERROR / TIMEOUT (TIME). Hover for the record.</p>", heatmap(records)]
+    parts += ["<h2>Ratio distribution per check</h2>", _markdown_table(ratio_distribution(records))]
+    failing = [r for r in records if Verdict(r.verdict) in BAD]
+    parts.append(f"<h2 id='failing'>Failing records ({len(failing)})</h2>")
+    if failing:
+        parts.append(_table(["verdict", "cell", "check", "name", "observed", "allowed", "ratio", "dtype", "detail"],
+                            [[r.verdict, r.cell, r.check, r.name, r.observed, r.allowed, r.ratio, r.dtype,
+                              str(r.detail)[:500]] for r in failing[:500]]))
+    bench_md = os.path.join(out_dir, "bench.md")
+    if os.path.isfile(bench_md):
+        with open(bench_md) as fh:
+            parts += ["<h2 id='bench'>Bench</h2>", f"<pre>{_esc(fh.read())}</pre>"]
+    manifest = os.path.join(out_dir, "run.json")
+    if os.path.isfile(manifest):
+        with open(manifest) as fh:
+            run = json.load(fh)
+        env = {"torch": run.get("torch"), "device": run.get("device"), "status": run.get("status"),
+               "options": json.dumps(run.get("options", {}))}
+        from parity.bench.environment import environment
+
+        env.update({k: v for k, v in environment(str(run.get("device", "cpu"))).items() if k not in env})
+        parts += ["<h2 id='env'>Versions and hardware</h2>", _table(["", ""], [[k, v] for k, v in env.items()])]
+    parts.append("</body></html>")
+    path = os.path.join(out_dir, REPORT)
+    with open(path, "w") as fh:
+        fh.write("\n".join(parts))
+    return path

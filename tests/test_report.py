@@ -1,0 +1,112 @@
+"""Bench, compare, the HTML report (and its rendering in headless Chromium), the CI workflow."""
+
+import csv
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+PARITY = [sys.executable, "-m", "parity"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _parity(*args, timeout=600):
+    return subprocess.run([*PARITY, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    """A small real gate run with a deliberate fault, so there are failing records."""
+    out = str(tmp_path_factory.mktemp("report") / "run")
+    proc = _parity("gate", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                   "--fault", "perturb_grad", "--out", out)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("report")
+def test_report_html_is_one_self_contained_page(gated):
+    text = open(os.path.join(gated, "report.html")).read()
+    assert "<script" not in text and not re.search(r"(src|href)=\"?https?:", text)
+    assert 'id="heatmap"' in text and "NO-GO" in text and "Failing records" in text and "Versions and hardware" in text
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+@pytest.mark.xdist_group("report")
+def test_report_renders_in_headless_chromium(gated):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        if os.environ.get("PARITY_REQUIRE_BROWSER"):
+            pytest.fail("no chromium on PATH (apt-get install chromium)")
+        pytest.skip("no chromium on PATH; nox -s report requires it")
+    page = "file://" + os.path.join(gated, "report.html")
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "<b class=\"NO-GO\">NO-GO</b>" in dom  # the gate decision, on top
+    assert dom.index('id="gate"') < dom.index('id="heatmap"') < dom.index('id="failing"')
+    heat = dom[dom.index('id="heatmap"'):dom.index("</table>", dom.index('id="heatmap"'))]
+    assert "FAIL" in heat and "#f4a6a6" in heat  # the faulty check is marked and red
+    assert "perturb_grad" in dom and "torch" in dom
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("report")
+def test_compare_passes_identical_results_and_flags_a_worsened_copy(gated, tmp_path):
+    same = _parity("compare", gated, gated)
+    assert same.returncode == 0 and "NO REGRESSION" in same.stdout
+    worse = tmp_path / "worse"
+    worse.mkdir()
+    with open(os.path.join(gated, "cells.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    failing = {r["cell"] for r in rows if r["verdict"] not in ("PASS", "SKIP")}
+    victim = next(r for r in rows if r["cell"] not in failing and r["verdict"] == "PASS" and r["check"] == "output")
+    victim["verdict"], victim["ratio"] = "FAIL", "50.0"
+    with open(worse / "cells.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    flagged = _parity("compare", gated, str(worse), "--write-digest", str(tmp_path / "baseline"))
+    assert flagged.returncode == 1
+    assert f"cell {victim['cell']}: PASS -> FAIL" in flagged.stdout and "worst ratio" in flagged.stdout
+    # a committed baseline is just the digest: comparing against it works the same
+    again = _parity("compare", str(tmp_path / "baseline"), str(worse))
+    assert again.returncode == 0, again.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("bench")
+def test_bench_counts_the_collectives_each_path_issues(tmp_path):
+    out = str(tmp_path / "bench")
+    proc = _parity("bench", "--fixtures", "kda,unisolatable", "--steps", "2", "--warmup", "1", "--out", out)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(os.path.join(out, "bench.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    value = {(r["fixture"], r["path"], r["metric"]): float(r["value"]) for r in rows if r["repetition"] == "0"}
+    # kda: legacy 5 units (2 blocks, 2 FP32 holders, root), native 3; every unit all-gathers in
+    # forward and backward and reduce-scatters once; the same bytes travel either way
+    assert value[("kda", "legacy", "collectives total")] == 15 and value[("kda", "native", "collectives total")] == 9
+    assert value[("kda", "legacy", "bytes total")] == value[("kda", "native", "bytes total")] > 0
+    assert value[("kda", "native", "collectives all-gather forward")] == 3
+    assert value[("kda", "native", "packing total")] > 0
+    assert len([r for r in rows if r["metric"] == "step time" and r["fixture"] == "kda"]) == 4
+    md = open(os.path.join(out, "bench.md")).read()
+    assert md.index("## Environment") < md.index("## kda") and "| collectives total | count/step | 15 | 9 | 0.60 |" in md
+    assert "unisolatable / legacy: ERROR (declared isolation error" in md
+
+
+def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():
+    yaml = pytest.importorskip("yaml")
+    with open(os.path.join(ROOT, ".github", "workflows", "parity.yml")) as fh:
+        flow = yaml.safe_load(fh)
+    assert {"pr", "nightly", "gpu"} <= set(flow["jobs"])
+    assert True in flow or "on" in flow  # YAML 1.1 reads the key `on` as True
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    runs = [step["run"] for job in flow["jobs"].values() for step in job["steps"] if "run" in step]
+    assert runs
+    for command in runs:
+        assert command.strip() in readme, f"not documented in README: {command}"
