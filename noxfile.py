@@ -83,6 +83,14 @@ def report(session):
 
 
 @nox.session
+def fuzz(session):
+    """Hypothesis-generated models on both paths: ``nox -s fuzz -- --examples 500``."""
+    _install_torch(session, TORCH_VERSIONS[0])
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "parity", "fuzz", *(session.posargs or ["--examples", "100"]))
+
+
+@nox.session
 def tests(session):
     """The test suite, parallel with pytest-xdist."""
     _install_torch(session, TORCH_VERSIONS[0])

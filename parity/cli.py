@@ -85,7 +85,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                           metavar="{plan,run,gate,bench,compare,report,fixtures}")
+                           metavar="{plan,run,gate,bench,compare,report,fuzz,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
@@ -102,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
                       "(parity compare; --baseline names the baseline *path*)")
+    fz = sub.add_parser("fuzz", help="hypothesis-generated models on both paths (needs hypothesis)")
+    fz.add_argument("--examples", type=_count, default=25, help="generated examples (25)")
+    fz.add_argument("--seed", type=_integer, default=0, help="hypothesis seed (0)")
+    fz.add_argument("--fault", help="inject this fault into every example and count the catches")
+    fz.add_argument("--out", default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
+    fz.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    fz.add_argument("--timeout", type=_positive, default=120.0, help="seconds without progress (120)")
     rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
     rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
     cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
@@ -358,6 +365,22 @@ def _digest_of(directory: str, what: str) -> dict:
     return d
 
 
+def cmd_fuzz(args) -> int:
+    from parity.faults import check_faults
+    from parity.runner import resolve_device
+
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise UsageError("fuzz needs hypothesis: pip install 'parity[test]'") from None
+    if args.fault:
+        check_faults([args.fault])
+    from parity.fuzz import campaign
+
+    return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
+                    device=resolve_device(args.device), timeout=args.timeout)
+
+
 def cmd_report(args) -> int:
     from parity.report.html import write_html
     from parity.report.records import read_records
@@ -409,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": cmd_bench, "compare": cmd_compare,
-                    "report": cmd_report,
+                    "report": cmd_report, "fuzz": cmd_fuzz,
                     "fixtures": cmd_fixtures}
         return commands[args.command](args)
     except UsageError as exc:

@@ -1,0 +1,126 @@
+"""``python -m parity fuzz``: hypothesis draws models (``parity_fixtures.generated``) and axis
+values; each example runs on both paths through the same pipeline as any cell (plan, paths,
+reference, checks), on rank pools kept across examples.
+
+Property: every record is PASS, SKIP, UNPAIRED (a path that cannot shard the model, as its
+spec declares) or the declared expected outcome -- nothing FAIL / ERROR / TIMEOUT /
+INCONCLUSIVE. A failing example is shrunk by hypothesis to a minimal model, saved as a
+reproducer file (``parity run --model FILE:parity_model`` replays it).
+
+With ``--fault NAME`` the property is not asserted: every example runs with the fault and the
+campaign counts the examples whose records flag it (sensitivity per 100 examples).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections import Counter, defaultdict
+
+from parity.execute.pool import RankPool
+from parity.judge.record import BAD
+from parity.matrix.cell import Cell
+from parity.report.records import read_records
+from parity.runner import RunOptions, run_cells
+
+
+class _Pools:
+    """An executor for :func:`run_cells` that keeps one pool per rank count across runs."""
+
+    rank = 0
+
+    def __init__(self, device: str, tmp: str):
+        self.device, self.tmp, self.pools = device, tmp, {}
+
+    def run(self, cell: Cell, timeout: float):
+        if cell.ranks not in self.pools:
+            self.pools[cell.ranks] = RankPool(cell.ranks, self.device, tmp=self.tmp)
+        return self.pools[cell.ranks].run(cell, timeout)
+
+    def skip_reason(self, cell: Cell) -> str:
+        return ""
+
+    def stop(self) -> None:
+        for pool in self.pools.values():
+            pool.stop(kill=True)
+
+
+def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
+             timeout: float = 120.0) -> int:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
+
+    from parity_fixtures.generated import axes, reproducer, source_for, specs
+
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
+    pools = _Pools(device, tmp)
+    verdicts, ratios, caught = Counter(), defaultdict(list), []
+    last_failure: list[tuple[dict, list]] = []
+    ran = [0]
+
+    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+              suppress_health_check=list(HealthCheck))
+    @fixed_seed(seed)
+    @given(spec=specs(), values=axes())
+    def example(spec, values):
+        ran[0] += 1
+        run_dir = os.path.join(tmp, f"example-{ran[0]}")
+        cells = [Cell(fixture=spec["name"], path=p, source=source_for(spec), steps=2,
+                      faults=(fault,) if fault else (), **values) for p in ("legacy", "native")]
+        run_cells(cells, RunOptions(out_dir=run_dir, timeout=timeout, progress=False, title="fuzz"),
+                  executor=pools)
+        records = read_records(os.path.join(run_dir, "cells.csv"))
+        shutil.rmtree(run_dir, ignore_errors=True)
+        bad = [r for r in records if r.verdict in BAD]
+        for r in records:
+            verdicts[str(r.verdict)] += 1
+            if isinstance(r.ratio, float) and math.isfinite(r.ratio):
+                ratios[r.check].append(r.ratio)
+        if fault:
+            caught.append(bool(bad))
+            return
+        if bad:
+            last_failure[:] = [(spec, bad)]
+        assert not bad, f"{spec['name']} {values}: " + "; ".join(
+            f"{r.cell} {r.check} {r.name} {r.verdict}: {str(r.detail)[:200]}" for r in bad[:3])
+
+    t0 = time.perf_counter()
+    code = 0
+    import contextlib
+    import io
+
+    try:
+        # run_cells prints a table and progress lines per example: the campaign reports instead
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            example()
+    except AssertionError as exc:
+        code = 1
+        spec, bad = last_failure[-1]
+        path = os.path.join(out_dir, f"reproducer_{spec['name']}.py")
+        with open(path, "w") as fh:
+            fh.write(reproducer(spec))
+        print(f"fuzz: a generated model failed; minimal reproducer: {path}\n  {str(exc).splitlines()[0][:600]}")
+    finally:
+        pools.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    wall = time.perf_counter() - t0
+    lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
+             f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "")]
+    if fault:
+        lines.append(f"fault {fault} flagged in {sum(caught)} of {len(caught)} examples "
+                     f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)")
+    lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
+    lines.append("| check | records | p50 ratio | max ratio |")
+    lines.append("|---|---|---|---|")
+    for check, v in sorted(ratios.items()):
+        v = sorted(v)
+        lines.append(f"| {check} | {len(v)} | {v[len(v) // 2]:.3g} | {v[-1]:.3g} |")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md"), "w") as fh:
+        fh.write(text + "\n")
+    return code
