@@ -59,3 +59,18 @@ def test_the_campaign_catches_a_deliberate_fault(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "parity", "fuzz", "--examples", "4", "--seed", "0", "--fault",
                            "perturb_grad", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert "fault perturb_grad flagged in 4 of 4 examples" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("fuzz")
+def test_the_saved_reproducer_passes_after_its_fix(run_matrix):
+    """Three same-shape ignored scales on 2 ranks: reduced in set order before the fix."""
+    import os
+
+    from parity.matrix.cell import Cell
+
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "reproducers", "fuzz_ignored_order.py")
+    source = f"{path}:parity_model"
+    cells = [Cell(fixture="gen_229b03b0f4", path=p, ranks=2, source=source) for p in ("legacy", "native")]
+    code, records = run_matrix(cells)
+    assert code == 0, [r for r in records if r["verdict"] not in ("PASS", "SKIP")][:3]

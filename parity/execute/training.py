@@ -141,7 +141,10 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             recorder.after_backward(s.model, step, mb, last)
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
-    for p in s.ignored:  # the emulated owner of ignored parameters reduces their gradients
+    # the emulated owner of ignored parameters reduces their gradients, in the model's order:
+    # a set's order follows object addresses, which differ across ranks (same-shape
+    # parameters would be summed with each other's gradients, found by the fuzz campaign)
+    for p in (p for p in s.params if p in s.ignored):
         if p.grad is not None and world > 1:
             dist.all_reduce(p.grad)
             if fixture.ignored_reduction == "mean":
