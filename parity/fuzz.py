@@ -2,9 +2,10 @@
 values; each example runs on both paths through the same pipeline as any cell (plan, paths,
 reference, checks), on rank pools kept across examples.
 
-Property: every record is PASS, SKIP, UNPAIRED (a path that cannot shard the model, as its
-spec declares) or the declared expected outcome -- nothing FAIL / ERROR / TIMEOUT /
-INCONCLUSIVE. A failing example is shrunk by hypothesis to a minimal model, saved as a
+Property: no record is FAIL, ERROR or TIMEOUT (a path that cannot shard the model raises
+the isolation error its spec declares, which is a PASS). INCONCLUSIVE records -- a check
+whose allowance is as large as what it judges -- are not a false alarm of a bug but a blind
+spot: the campaign counts the examples that have one and keeps going. A failing example is shrunk by hypothesis to a minimal model, saved as a
 reproducer file (``parity run --model FILE:parity_model`` replays it).
 
 With ``--fault NAME`` the property is not asserted: every example runs with the fault and the
@@ -21,7 +22,7 @@ import time
 from collections import Counter, defaultdict
 
 from parity.execute.pool import RankPool
-from parity.judge.record import BAD
+from parity.judge.record import Verdict
 from parity.matrix.cell import Cell
 from parity.report.records import read_records
 from parity.runner import RunOptions, run_cells
@@ -58,7 +59,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
     pools = _Pools(device, tmp)
-    verdicts, ratios, caught = Counter(), defaultdict(list), []
+    verdicts, ratios, caught, inconclusive = Counter(), defaultdict(list), [], []
     last_failure: list[tuple[dict, list]] = []
     ran = [0]
 
@@ -75,13 +76,16 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
                   executor=pools)
         records = read_records(os.path.join(run_dir, "cells.csv"))
         shutil.rmtree(run_dir, ignore_errors=True)
-        bad = [r for r in records if r.verdict in BAD]
+        bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT)]
+        blind = sorted({f"{r.check} {r.name}" for r in records if r.verdict == Verdict.INCONCLUSIVE})
+        if blind:
+            inconclusive.append(f"{spec['name']}: {', '.join(blind)}")
         for r in records:
             verdicts[str(r.verdict)] += 1
             if isinstance(r.ratio, float) and math.isfinite(r.ratio):
                 ratios[r.check].append(r.ratio)
         if fault:
-            caught.append(bool(bad))
+            caught.append(bool(bad) or bool(blind))
             return
         if bad:
             last_failure[:] = [(spec, bad)]
@@ -113,6 +117,8 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     if fault:
         lines.append(f"fault {fault} flagged in {sum(caught)} of {len(caught)} examples "
                      f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)")
+    lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}"
+                 + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
     lines.append("| check | records | p50 ratio | max ratio |")
     lines.append("|---|---|---|---|")
