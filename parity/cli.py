@@ -332,7 +332,11 @@ def cmd_gate(args) -> int:
     if args.compare_to:
         from parity.report.compare import compare, concerns
 
-        bad, _ = compare(_digest_of(args.compare_to, "--compare-to"), _digest_of(out, "gate"))
+        old, new = _digest_of(args.compare_to, "--compare-to"), _digest_of(out, "gate")
+        if old.get("matrix") and new.get("matrix") and old["matrix"] != new["matrix"]:
+            raise UsageError(f"--compare-to {args.compare_to}: those results are of matrix {old['matrix']!r}, this gate "
+                             f"ran {new['matrix']!r}; compare like with like (gate --matrix {old['matrix']})")
+        bad, _ = compare(old, new)
         for d in decisions:
             mine = [b for b in bad if concerns(b, d.model)]
             if mine:

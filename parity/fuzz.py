@@ -54,7 +54,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
 
-    from parity_fixtures.generated import axes, reproducer, source_for, specs
+    from parity_fixtures.generated import axes, replay_matrix, reproducer, source_for, specs
 
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
@@ -88,7 +88,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
             caught.append(bool(bad) or bool(blind))
             return
         if bad:
-            last_failure[:] = [(spec, bad)]
+            last_failure[:] = [(spec, values)]
         assert not bad, f"{spec['name']} {values}: " + "; ".join(
             f"{r.cell} {r.check} {r.name} {r.verdict}: {str(r.detail)[:200]}" for r in bad[:3])
 
@@ -101,13 +101,18 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
         # run_cells prints a table and progress lines per example: the campaign reports instead
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             example()
-    except AssertionError as exc:
+    except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
-        spec, bad = last_failure[-1]
-        path = os.path.join(out_dir, f"reproducer_{spec['name']}.py")
-        with open(path, "w") as fh:
-            fh.write(reproducer(spec))
-        print(f"fuzz: a generated model failed; minimal reproducer: {path}\n  {str(exc).splitlines()[0][:600]}")
+        if last_failure:
+            spec, values = last_failure[-1]
+            stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
+            with open(stem + ".py", "w") as fh:
+                fh.write(reproducer(spec))
+            with open(stem + ".toml", "w") as fh:
+                fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
+            print(f"fuzz: a generated model failed; minimal reproducer: {stem}.py "
+                  f"(replay: python -m parity run --matrix {stem}.toml)")
+        print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)

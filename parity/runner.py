@@ -34,6 +34,7 @@ from parity.judge.record import BAD, Record, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
 from parity.report.junit import write_junit
+from parity.bench.environment import environment
 from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
 from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
@@ -327,7 +328,8 @@ class _Run:
                                       not_run=not_run if received else [], interrupted=why))
         with open(os.path.join(out, "timings.json"), "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
-        outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete"})
+        outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete",
+                                    "environment": environment(self.device)})
         write_html(out, records)
         if self.options.junit:
             write_junit(self.options.junit, records, suite=self.options.title)

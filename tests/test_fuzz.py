@@ -74,3 +74,19 @@ def test_the_saved_reproducer_passes_after_its_fix(run_matrix):
     cells = [Cell(fixture="gen_229b03b0f4", path=p, ranks=2, source=source) for p in ("legacy", "native")]
     code, records = run_matrix(cells)
     assert code == 0, [r for r in records if r["verdict"] not in ("PASS", "SKIP")][:3]
+
+
+def test_a_reproducer_comes_with_a_matrix_replaying_the_failing_axes(tmp_path):
+    from parity.matrix import load
+    from parity_fixtures.generated import replay_matrix
+
+    spec = {"dim": 6, "tokens": False, "vocab": 0, "blocks": [{"kind": "gain"}], "tie": False, "roots": "root",
+            "name": ""}
+    (tmp_path / "r.py").write_text(reproducer(spec))
+    values = {"ranks": 2, "microbatches": 3, "sync": "last", "checkpointing": "outer", "reshard": False,
+              "output_dtype": "float32", "seed": 3}
+    (tmp_path / "r.toml").write_text(replay_matrix(spec, values, "r.py"))
+    cells = load(str(tmp_path / "r.toml")).cells
+    assert [c.path for c in cells] == ["legacy", "native"]
+    assert all((c.ranks, c.microbatches, c.sync, c.checkpointing, c.reshard, c.output_dtype, c.seed)
+               == (2, 3, "last", "outer", False, "float32", 3) for c in cells)

@@ -4,8 +4,10 @@
   step, counted where it is issued (``torch.distributed.all_gather_single``,
   ``reduce_scatter_single``, ``all_reduce``, ...), by kind and phase: ``forward`` (outside
   autograd's backward), ``backward`` (inside it: re-gathers and reductions launched there),
-  ``after`` (the rest: the final reduction, the gradient norm, the optimizer). Bytes are the
+  ``after`` (the rest: the final reduction, an ignored parameter's owner). Bytes are the
   larger buffer of each call (all-gather output, reduce-scatter input, all-reduce tensor).
+  DTensor's functional collectives (the gradient norm's all-reduce) bypass these functions
+  and are not counted.
 - **packing**: CPU time the profiler records in FSDP's copy-in / copy-out / chunk-cat ops
   (``fsdp::all_gather_copy_in``, ``fsdp::split_with_sizes_copy``, ``fsdp::chunk_cat*``) over
   one profiled step;

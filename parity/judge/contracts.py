@@ -46,6 +46,10 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
                              "as all-gathered, read inside forward", dtype_name(t.compute)))
         if not t.trainable:
             continue
+        if t.trainable_from >= cell.steps:
+            rows.append(_skip(base, "dtype.reduce", t.fqn, f"unfrozen at step {t.trainable_from}, after this cell's "
+                              f"{cell.steps} steps"))
+            continue
         want = dtype_name(t.reduce)
         if not c.reduce_observable:
             rows.append(_skip(base, "dtype.reduce", t.fqn, "this torch build gives no hook on FSDP's reduction"))

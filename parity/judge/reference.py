@@ -200,6 +200,8 @@ def run_reference(
         run.grad_scale.append(terms_scale)
         if not skip_step:
             opt.step()
+        else:
+            scale /= 2  # ShardedGradScaler.update() backs off after an overflow
         opt.zero_grad()
         run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
     for h in handles:

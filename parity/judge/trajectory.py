@@ -43,7 +43,7 @@ def trajectory_records(sharded: list[dict[str, torch.Tensor]], own: ReferenceRun
     last = len(fp64.params) - 1
     rows = []
     for t in plan.params:
-        if not t.requires_grad:
+        if not t.requires_grad or t.trainable_from > last:  # never trained in these steps
             continue
         truth = fp64.params[last][t.fqn]
         s = sharded[last].get(t.fqn, torch.zeros(0))

@@ -154,9 +154,9 @@ def validate(spec: object, where: str) -> Fixture:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
     for pattern, step in spec.unfreeze.items():
         hits = [n for n in params if n == pattern or n.startswith(pattern + ".")]
-        if not hits or not isinstance(step, int) or step < 0:
+        if not hits or not isinstance(step, int) or step < 1:
             raise UsageError(f"{where}: Fixture.unfreeze[{pattern!r}] = {step!r}; give a parameter or module "
-                             "FQN of the model and a step >= 0")
+                             "FQN of the model and a step >= 1 (trainable from step 0: build it trainable)")
     for group in spec.tied:
         if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
             raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")

@@ -6,7 +6,7 @@ metrics (median, IQR) when ``bench.csv`` is there. A directory holding only a di
 compares like a full one. Regressions:
 
 - a cell whose verdict got worse (PASS -> FAIL, ERROR, ...), or that the new run lacks;
-- a check whose worst ratio grew by more than ``factor`` and now exceeds ``floor`` (a tenth
+- a check whose worst ratio (per model) grew by more than ``factor`` and now exceeds ``floor`` (a tenth
   of its allowance by default: below that, growth is rounding noise, not a trend);
 - a bench count or byte total that changed at all (they are deterministic), or a timed
   metric whose median moved by more than the two runs' IQRs together.
@@ -28,7 +28,8 @@ DIGEST = "digest.json"
 
 def digest(directory: str) -> dict:
     cells_csv = os.path.join(directory, "cells.csv")
-    if not os.path.isfile(cells_csv):
+    bench_csv = os.path.join(directory, "bench.csv")
+    if not os.path.isfile(cells_csv) and not os.path.isfile(bench_csv):
         path = os.path.join(directory, DIGEST)
         if not os.path.isfile(path):
             return {}
@@ -36,14 +37,14 @@ def digest(directory: str) -> dict:
             return json.load(fh)
     cells: dict[str, str] = {}
     checks: dict[str, float] = {}
-    for r in read_records(cells_csv):
+    for r in read_records(cells_csv) if os.path.isfile(cells_csv) else ():
         prev = cells.get(r.cell)
         if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
             cells[r.cell] = str(r.verdict)
         if isinstance(r.ratio, float) and math.isfinite(r.ratio):
-            checks[r.check] = max(checks.get(r.check, 0.0), r.ratio)
-    out = {"cells": cells, "checks": checks, "bench": {}}
-    bench_csv = os.path.join(directory, "bench.csv")
+            key = f"{r.fixture}|{r.check}"
+            checks[key] = max(checks.get(key, 0.0), r.ratio)
+    out = {"cells": cells, "checks": checks, "bench": {}, "matrix": _matrix_of(directory)}
     if os.path.isfile(bench_csv):
         values: dict[str, list[float]] = {}
         with open(bench_csv) as fh:
@@ -53,6 +54,14 @@ def digest(directory: str) -> dict:
             q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0], v[0], v[0]]
             out["bench"][key] = {"median": statistics.median(v), "iqr": q[2] - q[0], "n": len(v)}
     return out
+
+
+def _matrix_of(directory: str) -> str:
+    try:
+        with open(os.path.join(directory, "run.json")) as fh:
+            return str((json.load(fh).get("options") or {}).get("matrix", ""))
+    except (OSError, ValueError):
+        return ""
 
 
 def _worse(old: str, new: str) -> bool:
@@ -76,9 +85,9 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
         if now is None:
             continue
         if now > floor and now > factor * was:
-            bad.append(f"check {check}: worst ratio {was:.3g} -> {now:.3g} (grew more than {factor:g}x)")
+            bad.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g} (grew more than {factor:g}x)")
         elif abs(now - was) > 1e-12:
-            info.append(f"check {check}: worst ratio {was:.3g} -> {now:.3g}")
+            info.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g}")
     for key, was in sorted(old.get("bench", {}).items()):
         now = new.get("bench", {}).get(key)
         if now is None:
@@ -93,11 +102,11 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
 
 
 def concerns(line: str, model: str) -> bool:
-    """Whether a regression line concerns ``model`` (a check's worst ratio concerns every model)."""
+    """Whether a regression line concerns ``model``."""
     if line.startswith("cell "):
         return line.startswith(f"cell {model}/")
-    if line.startswith("bench "):
-        return line.startswith(f"bench {model} /")
+    if line.startswith(("bench ", "check ")):
+        return line.split(" ", 1)[1].startswith(f"{model} /")
     return True
 
 

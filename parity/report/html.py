@@ -128,9 +128,7 @@ def write_html(out_dir: str, records: list[Record]) -> str:
             run = json.load(fh)
         env = {"torch": run.get("torch"), "device": run.get("device"), "status": run.get("status"),
                "options": json.dumps(run.get("options", {}))}
-        from parity.bench.environment import environment
-
-        env.update({k: v for k, v in environment(str(run.get("device", "cpu"))).items() if k not in env})
+        env.update({k: v for k, v in (run.get("environment") or {}).items() if k not in env})
         parts += ["<h2 id='env'>Versions and hardware</h2>", _table(["", ""], [[k, v] for k, v in env.items()])]
     parts.append("</body></html>")
     path = os.path.join(out_dir, REPORT)
