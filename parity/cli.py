@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
+from parity.arguments import count as _count
+from parity.arguments import csv_list as _csv
+from parity.arguments import integer as _integer
+from parity.arguments import positive as _positive
+from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import UsageError
+from parity.fuzz import add_fuzz_arguments, fuzz_command
 from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
@@ -30,30 +35,6 @@ RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None,
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, instead of argparse's usage block
         raise UsageError(f"{message} (see {self.prog} --help)")
-
-
-def _positive(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
-    return x
-
-
-def _count(value: str) -> int:
-    n = _integer(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return n
-
-
-def _integer(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r}") from None
 
 
 def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
@@ -102,13 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
                       "(parity compare; --baseline names the baseline *path*)")
-    fz = sub.add_parser("fuzz", help="hypothesis-generated models on both paths (needs hypothesis)")
-    fz.add_argument("--examples", type=_count, default=25, help="generated examples (25)")
-    fz.add_argument("--seed", type=_integer, default=0, help="hypothesis seed (0)")
-    fz.add_argument("--fault", help="inject this fault into every example and count the catches")
-    fz.add_argument("--out", default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
-    fz.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    fz.add_argument("--timeout", type=_positive, default=120.0, help="seconds without progress (120)")
+    add_fuzz_arguments(sub)
     rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
     rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
     cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
@@ -116,33 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("new", help="results directory to judge")
     cmp.add_argument("--factor", type=_positive, default=2.0, help="a check's worst ratio may grow this much (2)")
     cmp.add_argument("--write-digest", metavar="DIR", help="also write NEW's digest.json into DIR (a baseline)")
-    bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
-    bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
-    bench.add_argument("--model", action="append", default=[], help="plugin models: pkg.module:factory (repeatable)")
-    bench.add_argument("--paths", default="legacy,native", help="comma list of paths (legacy,native)")
-    bench.add_argument("--ranks", type=_count, default=2, help="rank count (2)")
-    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    bench.add_argument("--warmup", type=_integer, default=2, help="unmeasured steps first (2)")
-    bench.add_argument("--steps", type=_count, default=10, help="measured steps (10)")
-    bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
-    bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
-    bench.add_argument("--timeout", type=_positive, default=120.0, help="seconds without progress (120)")
+    add_bench_arguments(sub)
     return p
-
-
-def _csv(value: str | None, what: str, valid: list, conv=str) -> list | None:
-    if value is None:
-        return None
-    items = []
-    for raw in value.split(","):
-        try:
-            item = conv(raw.strip())
-        except ValueError:
-            item = None
-        if item not in valid:
-            raise UsageError(f"{what}: unknown value {raw.strip()!r}; valid: {', '.join(map(str, valid))}")
-        items.append(item)
-    return items
 
 
 def _model_for_plan(args):
@@ -330,9 +280,9 @@ def cmd_gate(args) -> int:
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
     if args.compare_to:
-        from parity.report.compare import compare, concerns
+        from parity.report.compare import compare, concerns, digest_of
 
-        old, new = _digest_of(args.compare_to, "--compare-to"), _digest_of(out, "gate")
+        old, new = digest_of(args.compare_to, "--compare-to"), digest_of(out, "gate")
         if old.get("matrix") and new.get("matrix") and old["matrix"] != new["matrix"]:
             raise UsageError(f"--compare-to {args.compare_to}: those results are of matrix {old['matrix']!r}, this gate "
                              f"ran {new['matrix']!r}; compare like with like (gate --matrix {old['matrix']})")
@@ -358,72 +308,17 @@ def cmd_gate(args) -> int:
     return 0 if go else 1
 
 
-def _digest_of(directory: str, what: str) -> dict:
-    from parity.report.compare import digest
-
-    if not os.path.isdir(directory):
-        raise UsageError(f"{what} {directory}: no such directory")
-    d = digest(directory)
-    if not d:
-        raise UsageError(f"{what} {directory}: no cells.csv or digest.json there; give a parity results directory")
-    return d
-
-
-def cmd_fuzz(args) -> int:
-    from parity.faults import check_faults
-    from parity.runner import resolve_device
-
-    try:
-        import hypothesis  # noqa: F401
-    except ImportError:
-        raise UsageError("fuzz needs hypothesis: pip install 'parity[test]'") from None
-    if args.fault:
-        check_faults([args.fault])
-    from parity.fuzz import campaign
-
-    return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
-                    device=resolve_device(args.device), timeout=args.timeout)
-
-
 def cmd_report(args) -> int:
-    from parity.report.html import write_html
-    from parity.report.records import read_records
+    from parity.report.html import report_dir
 
-    cells = os.path.join(args.dir, "cells.csv")
-    if not os.path.isfile(cells):
-        raise UsageError(f"report: no cells.csv in {args.dir}; give the --out directory of a parity run")
-    print(write_html(args.dir, read_records(cells)))
+    print(report_dir(args.dir))
     return 0
 
 
 def cmd_compare(args) -> int:
-    from parity.report.compare import DIGEST, compare, report
+    from parity.report.compare import compare_dirs
 
-    old, new = _digest_of(args.old, "compare"), _digest_of(args.new, "compare")
-    bad, info = compare(old, new, factor=args.factor)
-    print(report(args.old, args.new, bad, info))
-    if args.write_digest:
-        os.makedirs(args.write_digest, exist_ok=True)
-        with open(os.path.join(args.write_digest, DIGEST), "w") as fh:
-            json.dump(new, fh, indent=0, sort_keys=True)
-    return 1 if bad else 0
-
-
-def cmd_bench(args) -> int:
-    from parity.bench.run import run_bench
-    from parity.model.registry import load_source, registered
-    from parity.paths import path_names
-    from parity.runner import resolve_device
-
-    if args.warmup < 0:
-        raise UsageError("--warmup must be >= 0")
-    sourced = [(f.name, src) for src in args.model for f in load_source(src)]
-    known = dict(sourced) if sourced else {name: "" for name in registered()}
-    names = _csv(args.fixtures, "--fixtures", list(known)) or list(known)
-    paths = _csv(args.paths, "--paths", path_names())
-    return run_bench(models=[(n, known[n]) for n in names], paths=paths, ranks=args.ranks,
-                     device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
-                     plots=args.plot, timeout=args.timeout)
+    return compare_dirs(args.old, args.new, factor=args.factor, write_digest=args.write_digest or "")
 
 
 def _torch_version() -> str:
@@ -435,8 +330,8 @@ def _torch_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
-        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": cmd_bench, "compare": cmd_compare,
-                    "report": cmd_report, "fuzz": cmd_fuzz,
+        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
+                    "report": cmd_report, "fuzz": fuzz_command,
                     "fixtures": cmd_fixtures}
         return commands[args.command](args)
     except UsageError as exc:

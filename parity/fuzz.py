@@ -135,3 +135,29 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     with open(os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md"), "w") as fh:
         fh.write(text + "\n")
     return code
+
+
+def add_fuzz_arguments(sub) -> None:
+    from parity.arguments import count, integer, positive
+
+    fz = sub.add_parser("fuzz", help="hypothesis-generated models on both paths (needs hypothesis)")
+    fz.add_argument("--examples", type=count, default=25, help="generated examples (25)")
+    fz.add_argument("--seed", type=integer, default=0, help="hypothesis seed (0)")
+    fz.add_argument("--fault", help="inject this fault into every example and count the catches")
+    fz.add_argument("--out", default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
+    fz.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    fz.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
+
+
+def fuzz_command(args) -> int:
+    from parity.errors import UsageError
+    from parity.faults import check_faults
+    from parity.runner import resolve_device
+
+    try:
+        import hypothesis  # noqa: F401
+    except ImportError:
+        raise UsageError("fuzz needs hypothesis: pip install 'parity[test]'") from None
+    check_faults([args.fault] if args.fault else [])
+    return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
+                    device=resolve_device(args.device), timeout=args.timeout)

@@ -50,6 +50,10 @@ class BenchTask:
     warmup: int = 2
     steps: int = 10
 
+    def run_on_rank(self, task, **kwargs) -> "BenchResult":
+        """What a rank-pool worker calls (the pool knows cells, not benchmarks)."""
+        return measure_rank(task, **kwargs)
+
 
 @dataclass(kw_only=True)
 class BenchResult:

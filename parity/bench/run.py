@@ -63,3 +63,36 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
     written = plot(rows, out_dir) if plots and rows else []
     print(f"bench: {out_dir}/bench.md, {out_dir}/bench.csv" + "".join(f", {f}" for f in written))
     return code
+
+
+def add_bench_arguments(sub) -> None:
+    from parity.arguments import count, integer, positive
+
+    bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
+    bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
+    bench.add_argument("--model", action="append", default=[], help="plugin models: pkg.module:factory (repeatable)")
+    bench.add_argument("--paths", default="legacy,native", help="comma list of paths (legacy,native)")
+    bench.add_argument("--ranks", type=count, default=2, help="rank count (2)")
+    bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    bench.add_argument("--warmup", type=integer, default=2, help="unmeasured steps first (2)")
+    bench.add_argument("--steps", type=count, default=10, help="measured steps (10)")
+    bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
+    bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
+    bench.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
+
+
+def bench_command(args) -> int:
+    from parity.arguments import csv_list
+    from parity.model.registry import load_source, registered
+    from parity.paths import path_names
+    from parity.runner import resolve_device
+
+    if args.warmup < 0:
+        raise UsageError("--warmup must be >= 0")
+    sourced = [(f.name, src) for src in args.model for f in load_source(src)]
+    known = dict(sourced) if sourced else {name: "" for name in registered()}
+    names = csv_list(args.fixtures, "--fixtures", list(known)) or list(known)
+    paths = csv_list(args.paths, "--paths", path_names())
+    return run_bench(models=[(n, known[n]) for n in names], paths=paths, ranks=args.ranks,
+                     device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
+                     plots=args.plot, timeout=args.timeout)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
 from parity.model.plan import canonical_fqn
 
@@ -20,7 +20,8 @@ def materialize(model: nn.Module, seeded: nn.Module, device) -> None:
     """Give the meta-built, sharded ``model`` storage on ``device`` and ``seeded``'s values."""
     model.to_empty(device=device)
     full = {canonical_fqn(k): v for k, v in seeded.state_dict().items()}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+    options = dcp_state_dict.StateDictOptions(full_state_dict=True, strict=True)
+    dcp_state_dict.set_model_state_dict(model, full, options=options)
     values = {canonical_fqn(n): b for n, b in seeded.named_buffers()}
     with torch.no_grad():
         for name, buf in model.named_buffers():

@@ -82,8 +82,8 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parity.bench.measure import BenchTask, measure_rank
     from parity.execute.worker import run_rank
+    from parity.matrix.cell import Cell
 
     def put(item) -> None:
         if os.getppid() == parent:
@@ -98,7 +98,8 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     put(("ready", rank, b""))
     while (task := _next_task(tasks, parent)) is not None:
         try:
-            job = measure_rank if isinstance(task, BenchTask) else run_rank
+            # a cell is trained and observed; any other task (a benchmark) brings its own job
+            job = run_rank if isinstance(task, Cell) else task.run_on_rank
             obs = job(task, rank=rank, world=world, mesh=mesh, device=device,
                       heartbeat=lambda what: put(("alive", rank, what.encode())))
             put(("ok", rank, to_bytes(obs)))
@@ -197,7 +198,7 @@ class RankPool:
         raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:.0f} s")
 
     def run(self, cell, timeout: float) -> list:
-        """Run one cell (or a :class:`~parity.bench.measure.BenchTask`) on every rank;
+        """Run one cell (or a task with ``run_on_rank``, e.g. a benchmark) on every rank;
         returns each rank's observation (or measurement), rank order."""
         try:
             if not self.procs or not self.ready:

@@ -19,6 +19,7 @@ from types import MappingProxyType
 
 from parity.errors import UsageError
 from parity.faults import patches as p
+from parity.faults import recipe_patches as rp
 
 #: Scopes a worker opens: building and training the cell, the checkpoint lifecycle (which
 #: trains fresh models and must see the same environment), the marker contract.
@@ -116,25 +117,25 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("recompute_skips_input_cast",
            "FSDP's pre-forward skips the input cast in an activation-checkpoint recompute (FSDPState._pre_forward)",
            {"run"}, {"fixture": "residual_fp32", "path": "native", "ranks": 2, "checkpointing": "outer"},
-           quiet={"checkpointing": "full"}, patch=p.recompute_skips_input_cast),
+           quiet={"checkpointing": "full"}, patch=rp.recompute_skips_input_cast),
     _fault("meta_init_misplaced_shard",
            "loading a full state dict after meta init gives rank 1 rank 0's rows of one parameter (set_model_state_dict)",
            {"output", "input_grad", "grad", "grad_norm", "param", "trajectory", "divergence"}, {**_KDA2, "init": "meta"},
-           quiet={"init": "seeded"}, patch=p.meta_init_misplaced_shard),
+           quiet={"init": "seeded"}, patch=rp.meta_init_misplaced_shard),
     _fault("uneven_grad_row", "the last rank's shard of an uneven parameter loses its last gradient row (FSDPParam.to_sharded_dtensor)",
            {"grad", "grad_norm", "trajectory"}, {"fixture": "uneven", "path": "native", "ranks": 2},
-           quiet={"fixture": "lm"}, patch=p.uneven_grad_row),
+           quiet={"fixture": "lm"}, patch=rp.uneven_grad_row),
     _fault("unused_drops_accumulated",
            "a parameter unused in the synchronizing micro-batch is reduced as zero, dropping earlier accumulation",
            {"grad", "grad_norm", "trajectory"}, {"fixture": "routed", "path": "native", "ranks": 2, **_ACCUM},
-           quiet={"sync": "every"}, patch=p.unused_drops_accumulated),
+           quiet={"sync": "every"}, patch=rp.unused_drops_accumulated),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
            {"grad", "grad_norm", "trajectory", "dtype.reduce", "optim.state", "checkpoint.same", "checkpoint.cross"},
            {"fixture": "staged", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
-           patch=p.unfrozen_stays_frozen),
+           patch=rp.unfrozen_stays_frozen),
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
            {"grad", "grad_norm", "trajectory"}, {**_KDA2, "param_dtype": "float16"},
-           quiet={"param_dtype": "bfloat16"}, patch=p.scaler_skips_dtensor),
+           quiet={"param_dtype": "bfloat16"}, patch=rp.scaler_skips_dtensor),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),

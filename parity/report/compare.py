@@ -20,6 +20,7 @@ import math
 import os
 import statistics
 
+from parity.errors import UsageError
 from parity.judge.record import SEVERITY, Verdict
 from parity.report.records import read_records
 
@@ -118,3 +119,27 @@ def report(old_dir: str, new_dir: str, bad: list[str], info: list[str]) -> str:
     if info:
         lines += ["## Other changes", ""] + [f"- {i}" for i in info[:200]] + [""]
     return "\n".join(lines)
+
+
+def digest_of(directory: str, what: str) -> dict:
+    """The digest of a results directory; :class:`UsageError` naming it when there is none."""
+    if not os.path.isdir(directory):
+        raise UsageError(f"{what} {directory}: no such directory")
+    d = digest(directory)
+    if not d:
+        raise UsageError(f"{what} {directory}: no cells.csv, bench.csv or digest.json there; give a parity results "
+                         "directory")
+    return d
+
+
+def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str = "") -> int:
+    """``parity compare``: print the report; 1 on a regression. ``write_digest``: also store
+    NEW's digest there (a baseline for ``results/baselines/``)."""
+    old, new = digest_of(old_dir, "compare"), digest_of(new_dir, "compare")
+    bad, info = compare(old, new, factor=factor)
+    print(report(old_dir, new_dir, bad, info))
+    if write_digest:
+        os.makedirs(write_digest, exist_ok=True)
+        with open(os.path.join(write_digest, DIGEST), "w") as fh:
+            json.dump(new, fh, indent=0, sort_keys=True)
+    return 1 if bad else 0

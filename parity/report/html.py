@@ -14,6 +14,7 @@ import math
 import os
 from collections import defaultdict
 
+from parity.errors import UsageError
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
 from parity.report.summary import ratio_distribution
 
@@ -135,3 +136,13 @@ def write_html(out_dir: str, records: list[Record]) -> str:
     with open(path, "w") as fh:
         fh.write("\n".join(parts))
     return path
+
+
+def report_dir(directory: str) -> str:
+    """``parity report DIR``: (re)write DIR/report.html; returns its path."""
+    from parity.report.records import read_records
+
+    cells = os.path.join(directory, "cells.csv")
+    if not os.path.isfile(cells):
+        raise UsageError(f"report: no cells.csv in {directory}; give the --out directory of a parity run")
+    return write_html(directory, read_records(cells))

@@ -1,0 +1,138 @@
+"""Faults only one training configuration reveals (meta-device init, activation checkpointing
+around units, uneven shards, unused parameters, a freeze change, float16): each breaks FSDP,
+DCP or the gradient scaler the way a real bug there would. Registered in
+:data:`parity.faults.FAULTS` with the axis values under which they must stay silent."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.faults.patches import fsdp_classes, swap_attr
+
+
+def recompute_skips_input_cast():
+    """FSDP's pre-forward during an activation-checkpoint recompute (the unit already in
+    PRE_BACKWARD) unshards but returns the inputs uncast, as FSDP2 once did."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    def make(orig):
+        def _pre_forward(self, module, args, kwargs):
+            if self._training_state != TrainingState.PRE_BACKWARD:
+                return orig(self, module, args, kwargs)
+            cast = self._cast_forward_inputs
+            self._cast_forward_inputs = lambda a, k: (a, k)
+            try:
+                return orig(self, module, args, kwargs)
+            finally:
+                self._cast_forward_inputs = cast
+        return _pre_forward
+    return swap_attr(fsdp_classes()[1], "_pre_forward", make)
+
+
+def meta_init_misplaced_shard():
+    """Loading a full state dict into a meta-initialized sharded model gives rank 1 rank 0's
+    rows of the first sharded parameter (a scatter offset bug in the loader)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    def make(orig):
+        def set_model_state_dict(model, state, **kwargs):
+            name, param = next((n, p) for n, p in model.named_parameters() if isinstance(p, DTensor))
+            full = state[name].detach().clone()  # the loader turns the dict's values into shards
+            out = orig(model, state, **kwargs)
+            local = param.to_local()
+            if dist.get_rank() == 1 and local.shape[0]:
+                with torch.no_grad():
+                    local.copy_(full[: local.shape[0]].to(local.dtype))
+            return out
+        return set_model_state_dict
+    return swap_attr(dcp_state_dict, "set_model_state_dict", make)
+
+
+def uneven_grad_row():
+    """For unevenly sharded parameters the reduce-scatter output is unpadded one row short
+    on the last rank: its last real gradient row is left zero (FSDPParam.to_sharded_dtensor
+    as foreach_reduce calls it)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    reducing: list[bool] = []
+
+    def to_dtensor(orig):
+        def to_sharded_dtensor(self, tensor):
+            world = dist.get_world_size()
+            if reducing and self._orig_size[0] % world and dist.get_rank() == world - 1 and tensor.shape[0]:
+                tensor = tensor.clone()
+                tensor[-1].zero_()
+            return orig(self, tensor)
+        return to_sharded_dtensor
+
+    def reduce(orig):
+        def foreach_reduce(*args, **kwargs):
+            reducing.append(True)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                reducing.pop()
+        return foreach_reduce
+    undo = [swap_attr(fsdp_classes()[0], "to_sharded_dtensor", to_dtensor),
+            swap_attr(_fsdp_param_group, "foreach_reduce", reduce)]
+    return lambda: [u() for u in reversed(undo)]
+
+
+def unused_drops_accumulated():
+    """With unused-parameter reduction on, a parameter that got no gradient in the micro-batch
+    that synchronizes is reduced as zero, dropping what earlier micro-batches accumulated
+    without synchronization (FSDPParamGroup._get_unsharded_grad_to_reduce)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def pre(orig):
+        def pre_backward(self, *args, **kwargs):
+            self._parity_seen = {
+                id(fp): (id(g), g._version) for fp in self.fsdp_params
+                if hasattr(fp, "_unsharded_param") and (g := fp.unsharded_param.grad) is not None
+            }
+            return orig(self, *args, **kwargs)
+        return pre_backward
+
+    def get(orig):
+        def _get_unsharded_grad_to_reduce(self, param):
+            g = param.unsharded_param.grad if hasattr(param, "_unsharded_param") else None
+            seen = getattr(self, "_parity_seen", {}).get(id(param))
+            if g is not None and seen == (id(g), g._version) and self.reduce_scatter_unused_params:
+                return param.unsharded_zero_grad_data  # untouched this backward: treated as unused
+            return orig(self, param)
+        return _get_unsharded_grad_to_reduce
+    undo = [swap_attr(FSDPParamGroup, "pre_backward", pre),
+            swap_attr(FSDPParamGroup, "_get_unsharded_grad_to_reduce", get)]
+    return lambda: [u() for u in reversed(undo)]
+
+
+def unfrozen_stays_frozen():
+    """FSDP keeps each unsharded parameter's requires_grad as it was at the first all-gather:
+    parameters unfrozen later never get a gradient (_fsdp_param.set_requires_grad_if_needed)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return swap_attr(_fsdp_param, "set_requires_grad_if_needed", lambda orig: lambda src, dst: None)
+
+
+def scaler_skips_dtensor():
+    """The gradient scaler unscales plain gradients only: sharded (DTensor) gradients keep the
+    loss scale (ShardedGradScaler._unscale_grads_)."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import DTensor
+
+    def make(orig):
+        def _unscale_grads_(self, optimizer, *args, **kwargs):
+            hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if isinstance(p.grad, DTensor)]
+            for p, _ in hidden:
+                p.grad = None
+            try:
+                return orig(self, optimizer, *args, **kwargs)
+            finally:
+                for p, grad in hidden:
+                    p.grad = grad
+        return _unscale_grads_
+    return swap_attr(ShardedGradScaler, "_unscale_grads_", make)
