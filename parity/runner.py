@@ -34,7 +34,7 @@ from parity.judge.record import BAD, Record, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
 from parity.report.junit import write_junit
-from parity.bench.environment import environment
+from parity.report.environment import environment
 from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
 from parity.report.summary import cell_verdicts, summary_markdown, terminal_table

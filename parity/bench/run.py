@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 
-from parity.bench.environment import environment
+from parity.report.environment import environment
 from parity.bench.measure import BenchTask
 from parity.bench.tables import markdown, plot, rows_for, write_csv
 from parity.errors import UsageError
