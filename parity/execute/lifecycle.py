@@ -82,7 +82,10 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                        heartbeat=heartbeat)
         msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir[0])
+        saved = {"model": msd, "optim": osd}
+        if first.scaler is not None:  # float16: the loss scale is training state too
+            saved["scaler"] = first.scaler.state_dict()
+        dcp.save(saved, checkpoint_id=ckpt_dir[0])
         heartbeat("checkpoint saved")
         for target in targets:
             try:
@@ -92,7 +95,11 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 continue
             msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
             state = {"model": msd, "optim": osd}
+            if s.scaler is not None:
+                state["scaler"] = s.scaler.state_dict()
             dcp.load(state, checkpoint_id=ckpt_dir[0])
+            if s.scaler is not None:
+                s.scaler.load_state_dict(state["scaler"])
             dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"],
                                           optim_state_dict=state["optim"])
             heartbeat(f"checkpoint loaded into {target}")
