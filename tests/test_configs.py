@@ -72,3 +72,17 @@ def test_real_model_classes_go_through_the_gate(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = {line.split()[0]: line.split()[1] for line in proc.stdout.splitlines() if line.startswith("hf_")}
     assert lines == {"hf_kimi_linear": "GO", "hf_qwen3_next": "GO", "hf_deepseek_v3": "GO", "hf_llama": "GO"}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("configs")
+def test_an_owner_that_sums_ignored_gradients_is_emulated_as_summing(tmp_path, run_matrix):
+    """``Fixture.ignored_reduction = "sum"``: the reference once averaged regardless (review finding)."""
+    plugin = tmp_path / "sum_owner.py"
+    plugin.write_text("import dataclasses\nfrom parity_fixtures import FIXTURES\n"
+                      "parity_model = dataclasses.replace(FIXTURES['ignored'], name='ignored_sum', "
+                      "ignored_reduction='sum')\n")
+    source = f"{plugin}:parity_model"
+    cells = [Cell(fixture="ignored_sum", path=p, ranks=2, source=source) for p in ("legacy", "native")]
+    code, records = run_matrix(cells)
+    assert code == 0, [r for r in records if r["verdict"] not in ("PASS", "SKIP")][:3]

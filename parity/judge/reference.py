@@ -9,7 +9,8 @@ the precision plan and the unit boundaries of a path's report:
 - gradients are accumulated and averaged across emulated ranks in the reduce dtype, in
   the order the sync mode implies (reduce every micro-batch, or accumulate unsharded and
   reduce once), then stored in the parameter's storage dtype;
-- ignored parameters keep their storage dtype and are averaged by their emulated owner;
+- ignored parameters keep their storage dtype and are averaged (or summed, as the fixture's
+  ``ignored_reduction`` says) by their emulated owner;
 - float16 scales the loss by the recipe's power-of-two loss scale and unscales the reduced
   gradients (exact), skipping a step whose gradients overflowed, as the gradient scaler does;
 - a model with ``unused_params`` gives every trainable parameter a gradient (zero when no
@@ -191,7 +192,8 @@ def run_reference(
                 total = parts[0]
                 for p in parts[1:]:
                     total = total + p
-                masters[f].grad = (total / world if world > 1 else total).to(masters[f].dtype)
+                summed = entries[f].ownership == "ignored" and fixture.ignored_reduction == "sum"
+                masters[f].grad = (total / world if world > 1 and not summed else total).to(masters[f].dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
