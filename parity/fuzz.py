@@ -14,17 +14,18 @@ campaign counts the examples whose records flag it (sensitivity per 100 examples
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
+from dataclasses import replace
 
 from parity.execute.pool import RankPool
 from parity.judge.record import Verdict
 from parity.matrix.cell import Cell
 from parity.report.records import read_records
+from parity.report.summary import ratio_distribution
 from parity.runner import RunOptions, run_cells
 
 
@@ -59,7 +60,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
     pools = _Pools(device, tmp)
-    verdicts, ratios, caught, inconclusive = Counter(), defaultdict(list), [], []
+    verdicts, judged, caught, inconclusive = Counter(), [], [], []
     last_failure: list[tuple[dict, list]] = []
     ran = [0]
 
@@ -80,10 +81,8 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
         blind = sorted({f"{r.check} {r.name}" for r in records if r.verdict == Verdict.INCONCLUSIVE})
         if blind:
             inconclusive.append(f"{spec['name']}: {', '.join(blind)}")
-        for r in records:
-            verdicts[str(r.verdict)] += 1
-            if isinstance(r.ratio, float) and math.isfinite(r.ratio):
-                ratios[r.check].append(r.ratio)
+        verdicts.update(str(r.verdict) for r in records)
+        judged.extend(replace(r, detail="") for r in records if isinstance(r.ratio, float))  # for the ratio table
         if fault:
             caught.append(bool(bad) or bool(blind))
             return
@@ -125,11 +124,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}"
                  + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
-    lines.append("| check | records | p50 ratio | max ratio |")
-    lines.append("|---|---|---|---|")
-    for check, v in sorted(ratios.items()):
-        v = sorted(v)
-        lines.append(f"| {check} | {len(v)} | {v[len(v) // 2]:.3g} | {v[-1]:.3g} |")
+    lines += ratio_distribution(judged)
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md"), "w") as fh:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import csv
 import os
-import statistics
+
+from parity.report.summary import spread
 
 COLUMNS = ("fixture", "path", "path_taken", "ranks", "device", "metric", "unit", "repetition", "value")
 
@@ -45,13 +46,6 @@ def write_csv(path: str, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    if len(values) == 1:
-        return {"median": values[0], "iqr": 0.0, "min": values[0]}
-    q = statistics.quantiles(values, n=4)
-    return {"median": statistics.median(values), "iqr": q[2] - q[0], "min": min(values)}
-
-
 def by_model(rows: list[dict]) -> dict[str, dict[str, dict[str, list[float]]]]:
     """fixture -> path -> metric -> values (over repetitions)."""
     out: dict = {}
@@ -86,7 +80,7 @@ def markdown(rows: list[dict], env: dict[str, str], *, warmup: int, steps: int, 
                 if not vals:
                     cells.append("-")
                     continue
-                s = _summary(vals)
+                s = spread(vals)
                 medians[p] = s["median"]
                 cells.append(_fmt(s["median"]) + (f" (IQR {_fmt(s['iqr'])}, min {_fmt(s['min'])})" if len(vals) > 1 else ""))
             r = ""

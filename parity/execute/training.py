@@ -82,10 +82,8 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored)
     if meta:
-        ignored_names = {n for n, p in model.named_parameters() if p in ignored}
         materialize(model, fixture.make(cell.seed), device)
-        # to_empty gives plain (ignored) parameters new objects: find them again by name
-        ignored = {p for n, p in model.named_parameters() if n in ignored_names}
+        ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
     if fixture.unused_params:
         model.set_reduce_scatter_unused_params(True)
     if cell.checkpointing == "outer":

@@ -14,7 +14,6 @@ from parity.judge import tolerance
 from parity.judge.record import Record, conclusive, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import optimizer_recipe
 
 
 @dataclass(kw_only=True)
@@ -125,7 +124,6 @@ def plan_comparisons(
     """Outputs, input gradients, gradients and the gradient norm against the reference run;
     post-step parameters against the reference optimizer replayed on the observed gradients
     from the observed previous parameters (``replayed[step]`` = (before, after))."""
-    recipe = optimizer_recipe(optimizer)
     out: list[Comparison] = []
     for k, per_rank in enumerate(run.outputs):
         step, mb = divmod(k, micro)
@@ -165,8 +163,7 @@ def plan_comparisons(
         before, after = replayed[step]
         for f, expected in after.items():
             update = expected - before[f]
-            allow = tolerance.parameter(plan[f].storage, expected, update, at_param=recipe.at_param,
-                                        at_update=recipe.at_update)
+            allow = tolerance.parameter(plan[f].storage, expected, update, optimizer)
             t = truth.params[step][f] if truth else None
             actual = run.params[step].get(f, torch.zeros(0))
             out.append(Comparison(step, "param", f, actual, expected, allow, t, signal=amax(update)))

@@ -240,8 +240,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         for f in (f for f in params[0] if plan.get(f)):
             want = full(params, f)
             update = want - full(previous, f)
-            allow = tolerance.parameter(plan[f].storage, want, update, at_param=recipe.at_param,
-                                        at_update=recipe.at_update)
+            allow = tolerance.parameter(plan[f].storage, want, update, cell.optimizer)
             comps.append(Comparison(step, tag, f"param:{f}", full([r.params for r in per_rank], f), want, allow,
                                     signal=amax(update)))
         for f, st in ((f, st) for f, st in main_state.items() if plan.get(f)):

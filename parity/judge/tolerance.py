@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.model.dtypes import coarser, dtype_name, unit_roundoff
+from parity.model.recipe import optimizer_recipe
 
 #: Floating reductions (norms, sums over reduced precision) accumulate in at least FP32.
 ACCUMULATE_DTYPE = torch.float32
@@ -99,13 +100,15 @@ def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, n
     return Allowance(n * norm + gradients, dtype, basis)
 
 
-def parameter(storage_dtype: torch.dtype, param: torch.Tensor, update: torch.Tensor, *,
-              at_param: int = 2, at_update: int = 14) -> Allowance:
+def parameter(storage_dtype: torch.dtype, param: torch.Tensor, update: torch.Tensor,
+              optimizer: str = "adamw") -> Allowance:
     """One optimizer step on identical gradients from identical weights, judged per element:
     ``allowed_i = at_param u |p_i| + at_update u |dp_i|`` in the storage dtype (``update`` =
-    dp, the reference step). The counts are the optimizer recipe's roundings per step
-    (:class:`parity.model.recipe.OptimizerRecipe`; AdamW 2 and 14 by default). A frozen
+    dp, the reference step), the counts being the optimizer recipe's roundings per step
+    (:class:`parity.model.recipe.OptimizerRecipe`: AdamW 2 and 14, SGD 2 and 4). A frozen
     parameter (no update anywhere) must be bitwise equal."""
+    recipe = optimizer_recipe(optimizer)
+    at_param, at_update = recipe.at_param, recipe.at_update
     u = unit_roundoff(storage_dtype)
     per_element = at_param * u * param.double().abs() + at_update * u * update.double().abs()
     if not update.numel() or not bool(update.ne(0).any()):

@@ -14,9 +14,9 @@ PARAM_DTYPES = ("bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "natural")
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("seeded", "meta")
-#: Axis values that keep a cell id as it was before the axis existed.
-_QUIET = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "optimizer": "adamw", "init": "seeded"}
-_ID_TAG = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init"}
+#: Recipe axes and their id tags; a cell at an axis's default keeps the id it had before
+#: the axis existed.
+RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +71,7 @@ class Cell:
             f"ac-{self.checkpointing}", f"reshard-{'on' if self.reshard else 'off'}",
             f"out-{self.output_dtype}", f"s{self.seed}",
         ]
-        parts += [f"{_ID_TAG[k]}-{getattr(self, k)}" for k, quiet in _QUIET.items() if getattr(self, k) != quiet]
+        parts += [f"{tag}-{getattr(self, k)}" for k, tag in RECIPE_AXES.items() if getattr(self, k) != getattr(Cell, k)]
         if self.faults:
             parts.append("fault-" + "+".join(self.faults))
         return "/".join(parts)

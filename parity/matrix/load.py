@@ -37,12 +37,12 @@ import tomllib
 from dataclasses import dataclass
 
 from parity.errors import UsageError
-from parity.matrix.cell import CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, REDUCE_DTYPES, SYNC, Cell
+from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
+                                REDUCE_DTYPES, SYNC, Cell)
 
-AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed",
-        "param_dtype", "reduce_dtype", "optimizer", "init")
-FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", "checkpointing", "reshard", "output_dtype", "seed",
-                "param_dtype", "reduce_dtype", "optimizer", "init")
+AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
+#: What ``-k`` may name: the axes, with ``accumulation`` as its two cell fields.
+FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS}
@@ -176,7 +176,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     source_of = {m.name: m.source for m in models.values() if m.source}
     defaults = {"fixture": list(source_of) or list(models), "path": path_names(), "ranks": [1], "accumulation": ["1"],
                 "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0],
-                "param_dtype": ["bfloat16"], "reduce_dtype": ["float32"], "optimizer": ["adamw"], "init": ["seeded"]}
+                **{a: [getattr(Cell, a)] for a in RECIPE_AXES}}
     axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
     _validate(path, "fixture", axes["fixture"], list(models))
     _validate(path, "path", axes["path"], path_names())
@@ -221,8 +221,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         cell = Cell(
             fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
             checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
-            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""), param_dtype=row["param_dtype"],
-            reduce_dtype=row["reduce_dtype"], optimizer=row["optimizer"], init=row["init"],
+            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""), **{a: row[a] for a in RECIPE_AXES},
         )
         if cell.id not in seen:
             seen.add(cell.id)

@@ -17,6 +17,7 @@ from torch import nn
 from parity.errors import UsageError
 from parity.model.dtypes import parse_dtype
 from parity.model.markers import set_compute_dtype
+from parity.model.plan import unfreeze_step
 
 #: Outcomes a fixture may declare per path name or per path contract.
 OUTCOMES = ("isolation-error", "fallback")
@@ -153,7 +154,7 @@ def validate(spec: object, where: str) -> Fixture:
         if fqn not in params:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
     for pattern, step in spec.unfreeze.items():
-        hits = [n for n in params if n == pattern or n.startswith(pattern + ".")]
+        hits = [n for n in params if unfreeze_step(n, {pattern: 0}) is not None]
         if not hits or not isinstance(step, int) or step < 1:
             raise UsageError(f"{where}: Fixture.unfreeze[{pattern!r}] = {step!r}; give a parameter or module "
                              "FQN of the model and a step >= 1 (trainable from step 0: build it trainable)")

@@ -18,11 +18,11 @@ import csv
 import json
 import math
 import os
-import statistics
 
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, Verdict
 from parity.report.records import read_records
+from parity.report.summary import spread
 
 DIGEST = "digest.json"
 
@@ -52,8 +52,8 @@ def digest(directory: str) -> dict:
             for row in csv.DictReader(fh):
                 values.setdefault(f"{row['fixture']}|{row['path']}|{row['metric']}", []).append(float(row["value"]))
         for key, v in values.items():
-            q = statistics.quantiles(v, n=4) if len(v) > 1 else [v[0], v[0], v[0]]
-            out["bench"][key] = {"median": statistics.median(v), "iqr": q[2] - q[0], "n": len(v)}
+            s = spread(v)
+            out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v)}
     return out
 
 

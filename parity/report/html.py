@@ -12,11 +12,10 @@ import html
 import json
 import math
 import os
-from collections import defaultdict
 
 from parity.errors import UsageError
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
-from parity.report.summary import ratio_distribution
+from parity.report.summary import RATIO_COLUMNS, ratio_rows, verdict_counts
 
 REPORT = "report.html"
 _STYLE = """
@@ -79,12 +78,6 @@ def heatmap(records: list[Record]) -> str:
     return f'<table id="heatmap">{head}\n' + "\n".join(rows) + "</table>"
 
 
-def _markdown_table(lines: list[str]) -> str:
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("|")]
-    rows = [r for r in rows if not all(set(c) <= {"-"} for c in r)]
-    return _table(rows[0], rows[1:]) if rows else ""
-
-
 def write_html(out_dir: str, records: list[Record]) -> str:
     """Write ``report.html`` into ``out_dir`` from its records and whatever else is there."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>parity report</title><style>{_STYLE}</style>"
@@ -100,19 +93,11 @@ def write_html(out_dir: str, records: list[Record]) -> str:
             why = "; ".join(d.get("reasons") or d.get("notes") or []) or "every check passed"
             rows.append([_esc(d["model"]), f"<b class='{cls}'>{_esc(d['decision'])}</b>", _esc(why[:600])])
         parts.append(_table(["model", "decision", "reasons / notes"], rows, raw=True))
-    counts: dict[str, int] = defaultdict(int)
-    worst_cell: dict[str, Verdict] = {}
-    for r in records:
-        v = Verdict(r.verdict)
-        if r.cell not in worst_cell or SEVERITY[v] > SEVERITY[worst_cell[r.cell]]:
-            worst_cell[r.cell] = v
-    for v in worst_cell.values():
-        counts[str(v)] += 1
-    parts.append("<h2>Cells</h2><p id='counts'>" + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) + "</p>")
+    parts.append("<h2>Cells</h2><p id='counts'>" + "<br>".join(_esc(x) for x in verdict_counts(records)) + "</p>")
     parts += ["<h2>Worst ratio per check and fixture/path</h2>",
               "<p>observed / allowed; green: under half the allowance, yellow: over half, red: over it or "
               "marked FAIL / INCONCLUSIVE (INCO) / ERROR / TIMEOUT (TIME). Hover for the record.</p>", heatmap(records)]
-    parts += ["<h2>Ratio distribution per check</h2>", _markdown_table(ratio_distribution(records))]
+    parts += ["<h2>Ratio distribution per check</h2>", _table(RATIO_COLUMNS, ratio_rows(records))]
     failing = [r for r in records if Verdict(r.verdict) in BAD]
     parts.append(f"<h2 id='failing'>Failing records ({len(failing)})</h2>")
     if failing:

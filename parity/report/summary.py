@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import Counter, defaultdict
 
 import numpy as np
@@ -58,18 +59,33 @@ def _counts(verdicts: dict[str, str]) -> str:
     return ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICTS)
 
 
+def verdict_counts(records: list[Record]) -> list[str]:
+    """Two lines: cells by verdict, cross-path pairs by verdict."""
+    return ["cells: " + _counts(cell_verdicts(records)), "cross-path pairs: " + _counts(pair_verdicts(records))]
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, interquartile range and minimum of repeated measurements."""
+    if len(values) == 1:
+        return {"median": values[0], "iqr": 0.0, "min": values[0]}
+    q = statistics.quantiles(values, n=4)
+    return {"median": statistics.median(values), "iqr": q[2] - q[0], "min": min(values)}
+
+
 def terminal_table(records: list[Record]) -> str:
-    lines = ["cells: " + _counts(cell_verdicts(records))]
-    lines.append("cross-path pairs: " + _counts(pair_verdicts(records)))
+    lines = verdict_counts(records)
     lines.append(f"{'check':<28} {'worst ratio':>11}  {'dtype':<9} where")
     for check, r in worst_ratios(records).items():
         lines.append(f"{check:<28} {_ratio(r.ratio):>11}  {r.dtype:<9} {r.cell} {r.name}")
     return "\n".join(lines)
 
 
-def ratio_distribution(records: list[Record]) -> list[str]:
-    """Markdown table: per check, the p50 / p99 / max of observed/allowed and the largest
-    allowed/signal -- how much headroom each check really has, and how sharp it is."""
+RATIO_COLUMNS = ["check", "records", "p50 ratio", "p99 ratio", "max ratio", "max allowed/signal"]
+
+
+def ratio_rows(records: list[Record]) -> list[list[str]]:
+    """Per check, the p50 / p99 / max of observed/allowed and the largest allowed/signal --
+    how much headroom each check really has, and how sharp it is (:data:`RATIO_COLUMNS`)."""
     ratios: dict[str, list[float]] = defaultdict(list)
     vacuity: dict[str, float] = defaultdict(float)
     for r in records:
@@ -78,13 +94,19 @@ def ratio_distribution(records: list[Record]) -> list[str]:
             ratios[key].append(r.ratio)
             if isinstance(r.allowed_over_signal, float):
                 vacuity[key] = max(vacuity[key], r.allowed_over_signal)
-    out = ["| check | records | p50 ratio | p99 ratio | max ratio | max allowed/signal |", "|---|---|---|---|---|---|"]
+    rows = []
     for key in sorted(ratios):
         v = np.asarray(ratios[key])
         p50, p99 = np.percentile(v, [50, 99], method="nearest")  # no interpolation across inf
-        out.append(f"| {key} | {len(v)} | {_ratio(p50)} | {_ratio(p99)} | {_ratio(v.max())} | "
-                   f"{_ratio(vacuity[key]) if key in vacuity else '-'} |")
-    return out
+        rows.append([key, str(len(v)), _ratio(p50), _ratio(p99), _ratio(v.max()),
+                     _ratio(vacuity[key]) if key in vacuity else "-"])
+    return rows
+
+
+def ratio_distribution(records: list[Record]) -> list[str]:
+    """:func:`ratio_rows` as a markdown table."""
+    out = ["| " + " | ".join(RATIO_COLUMNS) + " |", "|" + "---|" * len(RATIO_COLUMNS)]
+    return out + ["| " + " | ".join(row) + " |" for row in ratio_rows(records)]
 
 
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
