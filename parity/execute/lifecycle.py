@@ -12,11 +12,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
-from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
 from parity.execute.observation import MarkerSeen, Observation, Resumed
-from parity.execute.training import build, train_step
+from parity.execute.training import build, observed, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -53,15 +52,13 @@ def marker_contract(cell: Cell, device) -> dict[str, MarkerSeen]:
     }
 
 
-def _local(t):
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t
-
-
-def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
-    """FQN -> {state key: local tensor or value}, as DCP's state-dict helpers map it."""
+def optimizer_state(cell: Cell, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
+    """FQN -> {state key: tensor or value}, as DCP's state-dict helpers map it; tensors as
+    the cell's ranks record them (local shards, or whole on a 2-D composition)."""
     _, osd = dcp_state_dict.get_state_dict(model, opt)
-    return {canonical_fqn(k): {sk: _local(v) for sk, v in st.items()} for k, st in osd["state"].items()}
+    keep = observed(cell)
+    return {canonical_fqn(k): {sk: keep(v) if isinstance(v, torch.Tensor) else v for sk, v in st.items()}
+            for k, st in osd["state"].items()}
 
 
 def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
@@ -106,7 +103,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             obs = Observation(rank=rank)
             train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
             out[target] = Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
-                                  optim=optimizer_state(s.model, s.opt))
+                                  optim=optimizer_state(cell, s.model, s.opt))
     finally:
         if world > 1:
             dist.barrier()

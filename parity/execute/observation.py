@@ -89,11 +89,22 @@ class ContractsSeen:
     """FQN -> optimizer state (local shards) at ``resume_step``."""
     resume: dict[str, Resumed] | None = None
     """Target path -> what the resumed run saw."""
+    replicas: dict[str, list[str]] = field(default_factory=dict)
+    """HSDP: parameter FQN -> dtypes of the all-reduce across replicas."""
+    owner_reduce: dict[str, set[str]] = field(default_factory=dict)
+    """FSDP-ignored parameter FQN -> "dtype over group" of its owner's reduction."""
+    tp_reduce: dict[str, list[str]] = field(default_factory=dict)
+    """``module@forward`` / ``module@backward`` -> dtypes of its tensor-parallel all-reduces."""
+    ownership: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
+    (:func:`parity.execute.probes.ownership`)."""
 
 
 @dataclass(kw_only=True)
 class Observation:
     rank: int
+    whole: bool = False
+    """Tensors are whole on every rank (2-D compositions), not this rank's dim-0 shards."""
     plan: PrecisionPlan | None = None
     report: ShardReport | None = None
     expected_error: str = ""

@@ -17,6 +17,7 @@ import contextlib
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
 from parity.model.boundaries import float_buffers, record_boundaries
@@ -60,6 +61,18 @@ def _fsdp_params(model: nn.Module):
                     yield from group.fsdp_params
 
 
+def ownership(model: nn.Module) -> dict[str, str]:
+    """Parameter FQN -> "fsdp" or "not fsdp"; its tensor- and expert-parallel placements;
+    its dtype. What either path must leave as another parallelism made it."""
+    managed = {id(fp.sharded_param) for fp in _fsdp_params(model)}
+    out = {}
+    for name, p in model.named_parameters():
+        dims = dict(zip(p.device_mesh.mesh_dim_names or (), p.placements)) if isinstance(p, DTensor) else {}
+        out[canonical_fqn(name)] = (f"{'fsdp' if id(p) in managed else 'not fsdp'}; tp={dims.get('tp', '-')}; "
+                                    f"ep={dims.get('ep', '-')}; {dtype_name(p.dtype)}")
+    return out
+
+
 def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
     """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned)."""
     modules = module_index(model)
@@ -83,10 +96,12 @@ class Recorder:
         ``F.conv1d(x, self.conv1d.weight)``): seen when the parent's forward starts."""
         self.boundaries: dict[str, dict[str, list[str]]] = {}
         self.reduce: dict[str, set[str]] = {}
+        self.replicas: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
         self.reduce_observable = True
         self._orig_reduce = None
         self.sharded = names_snapshot(model)
+        self.owned = ownership(model)
         self.buffers = {"sharded": buffers_snapshot(model)}
         self.lazy_init = None
         self.policies = applied_policies(model, report)
@@ -116,15 +131,21 @@ class Recorder:
         except ImportError:
             self.reduce_observable = False
             return
-        self._pg, self._orig_reduce, self._orig_rs = pg, pg.foreach_reduce, dist.reduce_scatter_single
+        self._pg, self._orig_reduce = pg, pg.foreach_reduce
+        self._orig_rs, self._orig_ar = dist.reduce_scatter_single, dist.all_reduce
         current: list = []
         recorder = self
 
         def reduce_scatter_single(*args, **kwargs):
             inp = kwargs.get("input", args[1] if len(args) > 1 else None)
             for fp in current:
-                recorder._note_reduce(fp, dtype_name(inp.dtype))
+                recorder._note(recorder.reduce, fp, dtype_name(inp.dtype))
             return recorder._orig_rs(*args, **kwargs)
+
+        def all_reduce(tensor, *args, **kwargs):  # HSDP: across replicas, inside foreach_reduce only
+            for fp in current:
+                recorder._note(recorder.replicas, fp, dtype_name(tensor.dtype))
+            return recorder._orig_ar(tensor, *args, **kwargs)
 
         def foreach_reduce(fsdp_params, *args, **kwargs):
             current[:] = list(fsdp_params)
@@ -132,16 +153,21 @@ class Recorder:
             group = args[1] if len(args) > 1 else None
             if group is None or group.size() == 1:  # no collective: the buffer it would reduce
                 for fp in current:
-                    recorder._note_reduce(fp, dtype_name(out[0].dtype))
+                    recorder._note(recorder.reduce, fp, dtype_name(out[0].dtype))
+            partial = out[6] if len(out) > 6 else None
+            if partial is not None:  # HSDP without all-reduce: sums held across micro-batches
+                for fp in current:
+                    recorder._note(recorder.accum, fp, dtype_name(partial.dtype))
             current.clear()
             return out
 
         pg.foreach_reduce = foreach_reduce
         dist.reduce_scatter_single = reduce_scatter_single
+        dist.all_reduce = all_reduce
 
-    def _note_reduce(self, fsdp_param, dtype: str) -> None:
+    def _note(self, table: dict[str, set[str]], fsdp_param, dtype: str) -> None:
         fqn = self._fqn_of.get(id(fsdp_param.sharded_param), getattr(fsdp_param, "_param_fqn", "?"))
-        self.reduce.setdefault(fqn, set()).add(dtype)
+        table.setdefault(fqn, set()).add(dtype)
 
     @contextlib.contextmanager
     def phase(self, step: int, mb: int):
@@ -173,7 +199,7 @@ class Recorder:
         self._handles = []
         if self.reduce_observable and self._orig_reduce is not None:
             self._pg.foreach_reduce = self._orig_reduce
-            dist.reduce_scatter_single = self._orig_rs
+            dist.reduce_scatter_single, dist.all_reduce = self._orig_rs, self._orig_ar
             self._orig_reduce = None
 
     def finish(self, model: nn.Module, seen: ContractsSeen) -> None:
@@ -184,6 +210,8 @@ class Recorder:
         seen.policies = self.policies
         seen.boundaries = self.boundaries
         seen.reduce = {k: sorted(v) for k, v in self.reduce.items()}
+        seen.replicas = {k: sorted(v) for k, v in self.replicas.items()}
+        seen.ownership = {"sharded": self.owned, "trained": ownership(model)}
         seen.reduce_observable = self.reduce_observable
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
         seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

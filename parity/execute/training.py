@@ -7,16 +7,14 @@ models, so both train exactly the same way.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parity.execute import probes
+from parity.execute import parallel, probes
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -35,17 +33,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def global_grad_norm(params: list[nn.Parameter]) -> float:
-    """The 2-norm of all gradients as a training loop computes it on a sharded model."""
-    sharded = [p for p in params if p.grad is not None and isinstance(p.grad, DTensor)]
-    plain = [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]
-    total = 0.0
-    if sharded:
-        n = torch.nn.utils.clip_grad_norm_(sharded, max_norm=math.inf)
-        total += float(n.full_tensor() if isinstance(n, DTensor) else n) ** 2
-    if plain:
-        total += float(torch.nn.utils.get_total_norm([p.grad for p in plain])) ** 2
-    return math.sqrt(total)
+def observed(cell: Cell):
+    """How a rank records tensors: its local shards on a 1-D mesh (the judge concatenates
+    them); whole tensors on a 2-D composition, whose shards do not concatenate along dim 0."""
+    return _local if cell.mesh == "fsdp" else parallel.full
 
 
 @dataclass(kw_only=True)
@@ -61,6 +52,8 @@ class Sharded:
     names: dict[int, str]
     scaler: object | None = None
     """float16: the sharded gradient scaler (found-inf agreed across ranks)."""
+    owners: dict[str, str] = field(default_factory=dict)
+    """Parameter FQN -> tensor/expert-parallel owner (:func:`parity.execute.parallel.parallelize`)."""
 
 
 def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
@@ -69,9 +62,12 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     cannot shard the model."""
     fixture = get_fixture(cell.fixture, cell.source)
     meta = cell.init == "meta"
+    topo = cell.topology()
+    composed = parallel.device_mesh(topo, mesh, torch.device(device).type)
     model = fixture.make(cell.seed, "meta" if meta else device)
-    ignored = fixture.ignored(model)
-    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze)
+    owners = parallel.parallelize(model, fixture, topo, composed)  # before FSDP, as recipes do
+    ignored = fixture.ignored(model)  # after: expert parallelism replaced the experts
+    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze, owners)
     if obs is not None:
         obs.plan = plan
     plan = inject.site("plan", plan)
@@ -80,7 +76,8 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     if obs is not None:
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
-    apply_sharding(model, report, plan, mesh=mesh, reshard_after_forward=cell.reshard, ignored=ignored)
+    apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
+                   reshard_after_forward=cell.reshard, ignored=ignored)
     if meta:
         materialize(model, fixture.make(cell.seed), device)
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
@@ -99,6 +96,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     return Sharded(
         model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
+        owners=owners,
     )
 
 
@@ -112,24 +110,28 @@ def _forward(cell: Cell, model: nn.Module, inputs: tuple[torch.Tensor, ...]):
 
 
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
-               recorder=None, heartbeat: Heartbeat | None = None) -> None:
+               recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None) -> None:
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
     fixture = get_fixture(cell.fixture, cell.source)
+    topo, keep = cell.topology(), observed(cell)
     for p in s.params:  # the recipe's freeze schedule
         t = s.plan.get(s.names[id(p)])
         if t is not None and t.trainable_from:
             p.requires_grad_(step >= t.trainable_from)
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
-        s.model.set_requires_gradient_sync(last or cell.sync == "every")
-        batch = fixture.batch(cell.seed, step, rank, mb).to(device)
+        s.model.set_requires_gradient_sync(last or cell.sync != "last")
+        if cell.sync == "replicas-last":
+            s.model.set_requires_all_reduce(last)
+        batch = fixture.batch(cell.seed, step, topo.data_rank(rank), mb).to(device)
         inputs = batch.inputs
         if not fixture.token_input:
             inputs = tuple(x.requires_grad_() for x in inputs)
-        with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
-            out = fixture.output(_forward(cell, s.model, inputs))
-        loss = fixture.loss(out, batch.target) / cell.microbatches
-        (s.scaler.scale(loss) if s.scaler else loss).backward()
+        with tp.window(step == 0 and mb == 0) if tp else contextlib.nullcontext():
+            with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
+                out = fixture.output(_forward(cell, s.model, inputs))
+            loss = fixture.loss(out, batch.target) / cell.microbatches
+            (s.scaler.scale(loss) if s.scaler else loss).backward()
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
         if grad is not None and s.scaler:
@@ -144,17 +146,16 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
     for p in (p for p in s.params if p in s.ignored):
         if p.grad is not None and world > 1:
-            dist.all_reduce(p.grad)
-            if fixture.ignored_reduction == "mean":
-                p.grad.div_(world)
+            group, dtype = parallel.owner_reduce(p, world=world, reduction=fixture.ignored_reduction)
+            obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
     if s.scaler:
         s.scaler.unscale_(s.opt)
-    obs.grad_norms.append(global_grad_norm(s.params))
-    obs.grads.append({s.names[id(p)]: _local(p.grad) for p in s.params if p.grad is not None})
+    obs.grad_norms.append(parallel.global_grad_norm(s.params))
+    obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
         s.scaler.update()
     else:
         s.opt.step()
     s.opt.zero_grad()
-    obs.params.append({s.names[id(p)]: _local(p) for p in s.params})
+    obs.params.append({s.names[id(p)]: keep(p) for p in s.params})

@@ -13,7 +13,7 @@ import time
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import lifecycle, probes
+from parity.execute import lifecycle, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -39,7 +39,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
     """Build, shard and train the cell; then the checkpoint lifecycle and marker contract."""
     inject = Injector(cell.faults, rank=rank, world=world)
     beat = heartbeat or (lambda what: None)
-    obs = Observation(rank=rank)
+    obs = Observation(rank=rank, whole=cell.mesh != "fsdp")
     t0 = time.perf_counter()
     with inject.active("main"):
         inject.site("start")
@@ -51,6 +51,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             raise
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
+        tp = parallel.TPReductions(s.model, s.owners) if any(o.startswith("tp-") for o in s.owners.values()) else None
         if cell.trace and rank == 0:
             obs.trace = trace.Trace()
             trace.install(s.model, obs.trace, when=lambda: recorder.active)
@@ -59,12 +60,14 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         try:
             for step in range(cell.steps):
                 train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
-                           heartbeat=beat)
+                           heartbeat=beat, tp=tp)
                 if cell.lifecycle and step == lifecycle.RESUME_STEP:  # what a resumed run must reproduce
                     obs.contracts.resume_step = step
-                    obs.contracts.optim = lifecycle.optimizer_state(s.model, s.opt)
+                    obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
+            if tp is not None:
+                obs.contracts.tp_reduce = tp.close()
         obs.timings["steps"] = time.perf_counter() - t1
     if cell.lifecycle:
         t2 = time.perf_counter()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
-from parity.judge import contracts
+from parity.judge import composition, contracts
 from parity.judge.compare import Assembled, Comparison, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
@@ -22,7 +22,7 @@ def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
         ranks=cell.ranks, microbatches=cell.microbatches, sync=cell.sync,
         checkpointing=cell.checkpointing, reshard=axes["reshard"], output_dtype=axes["output_dtype"],
         seed=cell.seed, param_dtype=cell.param_dtype, reduce_dtype=axes["reduce_dtype"], optimizer=cell.optimizer,
-        init=cell.init,
+        init=cell.init, mesh=cell.mesh,
     )
 
 
@@ -98,14 +98,15 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64")
     own = run_reference(cell, fixture, plan, report, device=device)  # its own trajectory, no resync
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
-    accumulating = cell.sync == "last" and cell.microbatches > 1
-    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=accumulating,
+    topo = cell.topology()
+    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=cell.accumulating,
                              replayed=replayed, world=cell.ranks, truth=truth if fp64 else None,
-                             optimizer=cell.optimizer)
+                             optimizer=cell.optimizer, data_ranks=[topo.data_rank(r) for r in range(cell.ranks)])
     records += [c.record(base) for c in comps]
     records += trajectory_records(run.params, own, truth, replayed[0][0], plan, base)
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))
     records += contracts.check(cell, observations, ref, base)
+    records += composition.check(cell, observations, plan, base)
     return Judged(records, comps, run)

@@ -27,15 +27,16 @@ class Assembled:
     grad_norms: list[float] = field(default_factory=list)
 
 
-def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict]) -> torch.Tensor:
+def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict], whole: bool = False) -> torch.Tensor:
     """The full tensor of ``fqn`` from each rank's local piece: FSDP2 shards dim 0 in rank
     order, so local shards concatenate; ignored parameters (and scalars such as an
-    optimizer's step) are replicated, so rank 0's copy is taken. Missing -> empty tensor."""
+    optimizer's step) are replicated, so rank 0's copy is taken, as it is when ranks
+    recorded ``whole`` tensors (2-D compositions). Missing -> empty tensor."""
     if any(fqn not in d for d in per_rank):
         return torch.zeros(0)
     first = per_rank[0][fqn]
     entry = plan.get(fqn)  # a name the plan does not know is judged as missing elsewhere
-    if (entry and entry.ownership == "ignored") or not isinstance(first, torch.Tensor) or first.dim() == 0:
+    if whole or (entry and entry.ownership == "ignored") or not isinstance(first, torch.Tensor) or first.dim() == 0:
         return first
     return torch.cat([d[fqn] for d in per_rank], dim=0)
 
@@ -43,7 +44,7 @@ def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict]) -> torch.Te
 def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     """Observations of all ranks with sharded tensors reassembled (:func:`gather_full`)."""
     def full(key: str, per_rank: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        return gather_full(plan, key, per_rank)
+        return gather_full(plan, key, per_rank, observations[0].whole)
 
     run = Assembled(grad_norms=list(observations[0].grad_norms))
     world = len(observations)
@@ -119,24 +120,27 @@ class Comparison:
 def plan_comparisons(
     run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int, accumulating: bool,
     replayed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], world: int = 1,
-    truth: ReferenceRun | None = None, optimizer: str = "adamw",
+    truth: ReferenceRun | None = None, optimizer: str = "adamw", data_ranks: list[int] | None = None,
 ) -> list[Comparison]:
     """Outputs, input gradients, gradients and the gradient norm against the reference run;
     post-step parameters against the reference optimizer replayed on the observed gradients
-    from the observed previous parameters (``replayed[step]`` = (before, after))."""
+    from the observed previous parameters (``replayed[step]`` = (before, after)).
+    ``data_ranks[r]``: the reference's rank whose data rank ``r`` saw (tensor-parallel peers
+    share theirs); identity when None."""
     out: list[Comparison] = []
     for k, per_rank in enumerate(run.outputs):
         step, mb = divmod(k, micro)
         for r, actual in enumerate(per_rank):
-            expected = ref.outputs[k][r]
+            d = data_ranks[r] if data_ranks else r
+            expected = ref.outputs[k][d]
             allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
-            t = truth.outputs[k][r] if truth else None
+            t = truth.outputs[k][d] if truth else None
             out.append(Comparison(step, "output", f"rank{r}/mb{mb}", actual, expected, allow, t))
             g = run.input_grads[k][r]
             if g is not None:
-                eg = ref.input_grads[k][r]
+                eg = ref.input_grads[k][d]
                 allow = tolerance.last_rounding(_input_grad_dtype(plan, eg), amax(eg))
-                t = truth.input_grads[k][r] if truth else None
+                t = truth.input_grads[k][d] if truth else None
                 out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", g, eg, allow, t))
     for step, grads in enumerate(ref.grads):
         spread = 0.0  # sum over gradients of numel x allowance^2

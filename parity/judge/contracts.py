@@ -32,6 +32,12 @@ def _skip(base: dict, check: str, name: str, reason: str) -> Record:
     return Record(**base, check=check, name=name, verdict=Verdict.SKIP, detail=reason)
 
 
+def _holds_across_microbatches(cell: Cell) -> bool:
+    """Gradients are held between micro-batches: unsharded (sync off) or, under HSDP with
+    the replica all-reduce deferred, as reduce-scattered partial sums."""
+    return cell.microbatches > 1 and cell.sync in ("last", "replicas-last")
+
+
 def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
     c = obs.contracts
     rows = []
@@ -57,10 +63,12 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
             got = ",".join(c.reduce.get(t.fqn, ["<no reduction seen>"]))
             how = "reduce-scatter input" if cell.ranks > 1 else "reduce buffer (no collective on 1 rank)"
             rows.append(_row(base, "dtype.reduce", t.fqn, got == want, want, got, how, want))
-        if cell.sync == "last" and cell.microbatches > 1:
-            got = ",".join(c.accum.get(t.fqn, ["<no unsharded gradient>"]))
-            rows.append(_row(base, "dtype.accum", t.fqn, got == want, want, got, "unsharded gradient while sync is off", want))
-    if not (cell.sync == "last" and cell.microbatches > 1):
+        if _holds_across_microbatches(cell):
+            got = ",".join(c.accum.get(t.fqn, ["<no accumulation seen>"]))
+            how = ("unsharded gradient while sync is off" if cell.accumulating
+                   else "reduce-scattered sums held until the replica all-reduce")
+            rows.append(_row(base, "dtype.accum", t.fqn, got == want, want, got, how, want))
+    if not _holds_across_microbatches(cell):
         rows.append(_skip(base, "dtype.accum", "*", "no accumulation without sync in this cell"))
     return rows
 
@@ -177,10 +185,10 @@ def marker_checks(obs: Observation, base: dict) -> list[Record]:
     return rows
 
 
-def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
+def _full_state(per_rank: list[dict], plan: PrecisionPlan, whole: bool) -> dict:
     """Local optimizer-state shards -> full tensors, per FQN and state key."""
     return {
-        f: {k: gather_full(plan, f, [{f: r[f][k]} for r in per_rank]) for k in per_rank[0][f]}
+        f: {k: gather_full(plan, f, [{f: r[f][k]} for r in per_rank], whole) for k in per_rank[0][f]}
         for f in per_rank[0]
     }
 
@@ -188,7 +196,8 @@ def _full_state(per_rank: list[dict], plan: PrecisionPlan) -> dict:
 def optimizer_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Optimizer state per FQN: keys, dtypes and shapes follow the plan, in any parameter order."""
     recipe = optimizer_recipe(cell.optimizer)
-    state = _full_state([o.contracts.optim for o in observations], plan)
+    whole = observations[0].whole
+    state = _full_state([o.contracts.optim for o in observations], plan, whole)
     step = observations[0].contracts.resume_step
     rows = []
     for t in plan.params:
@@ -200,7 +209,7 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
         if st is None:
             rows.append(_row(base, "optim.state", t.fqn, False, f"{recipe.name} state", "missing"))
             continue
-        shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations]).shape)
+        shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations], whole).shape)
         first = st.get(recipe.moments[0], torch.zeros(0))
         want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(t.storage)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; {dtype_name(first.dtype)}; shape {list(first.shape)}"
@@ -217,11 +226,12 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     (bitwise on gloo)."""
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
-    main_state = _full_state([o.contracts.optim for o in observations], plan)
+    whole = observations[0].whole
+    main_state = _full_state([o.contracts.optim for o in observations], plan, whole)
     step = observations[0].contracts.resume_step
 
     def full(per_rank: list[dict], f: str):
-        return gather_full(plan, f, per_rank)
+        return gather_full(plan, f, per_rank, whole)
 
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
@@ -229,7 +239,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
             rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
             continue
         per_rank = [o.contracts.resume[target] for o in observations]
-        state = _full_state([r.optim for r in per_rank], plan)
+        state = _full_state([r.optim for r in per_rank], plan, whole)
         comps = []
         grads = [o.grads[step] for o in observations]
         for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear

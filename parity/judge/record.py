@@ -47,6 +47,7 @@ class Record:
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
     init: str = "seeded"
+    mesh: str = "fsdp"
     step: int | str = ""
     check: str = ""
     name: str = ""

@@ -30,13 +30,14 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from parity.judge.emulate import emulate_tensor_parallel
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
-from parity.model.trace import Trace
-from parity.model.trace import install as install_trace
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.spec import Fixture
+from parity.model.trace import Trace
+from parity.model.trace import install as install_trace
 from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
@@ -85,6 +86,19 @@ def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
     return handles
 
 
+def _group_sums(by_rank: dict[int, torch.Tensor], rd: torch.dtype, groups: list[list[int]]) -> list[torch.Tensor]:
+    """Each shard group's sum in the reduce dtype (the reduce-scatter), in rank order."""
+    sums = []
+    for group in groups:
+        parts = [by_rank[r].to(rd) for r in group if r in by_rank]
+        if parts:
+            total = parts[0]
+            for x in parts[1:]:
+                total = total + x
+            sums.append(total)
+    return sums
+
+
 def _unscaled(grad: torch.Tensor, reduce_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """A scaled gradient in the reduce dtype, divided by the loss scale (exact there): FSDP
     reduces the scaled gradient and the scaler divides afterwards; with a power-of-two scale
@@ -115,8 +129,12 @@ def run_reference(
     opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
     scale = 1.0 if fp64 else loss_scale(plan.config.param_dtype)
     handles = [] if fp64 else _boundary_hooks(model, report)
-    world, micro = cell.ranks, cell.microbatches
-    accumulate_unsharded = cell.sync == "last" and micro > 1
+    topo = cell.topology()
+    world, micro = topo.data_world, cell.microbatches
+    groups = topo.replica_groups()
+    accumulate_unsharded = cell.accumulating
+    deferred = cell.sync == "replicas-last" and micro > 1
+    handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp)
     run = ReferenceRun(grad_terms=world * micro)
     run.buffers["initial"] = float_buffers(model)
 
@@ -134,6 +152,7 @@ def run_reference(
                     if f in masters:  # a name the model does not have fails the names check
                         masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
+        partial: dict[str, list] = {}  # per replica group, reduce dtype (``replicas-last``)
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
         terms_scale = {f: 0.0 for f in trainable}
         for mb in range(micro):
@@ -179,9 +198,15 @@ def run_reference(
                             prev = unsynced[r].get(f)
                             unsynced[r][f] = g[f].to(rd) if prev is None else prev + g[f].to(rd)
                     continue
-                total = grads[0].to(rd)
-                for g in grads[1:]:
-                    total = total + g.to(rd)
+                sums = _group_sums({r: g[f] for r, g in enumerate(per_rank) if f in g}, rd, groups)
+                if deferred:  # HSDP without the replica all-reduce: shard-group sums held in rd
+                    if mb < micro - 1:
+                        partial[f] = [s if p is None else p + s for s, p in zip(sums, partial.get(f, [None] * len(sums)))]
+                        continue
+                    sums = [s if p is None else s + p for s, p in zip(sums, partial.pop(f, [None] * len(sums)))]
+                total = sums[0]
+                for x in sums[1:]:  # across replicas (HSDP); one group otherwise
+                    total = total + x
                 reduced = (total / world if world > 1 else total).to(masters[f].dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
         for f in trainable:

@@ -6,17 +6,18 @@ from dataclasses import asdict, dataclass, field
 
 from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionConfig
+from parity.model.topology import Topology
 
-SYNC = ("every", "last")
+SYNC = ("every", "last", "replicas-last")
 CHECKPOINTING = ("none", "full", "selective", "outer")
 OUTPUT_DTYPES = ("natural", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "natural")
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("seeded", "meta")
-#: Recipe axes and their id tags; a cell at an axis's default keeps the id it had before
-#: the axis existed.
-RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init"}
+#: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
+#: the id it had before the axis existed.
+RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,7 +29,9 @@ class Cell:
     ranks: int = 1
     microbatches: int = 1
     sync: str = "every"
-    """``every``: reduce after each micro-batch; ``last``: ``set_requires_gradient_sync(False)`` until the last."""
+    """``every``: reduce after each micro-batch; ``last``: ``set_requires_gradient_sync(False)`` until the last;
+    ``replicas-last`` (HSDP): reduce-scatter after each micro-batch, all-reduce across replicas only
+    after the last (``set_requires_all_reduce``); on other meshes the same as ``every``."""
     checkpointing: str = "none"
     """``none``; ``full`` (composable ``checkpoint`` on every block); ``selective`` (wrapper + op-level SAC),
     both inside the units; ``outer``: a checkpoint wrapper around every non-root FSDP unit (AC(FSDP))."""
@@ -45,6 +48,8 @@ class Cell:
     init: str = "seeded"
     """``seeded``: built with weights; ``meta``: built on the meta device, sharded, ``to_empty``,
     then loaded from a seeded full state dict (the way large models are built)."""
+    mesh: str = "fsdp"
+    """Composition (:mod:`parity.model.topology`): ``fsdp``, ``hsdp``, ``fsdp+tp``, ``ep``."""
     seed: int = 0
     steps: int = 2
     device: str = "cpu"
@@ -63,6 +68,17 @@ class Cell:
     def __post_init__(self):
         if self.microbatches == 1 and self.sync != "every":
             object.__setattr__(self, "sync", "every")  # one micro-batch always synchronizes
+        if self.sync == "replicas-last" and self.mesh != "hsdp":
+            object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
+        self.topology()  # a composition these ranks cannot form is a usage error
+
+    def topology(self) -> Topology:
+        return Topology(name=self.mesh, world=self.ranks)
+
+    @property
+    def accumulating(self) -> bool:
+        """Unsharded gradients accumulate across micro-batches (no reduction until the last)."""
+        return self.sync == "last" and self.microbatches > 1
 
     @property
     def id(self) -> str:

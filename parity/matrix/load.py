@@ -39,13 +39,14 @@ from dataclasses import dataclass
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 REDUCE_DTYPES, SYNC, Cell)
+from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
 #: What ``-k`` may name: the axes, with ``accumulation`` as its two cell fields.
 FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
-            "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS}
+            "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES}
 
 
 def _matrix_dir() -> str:
@@ -91,7 +92,7 @@ def _accumulation(source: str, value) -> tuple[int, str]:
         micro = 0
     sync = sync or "every"
     if micro < 1 or sync not in SYNC:
-        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last (K >= 1)")
+        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, K:replicas-last (K >= 1)")
     return micro, sync
 
 

@@ -77,6 +77,10 @@ class TensorPlan:
     numel: int = 0
     trainable_from: int = 0
     """The first optimizer step that trains it (> 0: built frozen, unfrozen by the recipe)."""
+    parallel: str = ""
+    """Another parallelism's ownership: ``tp-colwise`` / ``tp-rowwise`` (FSDP shards it over its
+    data-parallel dimension, TP's placement stays), ``ep`` (its expert-parallel module owns it,
+    FSDP ignores it); empty: none."""
 
     @property
     def trainable(self) -> bool:
@@ -93,6 +97,7 @@ class TensorPlan:
             "ownership": self.ownership,
             "tie_group": ",".join(self.tie_group) or "-",
             "rule": self.rule + (f", unfrozen at step {self.trainable_from}" if self.trainable_from else ""),
+            **({"parallel": self.parallel} if self.parallel else {}),
         }
 
 
@@ -130,7 +135,8 @@ class PrecisionPlan:
 
     def table(self) -> str:
         rows = [t.row() for t in self.tensors]
-        cols = list(rows[0]) if rows else []
+        cols = list(dict.fromkeys(c for r in rows for c in r))  # ``parallel`` only where some tensor has it
+        rows = [{c: r.get(c, "-") for c in cols} for r in rows]
         widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
         lines = ["  ".join(c.ljust(widths[c]) for c in cols)]
         lines.append("  ".join("-" * widths[c] for c in cols))
@@ -176,10 +182,12 @@ def unfreeze_step(fqn: str, unfreeze: Mapping[str, int]) -> int | None:
 def resolve_plan(
     model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset(),
     keep_fp32: tuple[str, ...] = (), unfreeze: Mapping[str, int] | None = None,
+    parallel: Mapping[str, str] | None = None,
 ) -> PrecisionPlan:
     """Resolve the plan for every parameter and buffer of ``model`` (see module docstring);
     ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``); ``unfreeze``
-    (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable."""
+    (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable;
+    ``parallel``: FQN -> ownership by tensor or expert parallelism."""
     strict = strict_fp32_names(model, keep_fp32)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
@@ -212,6 +220,7 @@ def resolve_plan(
                 rule="ignored" if ownership == "ignored" else rule,
                 numel=p.numel(),
                 trainable_from=later or 0,
+                parallel=(parallel or {}).get(fqn, ""),
             )
         )
     for name, b in model.named_buffers():

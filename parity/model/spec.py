@@ -87,6 +87,13 @@ class Fixture:
     unfreeze: Mapping[str, int] = field(default_factory=dict)
     """FQN pattern -> step: parameters the model builds frozen and training unfreezes before
     that optimizer step (staged fine-tuning). The plan treats them as trainable."""
+    tensor_parallel: Mapping[str, str] = field(default_factory=dict)
+    """Module FQN -> ``colwise`` or ``rowwise``: the ``parallelize_module`` plan mesh ``fsdp+tp``
+    applies on its ``tp`` dimension (linear layers without bias)."""
+    expert_parallel: tuple[str, ...] = ()
+    """Modules that own their experts under mesh ``ep``: each has ``shard_experts(mesh)``
+    (keep this rank's experts on the ``ep`` dimension) and an ``experts`` parameter, which
+    ``ignored`` must return (on other meshes an emulated owner reduces it over all ranks)."""
     source: str = ""
     """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
     load it again from here. Empty for registered models."""
@@ -116,6 +123,9 @@ class Fixture:
         key = f"{self.name}/{seed}/{step}/{rank}/{microbatch}".encode()
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         return self.make_batch(gen)
+
+
+TP_STYLES = ("colwise", "rowwise")
 
 
 def validate(spec: object, where: str) -> Fixture:
@@ -158,6 +168,15 @@ def validate(spec: object, where: str) -> Fixture:
         if not hits or not isinstance(step, int) or step < 1:
             raise UsageError(f"{where}: Fixture.unfreeze[{pattern!r}] = {step!r}; give a parameter or module "
                              "FQN of the model and a step >= 1 (trainable from step 0: build it trainable)")
+    for fqn, style in spec.tensor_parallel.items():
+        if fqn not in modules or style not in TP_STYLES:
+            raise UsageError(f"{where}: Fixture.tensor_parallel[{fqn!r}] = {style!r}; give a module FQN of the model "
+                             f"and one of {', '.join(TP_STYLES)}")
+    for fqn in spec.expert_parallel:
+        mod = dict(model.named_modules()).get(fqn)
+        if mod is None or not callable(getattr(mod, "shard_experts", None)) or f"{fqn}.experts" not in params:
+            raise UsageError(f"{where}: Fixture.expert_parallel names {fqn!r}; give a module with shard_experts(mesh) "
+                             "and an experts parameter")
     for group in spec.tied:
         if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
             raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")
