@@ -53,7 +53,8 @@ def test_every_check_kind_has_a_fault():
     flagged = set().union(*(f.flags for f in FAULTS.values()))
     assert {"output", "input_grad", "grad", "grad_norm", "param", "unit.policy", "dtype.storage", "dtype.compute",
             "dtype.reduce", "dtype.accum", "dtype.boundary", "dtype.output", "names", "identity", "marker",
-            "optim.state", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory", "divergence"} <= flagged
+            "optim.state", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory", "divergence",
+            "dtype.tp_reduce", "ownership"} <= flagged
 
 
 def test_no_fault_name_appears_in_production_modules():

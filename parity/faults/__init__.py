@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from parity.errors import UsageError
+from parity.faults import composition_patches as cp
 from parity.faults import patches as p
 from parity.faults import recipe_patches as rp
 
@@ -61,6 +62,7 @@ def _fault(name, where, flags, cell, quiet=None, **kw) -> Fault:
 _KDA2 = {"fixture": "kda", "path": "native", "ranks": 2}
 _MAIN = ("main",)  # only the cell's own training (its first forward, its trained model)
 _ACCUM = {"microbatches": 3, "sync": "last"}
+_COMPOSED = {"fixture": "composed", "path": "native", "ranks": 4}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
@@ -136,6 +138,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
            {"grad", "grad_norm", "trajectory"}, {**_KDA2, "param_dtype": "float16"},
            quiet={"param_dtype": "bfloat16"}, patch=rp.scaler_skips_dtensor),
+    # mesh compositions (4 ranks): each revealed by its composition only
+    _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
+           {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "divergence"},
+           {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"}, patch=cp.tp_partial_reduce_bf16),
+    _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
+           {"dtype.reduce", "grad", "grad_norm"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
+           patch=cp.hsdp_replica_reduce_bf16),
+    _fault("hsdp_partial_bf16",
+           "HSDP holds reduce-scattered partial sums in BF16 until the replica all-reduce (foreach_reduce)",
+           {"dtype.accum", "grad", "grad_norm"}, {**_COMPOSED, "mesh": "hsdp", "microbatches": 2, "sync": "replicas-last"},
+           quiet={"sync": "every"}, patch=cp.hsdp_partial_bf16),
+    _fault("recast_foreign_params",
+           "fully_shard casts ignored parameters on another parallelism's mesh (the experts) to param_dtype",
+           {"ownership", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "input_grad", "grad",
+            "grad_norm", "param", "trajectory", "divergence"},
+           {**_COMPOSED, "path": "legacy", "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.recast_foreign_params),
+    _fault("tp_shards_swapped_on_load",
+           "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict)",
+           {"checkpoint.same", "checkpoint.cross"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
+           patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),
