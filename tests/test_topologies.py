@@ -1,0 +1,90 @@
+"""Mesh compositions: HSDP, FSDP x TP and expert parallelism on 4 gloo ranks."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parity.errors import UsageError
+from parity.judge.emulate import emulate_tensor_parallel
+from parity.matrix import load
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionConfig, resolve_plan
+from parity.model.topology import Topology
+
+
+def test_compositions_lay_out_ranks_row_major():
+    assert Topology(name="fsdp", world=2).shape == (2,)
+    hsdp = Topology(name="hsdp", world=4)
+    assert hsdp.shape == (2, 2) and hsdp.dims == ("replicate", "shard")
+    assert hsdp.replica_groups() == [[0, 1], [2, 3]]  # shard groups, summed first
+    tp = Topology(name="fsdp+tp", world=4)
+    assert [tp.data_rank(r) for r in range(4)] == [0, 0, 1, 1] and tp.data_world == 2
+    assert Topology(name="ep", world=4).data_world == 4
+
+
+@pytest.mark.parametrize("mesh", ["hsdp", "fsdp+tp", "ep"])
+def test_a_composition_these_ranks_cannot_form_is_a_usage_error(mesh):
+    with pytest.raises(UsageError, match="needs ranks = 2 x n"):
+        Cell(fixture="composed", path="native", ranks=2, mesh=mesh)
+
+
+def test_the_cli_names_the_mesh_and_the_fix_with_exit_code_2(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "smoke", "--mesh", "hsdp", "--ranks", "2",
+                          "--out", str(tmp_path / "r")], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "mesh 'hsdp' needs ranks" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_replicas_last_is_every_without_replicas():
+    assert Cell(fixture="composed", path="native", ranks=4, microbatches=2, sync="replicas-last").sync == "every"
+    assert Cell(fixture="composed", path="native", ranks=4, microbatches=2, sync="replicas-last",
+                mesh="hsdp").sync == "replicas-last"
+
+
+def test_tp_emulation_rounds_rowwise_partial_sums_in_the_compute_dtype():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+    plan = resolve_plan(model, PrecisionConfig(), parallel={"0.weight": "tp-colwise", "1.weight": "tp-rowwise"})
+    x = torch.randn(4, 8).bfloat16()
+    w0, w1 = (m.weight.detach().bfloat16() for m in model)
+    h = F.linear(x, w0)
+    parts = [F.linear(hi, wi) for hi, wi in zip(h.chunk(2, -1), w1.chunk(2, 1))]
+    handles = emulate_tensor_parallel(model.bfloat16(), plan, tp=2)
+    try:
+        out = model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(out, parts[0] + parts[1])  # two roundings, as TP's all-reduce of BF16 partials
+    assert not torch.equal(out, F.linear(h, w1))  # not the one rounding of the unsplit layer
+
+
+def test_topologies_matrix_runs_every_composition_on_both_paths():
+    cells = load("topologies").cells
+    assert {(c.mesh, c.path) for c in cells} == {(m, p) for m in ("fsdp", "hsdp", "fsdp+tp", "ep")
+                                                 for p in ("legacy", "native")}
+    assert {c.ranks for c in cells} == {4}
+    assert any(c.sync == "replicas-last" for c in cells) and any(c.checkpointing == "full" for c in cells)
+
+
+@pytest.mark.slow
+def test_topologies_matrix_passes_with_composition_checks(run_matrix):
+    code, records = run_matrix(list(load("topologies").cells), timeout=180)
+    bad = [(r["cell"], r["check"], r["name"], r["detail"][:200]) for r in records
+           if r["verdict"] not in ("PASS", "SKIP")]
+    assert code == 0 and not bad, bad[:5]
+    seen = {(r["mesh"], r["check"]) for r in records if r["verdict"] == "PASS"}
+    assert {("fsdp+tp", "dtype.tp_reduce"), ("hsdp", "dtype.reduce"), ("hsdp", "dtype.accum"),
+            ("ep", "ownership"), ("fsdp+tp", "ownership")} <= seen
+    for mesh in ("hsdp", "fsdp+tp", "ep"):  # DCP across paths on every 2-D mesh
+        assert (mesh, "checkpoint.cross") in seen
+    replicas = [r for r in records if r["name"].endswith("@replicas")]
+    owner = [r for r in records if r["name"].endswith("@owner") and r["mesh"] == "ep"]
+    assert replicas and all(r["detail"].startswith("expected float32, observed float32") for r in replicas)
+    assert owner and all("float32 over dp" in r["detail"] for r in owner)
+    tp_fp32 = [r for r in records if r["check"] == "dtype.tp_reduce" and r["name"].startswith("blocks.1.")]
+    assert tp_fp32 and all(r["dtype"] == "float32" for r in tp_fp32)  # the strict FP32 MLP reduces in FP32
