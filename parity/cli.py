@@ -18,16 +18,16 @@ from parity.arguments import positive as _positive
 from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
-from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES
+from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
 from parity.model.topology import MESHES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
 #: Run options that set one axis for every cell (replacing the matrix's values).
-AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh")
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
-                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh")
+                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
-                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None,
+                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
                 "fault": [],
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
@@ -56,6 +56,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="every cell's optimizer")
     p.add_argument("--init", choices=INITS, help="every cell's initialization (meta: build on meta, to_empty, load)")
     p.add_argument("--mesh", choices=MESHES, help="every cell's composition (hsdp, fsdp+tp, ep need 4 ranks)")
+    p.add_argument("--weights", choices=WEIGHTS, help="every cell's weight format of the quantizable layers")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
 from parity.errors import IsolationError
 from parity.execute.observation import MarkerSeen, Observation, Resumed
+from parity.execute.quantized import plain_state
 from parity.execute.training import build, observed, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
@@ -79,7 +80,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                        heartbeat=heartbeat)
         msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
-        saved = {"model": msd, "optim": osd}
+        saved = {"model": plain_state(msd), "optim": osd}
         if first.scaler is not None:  # float16: the loss scale is training state too
             saved["scaler"] = first.scaler.state_dict()
         dcp.save(saved, checkpoint_id=ckpt_dir[0])
@@ -91,7 +92,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
                 continue
             msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-            state = {"model": msd, "optim": osd}
+            state = {"model": plain_state(msd), "optim": osd}
             if s.scaler is not None:
                 state["scaler"] = s.scaler.state_dict()
             dcp.load(state, checkpoint_id=ckpt_dir[0])

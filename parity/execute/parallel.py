@@ -64,6 +64,7 @@ def parallelize(model: nn.Module, fixture: Fixture, topo: Topology, mesh) -> dic
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a DTensor), detached, on the CPU."""
     t = t.full_tensor() if isinstance(t, DTensor) else t
+    t = t.plain() if hasattr(t, "plain") else t  # a quantized weight's FP32 main weight
     return t.detach().cpu().clone()
 
 

@@ -15,11 +15,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.execute import parallel, probes
+from parity.execute.quantized import QuantizedWeight, quantize_weights, take_stats
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
+from parity.errors import UsageError
 from parity.faults import Injector
 from parity.matrix.cell import Cell
+from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.registry import get_fixture
@@ -30,7 +33,9 @@ Heartbeat = Callable[[str], None]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
+    t = t.to_local() if isinstance(t, DTensor) else t
+    t = t.plain() if isinstance(t, QuantizedWeight) else t  # the FP32 main weight
+    return t.detach().cpu().clone()
 
 
 def observed(cell: Cell):
@@ -67,7 +72,12 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     model = fixture.make(cell.seed, "meta" if meta else device)
     owners = parallel.parallelize(model, fixture, topo, composed)  # before FSDP, as recipes do
     ignored = fixture.ignored(model)  # after: expert parallelism replaced the experts
-    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze, owners)
+    formats = layout(fixture.quantizable, cell.weights)
+    if cell.weights != "none" and not formats:
+        raise UsageError(f"weights {cell.weights!r}: fixture {cell.fixture!r} declares no quantizable layers "
+                         "(Fixture.quantizable); run it with weights 'none'")
+    quantize_weights(model, formats)  # before FSDP: it shards the wrapper and calls its all-gather hooks
+    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze, owners, formats)
     if obs is not None:
         obs.plan = plan
     plan = inject.site("plan", plan)
@@ -159,3 +169,4 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
+    obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

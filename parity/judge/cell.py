@@ -22,7 +22,7 @@ def base_fields(cell: Cell, taken: str = "", reason: str = "") -> dict:
         ranks=cell.ranks, microbatches=cell.microbatches, sync=cell.sync,
         checkpointing=cell.checkpointing, reshard=axes["reshard"], output_dtype=axes["output_dtype"],
         seed=cell.seed, param_dtype=cell.param_dtype, reduce_dtype=axes["reduce_dtype"], optimizer=cell.optimizer,
-        init=cell.init, mesh=cell.mesh,
+        init=cell.init, mesh=cell.mesh, weights=cell.weights,
     )
 
 
@@ -74,7 +74,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     """Records for one cell. ``require_native``: a fallback the fixture does not declare
     (an unsupported build included) is a FAIL, not a legacy run that passed."""
     fixture = get_fixture(cell.fixture, cell.source)
-    expect, expected_reason = fixture.expects(cell.path, get_path(cell.path).contract)
+    expect, expected_reason = fixture.expects(cell.path, get_path(cell.path).contract, cell.weights)
     first = observations[0]
     if any(o.expected_error for o in observations):
         return Judged(_expected_error_records(cell, observations, fixture, expect, expected_reason, require_native))

@@ -48,6 +48,7 @@ class Record:
     optimizer: str = "adamw"
     init: str = "seeded"
     mesh: str = "fsdp"
+    weights: str = "none"
     step: int | str = ""
     check: str = ""
     name: str = ""

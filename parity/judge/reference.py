@@ -16,6 +16,11 @@ the precision plan and the unit boundaries of a path's report:
 - a model with ``unused_params`` gives every trainable parameter a gradient (zero when no
   rank used it), as ``set_reduce_scatter_unused_params(True)`` does; parameters unfrozen
   by the recipe join at their step;
+- a quantized weight (FP8 all-gather) is quantized as a whole tensor from its FP32 value
+  (global amax, MX blocks of whole rows) and dequantized into its compute dtype; its gradient
+  goes to the FP32 weight unchanged (straight through), as FSDP's reduce-scatter sends it;
+- mesh compositions: data ranks, HSDP's shard-group sums then replicas (partial sums held in
+  the reduce dtype under ``replicas-last``), TP layers chunk by chunk (:mod:`.emulate`);
 - one FP32 optimizer step (:func:`parity.model.recipe.make_optimizer`) per optimizer step.
 
 ``mode="fp64"`` runs the same loop with every tensor in FP64 and no boundary casts: the
@@ -31,6 +36,7 @@ from torch import nn
 from torch.func import functional_call
 
 from parity.judge.emulate import emulate_tensor_parallel
+from parity.model.formats import fake_quantize
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.plan import PrecisionPlan
@@ -162,8 +168,9 @@ def run_reference(
                 inputs = tuple(_cast_floats(x, torch.float64) if fp64 else x for x in batch.inputs)
                 if not fixture.token_input:
                     inputs = tuple(x.detach().requires_grad_() for x in inputs)
-                copies = {
-                    f: masters[f].detach().to(compute_dtype(f)).requires_grad_(
+                copies = {  # a quantized weight: the whole tensor quantized at once, dequantized
+                    f: (masters[f].detach().to(compute_dtype(f)) if fp64 or t.format == "none"
+                        else fake_quantize(masters[f].detach(), t.format, compute_dtype(f))).requires_grad_(
                         t.requires_grad and step >= t.trainable_from)
                     for f, t in entries.items()
                 }

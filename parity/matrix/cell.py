@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from parity.errors import UsageError
 from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionConfig
+from parity.model.formats import FORMATS
 from parity.model.topology import Topology
 
 SYNC = ("every", "last", "replicas-last")
@@ -15,9 +17,12 @@ PARAM_DTYPES = ("bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "natural")
 OPTIMIZERS = ("adamw", "sgd")
 INITS = ("seeded", "meta")
+#: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
+WEIGHTS = (*FORMATS, "mixed")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
-RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh"}
+RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
+               "weights": "w"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +55,9 @@ class Cell:
     then loaded from a seeded full state dict (the way large models are built)."""
     mesh: str = "fsdp"
     """Composition (:mod:`parity.model.topology`): ``fsdp``, ``hsdp``, ``fsdp+tp``, ``ep``."""
+    weights: str = "none"
+    """Format of the fixture's quantizable layers (:mod:`parity.model.formats`): ``none``,
+    ``fp8-tensorwise``, ``mxfp8``, or ``mixed`` (the two alternate, layer by layer)."""
     seed: int = 0
     steps: int = 2
     device: str = "cpu"
@@ -71,6 +79,8 @@ class Cell:
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
         self.topology()  # a composition these ranks cannot form is a usage error
+        if self.init == "meta" and (self.mesh != "fsdp" or self.weights != "none"):
+            raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
 
     def topology(self) -> Topology:
         return Topology(name=self.mesh, world=self.ranks)

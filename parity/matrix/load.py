@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
-                                REDUCE_DTYPES, SYNC, Cell)
+                                REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -46,7 +46,8 @@ AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", 
 FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
-            "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES}
+            "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
+            "weights": WEIGHTS}
 
 
 def _matrix_dir() -> str:

@@ -77,6 +77,9 @@ class TensorPlan:
     numel: int = 0
     trainable_from: int = 0
     """The first optimizer step that trains it (> 0: built frozen, unfrozen by the recipe)."""
+    format: str = "none"
+    """Weight format of what is all-gathered (:mod:`parity.model.formats`); the main weight
+    stays in ``storage`` and the GEMM runs in ``compute`` on the dequantized values."""
     parallel: str = ""
     """Another parallelism's ownership: ``tp-colwise`` / ``tp-rowwise`` (FSDP shards it over its
     data-parallel dimension, TP's placement stays), ``ep`` (its expert-parallel module owns it,
@@ -98,6 +101,7 @@ class TensorPlan:
             "tie_group": ",".join(self.tie_group) or "-",
             "rule": self.rule + (f", unfrozen at step {self.trainable_from}" if self.trainable_from else ""),
             **({"parallel": self.parallel} if self.parallel else {}),
+            **({"format": self.format} if self.format != "none" else {}),
         }
 
 
@@ -182,12 +186,12 @@ def unfreeze_step(fqn: str, unfreeze: Mapping[str, int]) -> int | None:
 def resolve_plan(
     model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset(),
     keep_fp32: tuple[str, ...] = (), unfreeze: Mapping[str, int] | None = None,
-    parallel: Mapping[str, str] | None = None,
+    parallel: Mapping[str, str] | None = None, formats: Mapping[str, str] | None = None,
 ) -> PrecisionPlan:
     """Resolve the plan for every parameter and buffer of ``model`` (see module docstring);
     ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``); ``unfreeze``
     (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable;
-    ``parallel``: FQN -> ownership by tensor or expert parallelism."""
+    ``parallel``: FQN -> ownership by tensor or expert parallelism; ``formats``: FQN -> weight format."""
     strict = strict_fp32_names(model, keep_fp32)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
@@ -221,6 +225,7 @@ def resolve_plan(
                 numel=p.numel(),
                 trainable_from=later or 0,
                 parallel=(parallel or {}).get(fqn, ""),
+                format=(formats or {}).get(fqn, "none"),
             )
         )
     for name, b in model.named_buffers():

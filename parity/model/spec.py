@@ -16,6 +16,7 @@ from torch import nn
 
 from parity.errors import UsageError
 from parity.model.dtypes import parse_dtype
+from parity.model.formats import BLOCK
 from parity.model.markers import set_compute_dtype
 from parity.model.plan import unfreeze_step
 
@@ -94,12 +95,19 @@ class Fixture:
     """Modules that own their experts under mesh ``ep``: each has ``shard_experts(mesh)``
     (keep this rank's experts on the ``ep`` dimension) and an ``experts`` parameter, which
     ``ignored`` must return (on other meshes an emulated owner reduces it over all ranks)."""
+    quantizable: tuple[str, ...] = ()
+    """Linear layers (module FQNs) whose weights take the cell's ``weights`` format (FP8 all-gather,
+    :mod:`parity.model.formats`); ``mixed`` alternates the two FP8 formats in this order."""
     source: str = ""
     """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
     load it again from here. Empty for registered models."""
 
-    def expects(self, path: str, contract: str = "") -> tuple[str, str]:
-        """(outcome, reason text) expected on ``path``; ("", "") when it should just train."""
+    def expects(self, path: str, contract: str = "", weights: str = "none") -> tuple[str, str]:
+        """(outcome, reason text) expected on ``path``; ("", "") when it should just train.
+        ``mixed`` weight formats put two formats in one unit, which the per-parameter
+        contract cannot represent: it falls back (a rule of the format, not of the fixture)."""
+        if weights == "mixed" and contract == "per-parameter" and path not in self.expect:
+            return "fallback", MIXED_FORMATS
         value = self.expect.get(path) or self.expect.get(contract, "")
         kind, _, reason = value.partition(":")
         return kind, reason
@@ -126,6 +134,8 @@ class Fixture:
 
 
 TP_STYLES = ("colwise", "rowwise")
+#: The native path's fallback reason for a unit mixing quantized weight formats.
+MIXED_FORMATS = "mixes weight formats"
 
 
 def validate(spec: object, where: str) -> Fixture:
@@ -177,6 +187,11 @@ def validate(spec: object, where: str) -> Fixture:
         if mod is None or not callable(getattr(mod, "shard_experts", None)) or f"{fqn}.experts" not in params:
             raise UsageError(f"{where}: Fixture.expert_parallel names {fqn!r}; give a module with shard_experts(mesh) "
                              "and an experts parameter")
+    for fqn in spec.quantizable:
+        mod = dict(model.named_modules()).get(fqn)
+        if not isinstance(mod, nn.Linear) or mod.in_features % BLOCK:
+            raise UsageError(f"{where}: Fixture.quantizable names {fqn!r}; give nn.Linear modules whose in_features "
+                             f"is a multiple of {BLOCK} (one MXFP8 block)")
     for group in spec.tied:
         if any(f not in params for f in group) or len({id(params[f]) for f in group}) != 1:
             raise UsageError(f"{where}: Fixture.tied declares {list(group)} tied, but the model does not tie them")

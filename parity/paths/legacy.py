@@ -1,6 +1,6 @@
 """Legacy dtype-split: separate FSDP units per (storage dtype, compute dtype) group.
 
-Within each declared root, parameters are grouped by (storage, compute). One group: the
+Within each declared root, parameters are grouped by (storage, compute, weight format). One group: the
 root is one unit. Two groups: every maximal uniform subtree of the minority group (by
 element count) becomes its own unit and the root is wrapped with the majority's policy.
 Three or more: every maximal uniform subtree of every group becomes a unit. A parameter of
@@ -27,12 +27,13 @@ from parity.model.plan import PrecisionConfig, PrecisionPlan
 from parity.paths.base import DTYPE_SPLIT, ShardReport, UnitSpec
 from parity.paths.units import apply_units, is_forwardless_container, module_index, resolve_roots, under
 
-Group = tuple[torch.dtype, torch.dtype]
+#: (storage dtype, compute dtype, weight format): one recipe per group.
+Group = tuple[torch.dtype, torch.dtype, str]
 
 
 def group_policy(group: Group, config: PrecisionConfig, modules: tuple[str, ...], params, outermost: bool) -> UnitSpec:
-    """The unit spec for a (storage, compute) group under the dtype-split contract."""
-    _storage, compute = group
+    """The unit spec for a (storage, compute, format) group under the dtype-split contract."""
+    _storage, compute, _format = group
     at_default = compute == config.param_dtype
     return UnitSpec(
         modules=modules,
@@ -77,7 +78,7 @@ def plan_dtype_split(
     unisolatable: list[str] = []
     for roots, params in members.items():
         outermost = roots == ("",)
-        groups = {p: (plan[p].storage, plan[p].compute) for p in params}
+        groups = {p: (plan[p].storage, plan[p].compute, plan[p].format) for p in params}
         by_group: dict[Group, list[str]] = defaultdict(list)
         for p in params:
             by_group[groups[p]].append(p)

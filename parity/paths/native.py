@@ -13,6 +13,7 @@ import torch
 
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
+from parity.model.spec import MIXED_FORMATS
 from parity.paths.base import PER_PARAMETER, Ineligible, ShardReport, UnitSpec
 from parity.paths.units import OVERRIDE_FIELD, apply_units, native_api_available, resolve_roots
 
@@ -40,6 +41,13 @@ def eligibility(members: dict[tuple[str, ...], list[str]], plan: PrecisionPlan) 
                     f"{p} computes in {dtype_name(t.compute)}, which is neither param_dtype "
                     f"{dtype_name(pd)} nor its own {dtype_name(t.storage)}"
                 )
+        quantized: dict[str, list[str]] = {}
+        for p in params:
+            if plan[p].format != "none":
+                quantized.setdefault(plan[p].format, []).append(p)
+        if len(quantized) > 1:
+            listing = "; ".join(f"{f}: {', '.join(ps)}" for f, ps in quantized.items())
+            reasons.append(f"unit {where} {MIXED_FORMATS} ({listing})")
         compute = {t.compute for t in trainable}
         reduce: dict[torch.dtype, list[str]] = {}
         for t in trainable:
