@@ -39,7 +39,7 @@ _KEEP = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, at
 #: the optimizer's): how often it was written, and what its all-gathers did this step. Inside
 #: ``__torch_dispatch__`` autograd's version counters do not move, so writes are counted here.
 _VERSIONS: dict[int, int] = {}
-_STATS: dict[int, "GatherStats"] = {}
+_STATS: dict[int, GatherStats] = {}
 
 
 def _key(t: torch.Tensor) -> int:
@@ -100,7 +100,7 @@ class QuantizedWeight(torch.Tensor):
         return tree_map(lambda t: QuantizedWeight(t, fmt) if isinstance(t, torch.Tensor) else t, out)
 
     @property
-    def stats(self) -> "GatherStats":
+    def stats(self) -> GatherStats:
         return _STATS.setdefault(_key(self._data), GatherStats())
 
     def plain(self) -> torch.Tensor:

@@ -20,6 +20,7 @@ from types import MappingProxyType
 from parity.errors import UsageError
 from parity.faults import composition_patches as cp
 from parity.faults import patches as p
+from parity.faults import quant_patches as qp
 from parity.faults import recipe_patches as rp
 
 #: Scopes a worker opens: building and training the cell, the checkpoint lifecycle (which
@@ -63,6 +64,7 @@ _KDA2 = {"fixture": "kda", "path": "native", "ranks": 2}
 _MAIN = ("main",)  # only the cell's own training (its first forward, its trained model)
 _ACCUM = {"microbatches": 3, "sync": "last"}
 _COMPOSED = {"fixture": "composed", "path": "native", "ranks": 4}
+_FP8 = {"fixture": "fp8", "path": "native", "ranks": 2}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
@@ -158,6 +160,16 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict)",
            {"checkpoint.same", "checkpoint.cross"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
            patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
+    # quantized weight groups (FP8 all-gather)
+    _fault("local_amax", "tensorwise FP8 scales from each shard's own amax (no all-reduce over the shard group)",
+           {"quant.scale", "quant.values", "grad"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
+    _fault("stale_quantized_copy", "the FP8 copy is not refreshed after the optimizer step (QuantizedWeight._outdated)",
+           {"quant.refresh", "quant.values", "quant.blocks", "output", "input_grad", "grad", "grad_norm",
+            "trajectory", "checkpoint.same", "checkpoint.cross"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"}, patch=qp.stale_quantized_copy),
+    _fault("mx_tiles_cut_by_shard", "MX scales from 32x32 tiles of the local shard, cut by the shard boundary",
+           {"quant.blocks", "quant.values", "grad"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "fp8-tensorwise"}, patch=qp.mx_tiles_cut_by_shard),
+    _fault("fp8_gather_off", "the all-gather carries the dequantized weight in BF16 (FP8 all-gather off)",
+           {"quant.gather"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"weights": "none"}, patch=qp.fp8_gather_off),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),

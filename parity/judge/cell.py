@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
-from parity.judge import composition, contracts
+from parity.judge import composition, contracts, quantized
 from parity.judge.compare import Assembled, Comparison, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
@@ -109,4 +109,5 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                               detail="integer token input has no gradient"))
     records += contracts.check(cell, observations, ref, base)
     records += composition.check(cell, observations, plan, base)
+    records += quantized.check(cell, observations, plan, [before for before, _ in replayed], base)
     return Judged(records, comps, run)

@@ -79,6 +79,9 @@ class Cell:
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
         self.topology()  # a composition these ranks cannot form is a usage error
+        if self.weights != "none" and self.mesh != "fsdp":
+            raise UsageError(f"weights {self.weights!r} runs on mesh 'fsdp'; quantized all-gathers on "
+                             f"{self.mesh!r} are not emulated yet (use mesh 'fsdp' or weights 'none')")
         if self.init == "meta" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
 

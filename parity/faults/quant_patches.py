@@ -1,0 +1,57 @@
+"""Faults of quantized weight groups (FP8 all-gather): each replaces one step of
+:class:`parity.execute.quantized.QuantizedWeight` the way a reported bug class would -- the
+amax reduced over the wrong group, a stale quantized copy after the optimizer step, MX
+blocks cut by a shard boundary, the FP8 all-gather switched off."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.faults.patches import swap_attr
+
+
+def _weight():
+    from parity.execute.quantized import QuantizedWeight
+
+    return QuantizedWeight
+
+
+def local_amax():
+    """Tensorwise scales from each shard's own amax: the all-reduce over the shard group is skipped."""
+    return swap_attr(_weight(), "_global_amax", lambda orig: lambda self, amax, mesh: amax)
+
+
+def stale_quantized_copy():
+    """The quantized copy is never invalidated: after the optimizer step the all-gather still
+    sends the first step's FP8 weight."""
+    return swap_attr(_weight(), "_outdated", lambda orig: lambda self, version: False)
+
+
+def mx_tiles_cut_by_shard():
+    """MX scales from 32 x 32 tiles of the local shard: a dim-0 shard boundary cuts the tiles
+    (the whole tensor's tiles would straddle it) and each row's exponent comes from other rows."""
+    from parity.model import formats as F
+
+    def make(orig):
+        def _block_scales(self, data):
+            rows = data.shape[0]
+            amax = F.block_amax(data)  # [rows, blocks]
+            tiles = torch.stack([amax[i:i + F.BLOCK].amax(dim=0) for i in range(0, rows, F.BLOCK)])
+            return F.power_of_two_scale(tiles.repeat_interleave(F.BLOCK, dim=0)[:rows])
+        return _block_scales
+    return swap_attr(_weight(), "_block_scales", make)
+
+
+def fp8_gather_off():
+    """The all-gather carries the dequantized weight in BF16 (FP8 all-gather off): the same
+    values at twice the bytes."""
+    from parity.model import formats as F
+
+    def make(orig):
+        def _payload(self, elements, scale, padded, shape):
+            payload = torch.zeros(padded, *shape[1:], dtype=torch.bfloat16)
+            if elements.numel():
+                payload[: elements.shape[0]] = F.dequantize(elements, self.fmt, scale, torch.bfloat16)
+            return payload
+        return _payload
+    return swap_attr(_weight(), "_payload", make)

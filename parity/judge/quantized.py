@@ -1,0 +1,100 @@
+"""Contracts of quantized weight groups (FP8 all-gather), per quantized parameter.
+
+- ``quant.gather``: what every rank contributed to every all-gather of the weight: E4M3 bytes
+  of its padded shard (plus one E8M0 byte per MX block), not the compute dtype;
+- ``quant.refresh``: the main weight was quantized exactly once per optimizer step, and no
+  all-gather sent a quantization of an older main weight (a stale copy);
+- ``quant.scale`` (tensorwise): every rank's shard was scaled from the *global* amax -- the
+  scale of the whole main weight before the step;
+- ``quant.blocks`` (MX): the gathered block exponents are the whole weight's, block by block
+  (no block straddles a shard boundary);
+- ``quant.values``: every all-gather of a step (forward, backward, activation recompute)
+  produced the same weight, the whole main weight quantized at once (the reference's).
+
+The main weight's FP32 storage is ``dtype.storage``; the effect on training is judged by the
+numeric checks against the reference, which quantizes the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.execute.observation import Observation
+from parity.judge.contracts import _row
+from parity.judge.record import Record
+from parity.matrix.cell import Cell
+from parity.model import formats as F
+from parity.model.plan import PrecisionPlan, TensorPlan
+
+
+def _digest(w: torch.Tensor) -> float:
+    return float(w.double().abs().sum())
+
+
+def _expected_payload(t: TensorPlan, shape: torch.Size, world: int) -> list[str]:
+    padded = math.ceil(shape[0] / world)
+    out = [f"uint8:{padded * shape[-1]}"]
+    if t.format == "mxfp8":
+        out.append(f"uint8:{padded * (shape[-1] // F.BLOCK)}")
+    return out
+
+
+def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, befores: list, base: dict) -> list[Record]:
+    rows, fqn = [], t.fqn
+    shape = befores[0][fqn].shape
+    want_payload = _expected_payload(t, shape, cell.ranks)
+    seen_payload, refresh, scale, blocks, values = set(), [], [], [], []
+    for step, before in enumerate(befores):
+        whole = before[fqn].float()
+        want_scales = F.scales_of(whole, t.format)
+        want_digest = _digest(F.fake_quantize(whole, t.format, t.compute))
+        for o in observations:
+            st = o.contracts.quant[step].get(fqn)
+            if st is None or not st.gathers:
+                refresh.append(f"step {step} rank {o.rank}: never all-gathered")
+                continue
+            seen_payload.update(st.payload)
+            if st.quantized != 1 or st.stale:
+                refresh.append(f"step {step} rank {o.rank}: quantized {st.quantized}x, {st.stale} stale all-gather(s)")
+            if t.format == "fp8-tensorwise":
+                bad = [s for s in st.scales if s != float(want_scales)]
+                if bad:
+                    scale.append(f"step {step} rank {o.rank}: shard scales {st.scales}, whole-tensor {float(want_scales)}")
+            elif st.exponents is not None:
+                want = (torch.log2(want_scales) + 127).to(torch.uint8)
+                differ = (st.exponents != want).any(dim=-1).nonzero().flatten().tolist()
+                if differ:
+                    blocks.append(f"step {step} rank {o.rank}: rows {differ[:6]} have other block exponents")
+            off = [d for d in st.digests if not math.isclose(d, want_digest, rel_tol=1e-12, abs_tol=0.0)]
+            if off:
+                values.append(f"step {step} rank {o.rank}: {len(off)} of {len(st.digests)} all-gathers differ "
+                              f"(|W| sums {sorted(set(off))[:2]}, whole-tensor {want_digest})")
+    fmt = t.format
+    rows.append(_row(base, "quant.gather", fqn, seen_payload == set(want_payload), ", ".join(want_payload),
+                     ", ".join(sorted(seen_payload)) or "nothing", f"{fmt}: bytes each rank contributed per all-gather",
+                     "float8_e4m3fn"))
+    rows.append(_row(base, "quant.refresh", fqn, not refresh, "one quantization per step, none stale",
+                     "; ".join(refresh) or "held", fmt, "float8_e4m3fn"))
+    if fmt == "fp8-tensorwise":
+        rows.append(_row(base, "quant.scale", fqn, not scale, "every shard scaled from the global amax",
+                         "; ".join(scale) or "held", fmt, "float8_e4m3fn"))
+    else:
+        rows.append(_row(base, "quant.blocks", fqn, not blocks, f"the whole weight's {F.BLOCK}-element blocks",
+                         "; ".join(blocks) or "held", fmt, "float8_e4m3fn"))
+    rows.append(_row(base, "quant.values", fqn, not values, "every all-gather of a step = the whole weight quantized",
+                     "; ".join(values) or "held", fmt, "float8_e4m3fn"))
+    return rows
+
+
+def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befores: list[dict],
+          base: dict) -> list[Record]:
+    """``befores[k]``: the main weights before step ``k`` (what step ``k`` quantized)."""
+    if observations[0].expected_error or not observations[0].contracts.quant:
+        return []
+    rows = []
+    for t in plan.params:
+        if t.format != "none":
+            rows += _param_checks(cell, observations, t, befores, base)
+    return rows

@@ -1,0 +1,73 @@
+"""Quantized weight groups: formats (pure), the plan and native eligibility, the fp8 matrix."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from parity.errors import UsageError
+from parity.matrix import load
+from parity.matrix.cell import Cell
+from parity.model import formats as F
+from parity.model.plan import PrecisionConfig, resolve_plan
+from parity.paths.apply import plan_sharding
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(F.QUANTIZED), st.floats(-20, 20))
+def test_a_dequantized_weight_is_exact_in_bf16_and_within_e4m3_roundoff(seed, fmt, log2_size):
+    w = torch.randn(4, 2 * F.BLOCK, generator=torch.Generator().manual_seed(seed)) * 2.0 ** log2_size
+    fq = F.fake_quantize(w, fmt, torch.float32)
+    assert torch.equal(fq.bfloat16().float(), fq)  # power-of-two scales: exact in the compute dtype
+    scale = F.scales_of(w, fmt)
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())
+    # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 where the element is normal
+    per = scale.repeat_interleave(F.BLOCK, dim=-1) if fmt == "mxfp8" else scale
+    normal = w.abs() >= 2.0 ** -6 * per
+    assert ((fq - w).abs() <= F.E4M3_UNIT_ROUNDOFF * w.abs())[normal].all()
+
+
+def test_mx_scales_are_per_row_block_and_tensorwise_one_per_tensor():
+    w = torch.ones(3, 2 * F.BLOCK)
+    w[1, F.BLOCK:] *= 64
+    assert F.scales_of(w, "mxfp8").shape == (3, 2)
+    assert F.scales_of(w, "mxfp8")[1, 1] == 64 * F.scales_of(w, "mxfp8")[0, 0]
+    assert F.scales_of(w, "fp8-tensorwise").dim() == 0
+    assert F.gathered_bytes("mxfp8", 17, 32) == 17 * 32 + 17
+
+
+def test_mixed_alternates_formats_and_native_falls_back_for_the_unit():
+    model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False), nn.LayerNorm(32))
+    layout = F.layout(("0", "1"), "mixed")
+    assert layout == {"0.weight": "fp8-tensorwise", "1.weight": "mxfp8"}
+    plan = resolve_plan(model, PrecisionConfig(), formats=layout)
+    assert plan["1.weight"].format == "mxfp8" and plan["2.weight"].format == "none"
+    report = plan_sharding(model, ("",), plan, "native")
+    assert report.taken == "legacy" and "mixes weight formats" in report.fallback_reason
+    legacy = plan_sharding(model, ("",), plan, "legacy")  # one unit per (storage, compute, format)
+    assert all(len({plan[p].format for p in u.params}) == 1 for u in legacy.units if u.params)
+
+
+def test_quantized_weights_need_the_1d_mesh():
+    with pytest.raises(UsageError, match="weights 'mxfp8' runs on mesh 'fsdp'"):
+        Cell(fixture="fp8", path="native", ranks=4, mesh="hsdp", weights="mxfp8")
+
+
+def test_fp8_matrix_covers_formats_ranks_and_recompute():
+    cells = load("fp8").cells
+    assert {c.weights for c in cells} == {"fp8-tensorwise", "mxfp8", "mixed"}
+    assert {c.ranks for c in cells} == {1, 2} and {c.checkpointing for c in cells} == {"none", "full"}
+
+
+@pytest.mark.slow
+def test_fp8_matrix_passes_with_quantization_contracts(run_matrix):
+    code, records = run_matrix(list(load("fp8").cells))
+    bad = [(r["cell"], r["check"], r["name"], r["detail"][:200]) for r in records if r["verdict"] not in ("PASS", "SKIP")]
+    assert code == 0 and not bad, bad[:5]
+    checks = {r["check"] for r in records if r["verdict"] == "PASS"}
+    assert {"quant.gather", "quant.refresh", "quant.scale", "quant.blocks", "quant.values"} <= checks
+    mixed = [r for r in records if r["weights"] == "mixed" and r["path"] == "native" and r["check"] == "fallback"]
+    assert mixed and all(r["path_taken"] == "legacy" and "mixes weight formats" in r["detail"] for r in mixed)
+    head = [r for r in records if r["check"] == "quant.gather" and r["name"] == "head.weight" and r["ranks"] == "2"]
+    assert head and all("uint8:544" in r["detail"] for r in head)  # 17 padded rows x 32 E4M3 bytes per rank
