@@ -15,13 +15,13 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 
 from parity.errors import IsolationError
 from parity.execute.observation import MarkerSeen, Observation, Resumed
-from parity.execute.quantized import plain_state
 from parity.execute.training import build, observed, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.markers import convert_except_marked, fp32_marked
 from parity.model.plan import canonical_fqn
+from parity.model.quantized import plain_state
 from parity.model.registry import get_fixture
 
 #: Steps 0..RESUME_STEP-1 run before the checkpoint; step RESUME_STEP runs after loading it.

@@ -96,7 +96,7 @@ class ContractsSeen:
     tp_reduce: dict[str, list[str]] = field(default_factory=dict)
     """``module@forward`` / ``module@backward`` -> dtypes of its tensor-parallel all-reduces."""
     quant: list[dict[str, object]] = field(default_factory=list)
-    """Per step, quantized parameter FQN -> its :class:`~parity.execute.quantized.GatherStats`."""
+    """Per step, quantized parameter FQN -> its :class:`~parity.model.quantized.GatherStats`."""
     ownership: dict[str, dict[str, str]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
     (:func:`parity.execute.probes.ownership`)."""

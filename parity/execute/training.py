@@ -14,16 +14,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parity.errors import UsageError
 from parity.execute import parallel, probes
-from parity.execute.quantized import QuantizedWeight, quantize_weights, take_stats
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
-from parity.errors import UsageError
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
+from parity.model.quantized import QuantizedWeight, quantize_weights, take_stats
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding

@@ -1,5 +1,5 @@
 """Faults of quantized weight groups (FP8 all-gather): each replaces one step of
-:class:`parity.execute.quantized.QuantizedWeight` the way a reported bug class would -- the
+:class:`parity.model.quantized.QuantizedWeight` the way a reported bug class would -- the
 amax reduced over the wrong group, a stale quantized copy after the optimizer step, MX
 blocks cut by a shard boundary, the FP8 all-gather switched off."""
 
@@ -11,7 +11,7 @@ from parity.faults.patches import swap_attr
 
 
 def _weight():
-    from parity.execute.quantized import QuantizedWeight
+    from parity.model.quantized import QuantizedWeight
 
     return QuantizedWeight
 
