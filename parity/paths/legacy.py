@@ -32,8 +32,9 @@ Group = tuple[torch.dtype, torch.dtype, str]
 
 
 def group_policy(group: Group, config: PrecisionConfig, modules: tuple[str, ...], params, outermost: bool) -> UnitSpec:
-    """The unit spec for a (storage, compute, format) group under the dtype-split contract."""
-    _storage, compute, _format = group
+    """The unit spec for a (storage, compute, format) group under the dtype-split contract
+    (external helpers may pass (storage, compute): the format does not change the policy)."""
+    compute = group[1]
     at_default = compute == config.param_dtype
     return UnitSpec(
         modules=modules,
