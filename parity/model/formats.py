@@ -74,9 +74,3 @@ def layout(modules: tuple[str, ...], weights: str) -> dict[str, str]:
     if weights == "mixed":
         return {f"{m}.weight": QUANTIZED[i % 2] for i, m in enumerate(modules)}
     return {f"{m}.weight": weights for m in modules}
-
-
-def gathered_bytes(fmt: str, rows: int, cols: int) -> int:
-    """Bytes one rank contributes to the weight's all-gather for ``rows`` (padded) rows:
-    one per E4M3 element plus, for MX, one E8M0 exponent per block."""
-    return rows * cols + (rows * (cols // BLOCK) if fmt == "mxfp8" else 0)

@@ -47,14 +47,6 @@ class Topology:
     def shape(self) -> tuple[int, ...]:
         return (self.world,) if self.name == "fsdp" else (self.world // INNER, INNER)
 
-    def coordinate(self, rank: int) -> tuple[int, ...]:
-        return (rank,) if self.name == "fsdp" else divmod(rank, INNER)
-
-    @property
-    def fsdp_dims(self) -> tuple[str, ...]:
-        """The mesh dimensions FSDP's mesh spans (``ep`` flattens both: FSDP shards over all ranks)."""
-        return {"fsdp": ("fsdp",), "hsdp": ("replicate", "shard"), "fsdp+tp": ("dp",), "ep": ("dp", "ep")}[self.name]
-
     @property
     def tp(self) -> int:
         """Tensor-parallel degree (1: none)."""
@@ -80,7 +72,3 @@ class Topology:
         if self.name != "hsdp":
             return [list(range(self.data_world))]
         return [list(range(r * INNER, (r + 1) * INNER)) for r in range(self.world // INNER)]
-
-    def reductions(self) -> tuple[str, ...]:
-        """Collectives an FSDP-managed gradient goes through, in order."""
-        return ("reduce-scatter", "all-reduce across replicas") if self.name == "hsdp" else ("reduce-scatter",)
