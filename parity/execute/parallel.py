@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.model.dtypes import dtype_name
+from parity.model.quantized import main_weight
 from parity.model.spec import Fixture
 from parity.model.topology import Topology
 
@@ -35,8 +36,9 @@ def device_mesh(topo: Topology, world_mesh, device_type: str):
 def fsdp_mesh(topo: Topology, mesh, world_mesh):
     """What ``fully_shard`` gets: the 2-D mesh for HSDP, the data-parallel dimension under
     TP, every rank under EP (the experts are not FSDP's)."""
-    return {"fsdp": world_mesh, "hsdp": mesh, "fsdp+tp": mesh["dp"] if topo.tp > 1 else world_mesh,
-            "ep": world_mesh}[topo.name]
+    if topo.name == "hsdp":
+        return mesh
+    return mesh["dp"] if topo.name == "fsdp+tp" else world_mesh
 
 
 def parallelize(model: nn.Module, fixture: Fixture, topo: Topology, mesh) -> dict[str, str]:
@@ -64,8 +66,7 @@ def parallelize(model: nn.Module, fixture: Fixture, topo: Topology, mesh) -> dic
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a DTensor), detached, on the CPU."""
     t = t.full_tensor() if isinstance(t, DTensor) else t
-    t = t.plain() if hasattr(t, "plain") else t  # a quantized weight's FP32 main weight
-    return t.detach().cpu().clone()
+    return main_weight(t).detach().cpu().clone()
 
 
 def _mesh_key(t: DTensor) -> tuple:

@@ -23,7 +23,7 @@ from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
-from parity.model.quantized import QuantizedWeight, quantize_weights, take_stats
+from parity.model.quantized import main_weight, quantize_weights, take_stats
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
@@ -34,14 +34,13 @@ Heartbeat = Callable[[str], None]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     t = t.to_local() if isinstance(t, DTensor) else t
-    t = t.plain() if isinstance(t, QuantizedWeight) else t  # the FP32 main weight
-    return t.detach().cpu().clone()
+    return main_weight(t).detach().cpu().clone()
 
 
 def observed(cell: Cell):
     """How a rank records tensors: its local shards on a 1-D mesh (the judge concatenates
     them); whole tensors on a 2-D composition, whose shards do not concatenate along dim 0."""
-    return _local if cell.mesh == "fsdp" else parallel.full
+    return parallel.full if cell.whole_tensors else _local
 
 
 @dataclass(kw_only=True)
@@ -169,4 +168,5 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
-    obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))
+    if cell.weights != "none":  # what each quantized weight's all-gathers did this step
+        obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

@@ -39,7 +39,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
     """Build, shard and train the cell; then the checkpoint lifecycle and marker contract."""
     inject = Injector(cell.faults, rank=rank, world=world)
     beat = heartbeat or (lambda what: None)
-    obs = Observation(rank=rank, whole=cell.mesh != "fsdp")
+    obs = Observation(rank=rank, whole=cell.whole_tensors)
     t0 = time.perf_counter()
     with inject.active("main"):
         inject.site("start")

@@ -26,13 +26,18 @@ def _colwise(tp: int):
     return forward
 
 
+def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` left to right, in the parts' dtype: a collective's sum in
+    rank order, each addition rounded."""
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
 def _rowwise(tp: int):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = [F.linear(xi, wi) for xi, wi in zip(x.chunk(tp, dim=-1), self.weight.chunk(tp, dim=1))]
-        total = parts[0]
-        for p in parts[1:]:
-            total = total + p
-        return total
+        return ordered_sum([F.linear(xi, wi) for xi, wi in zip(x.chunk(tp, dim=-1), self.weight.chunk(tp, dim=1))])
     return forward
 
 

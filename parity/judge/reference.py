@@ -35,10 +35,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from parity.judge.emulate import emulate_tensor_parallel
-from parity.model.formats import fake_quantize
+from parity.judge.emulate import emulate_tensor_parallel, ordered_sum
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
+from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.spec import Fixture
@@ -94,15 +94,8 @@ def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
 
 def _group_sums(by_rank: dict[int, torch.Tensor], rd: torch.dtype, groups: list[list[int]]) -> list[torch.Tensor]:
     """Each shard group's sum in the reduce dtype (the reduce-scatter), in rank order."""
-    sums = []
-    for group in groups:
-        parts = [by_rank[r].to(rd) for r in group if r in by_rank]
-        if parts:
-            total = parts[0]
-            for x in parts[1:]:
-                total = total + x
-            sums.append(total)
-    return sums
+    parts = ([by_rank[r].to(rd) for r in group if r in by_rank] for group in groups)
+    return [ordered_sum(p) for p in parts if p]
 
 
 def _unscaled(grad: torch.Tensor, reduce_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -157,6 +150,10 @@ def run_reference(
                 for f, p in resync[step - 1].items():
                     if f in masters:  # a name the model does not have fails the names check
                         masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
+        # what this step's forwards read: masters in their compute dtype, a quantized weight
+        # quantized as a whole tensor and dequantized (the same on every rank and micro-batch)
+        seen = {f: masters[f].detach().to(compute_dtype(f)) if fp64 or t.format == "none"
+                else fake_quantize(masters[f].detach(), t.format, compute_dtype(f)) for f, t in entries.items()}
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
         partial: dict[str, list] = {}  # per replica group, reduce dtype (``replicas-last``)
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
@@ -168,12 +165,8 @@ def run_reference(
                 inputs = tuple(_cast_floats(x, torch.float64) if fp64 else x for x in batch.inputs)
                 if not fixture.token_input:
                     inputs = tuple(x.detach().requires_grad_() for x in inputs)
-                copies = {  # a quantized weight: the whole tensor quantized at once, dequantized
-                    f: (masters[f].detach().to(compute_dtype(f)) if fp64 or t.format == "none"
-                        else fake_quantize(masters[f].detach(), t.format, compute_dtype(f))).requires_grad_(
-                        t.requires_grad and step >= t.trainable_from)
-                    for f, t in entries.items()
-                }
+                copies = {f: seen[f].detach().requires_grad_(t.requires_grad and step >= t.trainable_from)
+                          for f, t in entries.items()}
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 if trace is not None and step == rank == mb == 0:
                     rec += install_trace(model, trace)
@@ -207,23 +200,19 @@ def run_reference(
                     continue
                 sums = _group_sums({r: g[f] for r, g in enumerate(per_rank) if f in g}, rd, groups)
                 if deferred:  # HSDP without the replica all-reduce: shard-group sums held in rd
+                    held = partial.pop(f, None)
+                    sums = sums if held is None else [h + s for h, s in zip(held, sums)]
                     if mb < micro - 1:
-                        partial[f] = [s if p is None else p + s for s, p in zip(sums, partial.get(f, [None] * len(sums)))]
+                        partial[f] = sums
                         continue
-                    sums = [s if p is None else s + p for s, p in zip(sums, partial.pop(f, [None] * len(sums)))]
-                total = sums[0]
-                for x in sums[1:]:  # across replicas (HSDP); one group otherwise
-                    total = total + x
+                total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
                 reduced = (total / world if world > 1 else total).to(masters[f].dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
         for f in trainable:
             if f in synced:
                 masters[f].grad = synced[f]
             elif any(f in u for u in unsynced):
-                parts = [u[f] for u in unsynced if f in u]
-                total = parts[0]
-                for p in parts[1:]:
-                    total = total + p
+                total = ordered_sum([u[f] for u in unsynced if f in u])
                 summed = entries[f].ownership == "ignored" and fixture.ignored_reduction == "sum"
                 masters[f].grad = (total / world if world > 1 and not summed else total).to(masters[f].dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]

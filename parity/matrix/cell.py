@@ -89,6 +89,12 @@ class Cell:
         return Topology(name=self.mesh, world=self.ranks)
 
     @property
+    def whole_tensors(self) -> bool:
+        """Ranks record whole tensors, not their dim-0 shards: a 2-D composition's shards do
+        not concatenate along dim 0."""
+        return self.mesh != "fsdp"
+
+    @property
     def accumulating(self) -> bool:
         """Unsharded gradients accumulate across micro-batches (no reduction until the last)."""
         return self.sync == "last" and self.microbatches > 1

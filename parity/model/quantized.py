@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from parity.model import formats as F
 from parity.model.dtypes import dtype_name
@@ -87,8 +87,8 @@ class QuantizedWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        fmt = next(a.fmt for a in _flat(args, kwargs) if isinstance(a, QuantizedWeight))
-        out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs or {}))
+        fmt = next(a.fmt for a in tree_leaves((args, kwargs or {})) if isinstance(a, QuantizedWeight))
+        out = func(*tree_map(main_weight, args), **tree_map(main_weight, kwargs or {}))
         for i, arg in enumerate(func._schema.arguments):  # a write to a main weight: a new version
             value = args[i] if i < len(args) else (kwargs or {}).get(arg.name)
             if isinstance(value, QuantizedWeight) and arg.alias_info is not None and arg.alias_info.is_write:
@@ -102,9 +102,6 @@ class QuantizedWeight(torch.Tensor):
     @property
     def stats(self) -> GatherStats:
         return _STATS.setdefault(_key(self._data), GatherStats())
-
-    def plain(self) -> torch.Tensor:
-        return self._data
 
     # --- FSDP2 all-gather extension -------------------------------------------------------
 
@@ -151,16 +148,17 @@ class QuantizedWeight(torch.Tensor):
         self.stats.gathers += 1
         self.stats.payload.append(f"{dtype_name(payload.dtype)}:{payload.numel() * payload.element_size()}")
         if self.fmt == "mxfp8":  # E8M0 exponents, one byte per block, gathered beside the elements
-            exps = torch.full((padded, outer_size[-1] // F.BLOCK), 127, dtype=torch.uint8)
+            exps = torch.full((padded, outer_size[-1] // F.BLOCK), 127, dtype=torch.uint8, device=self._data.device)
             exps[: scale.shape[0]] = (torch.log2(scale) + 127).to(torch.uint8)
             self.stats.payload.append(f"uint8:{exps.numel()}")
             gathered = [torch.empty_like(exps) for _ in range(mesh.size())]
             dist.all_gather(gathered, exps, group=mesh.get_group())
-            meta = torch.exp2(torch.cat(gathered).float() - 127)
+            every = torch.cat(gathered)
+            meta = torch.exp2(every.float() - 127)
             if self.stats.exponents is None:
-                self.stats.exponents = torch.cat(gathered)[: outer_size[0]].clone()
+                self.stats.exponents = every[: outer_size[0]].clone()
         else:
-            gathered = [torch.empty(1) for _ in range(mesh.size())]
+            gathered = [torch.empty(1, device=self._data.device) for _ in range(mesh.size())]
             dist.all_gather(gathered, scale.reshape(1).float(), group=mesh.get_group())
             meta = torch.cat(gathered)  # each rank's scale: equal when the amax was global
             self.stats.scales = meta.tolist()
@@ -183,13 +181,8 @@ class QuantizedWeight(torch.Tensor):
         return weight, (weight,)
 
 
-def _flat(args, kwargs):
-    from torch.utils._pytree import tree_leaves
-
-    return tree_leaves((args, kwargs or {}))
-
-
-def _unwrap(t):
+def main_weight(t):
+    """The FP32 main weight inside a :class:`QuantizedWeight`; anything else as it is."""
     return t._data if isinstance(t, QuantizedWeight) else t
 
 
@@ -197,8 +190,6 @@ def quantize_weights(model: nn.Module, formats: dict[str, str]) -> None:
     """Replace each planned parameter (FQN -> format) with its :class:`QuantizedWeight`."""
     modules = dict(model.named_modules())
     for fqn, fmt in formats.items():
-        if fmt == "none":
-            continue
         owner, _, name = fqn.rpartition(".")
         p = getattr(modules[owner], name)
         setattr(modules[owner], name, nn.Parameter(QuantizedWeight(p.detach(), fmt), requires_grad=p.requires_grad))
@@ -217,9 +208,9 @@ def plain_state(state: dict) -> dict:
 
     def plain(v):
         if isinstance(v, DTensor) and isinstance(v.to_local(), QuantizedWeight):
-            return DTensor.from_local(v.to_local().plain(), v.device_mesh, v.placements, shape=v.shape,
+            return DTensor.from_local(main_weight(v.to_local()), v.device_mesh, v.placements, shape=v.shape,
                                       stride=v.stride(), run_check=False)
-        return v.plain() if isinstance(v, QuantizedWeight) else v
+        return main_weight(v)
     return {k: plain(v) for k, v in state.items()}
 
 
