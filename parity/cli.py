@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import sys
 
@@ -255,13 +256,47 @@ def cmd_run(args) -> int:
     return max(0, _execute(args, opts, matrix, cells))
 
 
+#: Run options whose value, when given, may make a run narrower than its matrix; cell ids
+#: show what ``-k``/``--ranks``/``--paths`` and the axis options left out, but not ``--steps``.
+NARROWING = ("filter", "ranks", "paths", "steps", *AXIS_OPTIONS)
+_FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "paths", "steps", *AXIS_OPTIONS)}}
+
+
+def _scope(opts: dict | None, ran: list[str]) -> dict:
+    """What a gate's evidence covers against the complete matrix its run names: the matrix,
+    a digest of its complete cell list, the options that narrowed it, the counts run vs
+    expected and the cells left out. ``complete`` only when every cell of the matrix ran with
+    the matrix's step count and no fault (docs/gate.md, rule "complete matrix")."""
+    if not isinstance(opts, dict) or not opts.get("matrix"):
+        return {"complete": False, "left_out": ["the run records no options (not run by parity run/gate)"]}
+    opts = {**RUN_DEFAULTS, **opts}
+    full = {**opts, **{k: None for k in NARROWING}, "fault": []}
+    matrix, cells = _select(full)
+    expected = sorted(c.id for c in cells)
+    steps = cells[0].steps if cells else 0
+    missing = sorted(set(expected) - set(ran))
+    given = {k: opts[k] for k in NARROWING if opts.get(k) not in (None, [])}
+    left_out = [f"{len(missing)} of {len(expected)} cells not run (e.g. {missing[0]})"] if missing else []
+    if given.get("steps") not in (None, steps):
+        left_out.append(f"--steps {given['steps']} instead of the matrix's {steps}")
+    if opts["fault"]:
+        left_out.append(f"faults injected: {', '.join(opts['fault'])}")
+    digest = hashlib.sha256(f"steps={steps}\n".encode() + "\n".join(expected).encode()).hexdigest()[:16]
+    return {"complete": not left_out, "left_out": left_out, "matrix": matrix.name, "matrix_digest": digest,
+            "cells_expected": len(expected), "cells_run": len(set(ran) & set(expected)), "steps": opts["steps"] or steps,
+            "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
+
+
 def cmd_gate(args) -> int:
-    """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO per model."""
+    """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO / PARTIAL per model."""
     from parity.paths import check_path
     from parity.report import gate, outdir
     from parity.report.records import read_records
 
     candidate = check_path(args.candidate)
+    if args.fault:
+        raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
+                         "test the checks with python -m parity run --fault NAME")
     if args.from_dir:
         out = args.from_dir
         if not os.path.isfile(os.path.join(out, outdir.CELLS)):
@@ -295,9 +330,13 @@ def cmd_gate(args) -> int:
             if mine:
                 d.decision = gate.NO_GO
                 d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
+    scope = _scope(manifest.get("options"), list(manifest.get("cells") or []))
+    gate.apply_scope(decisions, scope)
+    env = manifest.get("environment") or {}
     meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
-            "matrix": (manifest.get("options") or {}).get("matrix", ""),
-            "cells": len(manifest.get("cells", [])), "records": len(records)}
+            "matrix": scope.get("matrix", ""), "cells": len(manifest.get("cells", [])), "records": len(records),
+            "scope": scope, "device": manifest.get("device", ""),
+            "versions": {k: env.get(k, "") for k in ("torch", "cuda", "nccl", "python")}}
     gate.write(out, decisions, records, meta=meta)
     from parity.report.html import write_html
 
@@ -307,8 +346,7 @@ def cmd_gate(args) -> int:
         why = "; ".join(d.reasons or d.notes)
         print(f"{d.model:<{width}}  {d.decision:<14}  {why[:200]}")
     print(f"gate: {out}/gate.md, {out}/gate.json")
-    go = bool(decisions) and all(d.decision in (gate.GO, gate.NOT_APPLICABLE) for d in decisions)
-    return 0 if go else 1
+    return 0 if gate.is_go(decisions) else 1
 
 
 def cmd_report(args) -> int:

@@ -30,7 +30,7 @@ from parity.execute.pool import CellFailure, Interrupted, RankPool
 from parity.judge.cell import base_fields, failure_record, judge_cell
 from parity.judge.compare import cross_path
 from parity.judge.divergence import NUMERIC, locate
-from parity.judge.record import BAD, Record, Verdict
+from parity.judge.record import BAD, Record, Unpaired, Verdict
 from parity.matrix.cell import Cell
 from parity.report import outdir
 from parity.report.junit import write_junit
@@ -182,8 +182,8 @@ class _Run:
         for c in todo:
             self.group_cells.setdefault(c.pair_id, []).append(c)
         self.baseline_judged: dict[str, object] = {}
-        self.unpaired: dict[tuple[str, str], str] = {}
-        """(pair group, path) -> why that cell has nothing to be compared with or from."""
+        self.unpaired: dict[tuple[str, str], tuple[Unpaired, str]] = {}
+        """(pair group, path) -> (code, words): why that cell has nothing to be compared with or from."""
         self.paired: set[tuple[str, str]] = set()
 
     def _skip(self, cell: Cell) -> str:
@@ -227,14 +227,14 @@ class _Run:
     def _run_one(self, cell: Cell, signals) -> list[Record]:
         reason = self._skip(cell)
         if reason:
-            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} was skipped: {reason}"
+            self.unpaired[cell.pair_id, cell.path] = (Unpaired.SKIPPED, f"{cell.path} was skipped: {reason}")
             return [Record(**base_fields(cell), check="run", name="cell", verdict=Verdict.SKIP, detail=reason)]
         try:
             observations = self._observe(cell, signals)
         except CellFailure as exc:
             if signals():  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
-            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} did not finish ({exc.verdict})"
+            self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH, f"{cell.path} did not finish ({exc.verdict})")
             return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
@@ -243,15 +243,16 @@ class _Run:
             judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device),
                                 require_native=self.options.require_native)
         except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
-            self.unpaired[cell.pair_id, cell.path] = f"{cell.path} could not be judged"
+            self.unpaired[cell.pair_id, cell.path] = (Unpaired.NOT_JUDGED, f"{cell.path} could not be judged")
             return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
         new = judged.records
         if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):
             new = new + self._divergence(cell, signals, new[0])
         if judged.run is None:
             self.unpaired[cell.pair_id, cell.path] = (
-                f"{new[0].path_taken} raised the fixture's expected isolation error" if new[0].verdict == Verdict.PASS
-                else f"{cell.path} did not train ({new[0].check} {new[0].verdict})")
+                (Unpaired.EXPECTED_ISOLATION_ERROR, f"{new[0].path_taken} raised the fixture's expected isolation error")
+                if new[0].verdict == Verdict.PASS
+                else (Unpaired.DID_NOT_TRAIN, f"{cell.path} did not train ({new[0].check} {new[0].verdict})"))
         else:
             if cell.path == cell.baseline:
                 self.baseline_judged[cell.pair_id] = (cell, judged)
@@ -290,13 +291,14 @@ class _Run:
             if cell.path == cell.baseline or (group, cell.path) in self.paired:
                 continue
             if any(c.path == cell.baseline for c in self.group_cells[group]):
-                why = self.unpaired.get((group, cell.baseline)) or self.unpaired.get((group, cell.path), "")
+                code, why = self.unpaired.get((group, cell.baseline)) or self.unpaired.get(
+                    (group, cell.path), (Unpaired.NOT_JUDGED, "no comparison was made"))
             else:
-                why = f"the baseline {cell.baseline} was not run for this cell (filtered out)"
+                code, why = Unpaired.BASELINE_NOT_RUN, f"the baseline {cell.baseline} was not run for this cell (filtered out)"
             if (group, cell.baseline) in self.unpaired and (group, cell.path) not in self.unpaired:
                 why += f"; {cell.path} was judged against the reference alone"
             base = {**base_fields(cell), "cell": group, "path": f"{cell.baseline}~{cell.path}"}
-            rows.append(Record(**base, check="pair", name=cell.path, verdict=Verdict.UNPAIRED, detail=why))
+            rows.append(Record(**base, check="pair", name=code, verdict=Verdict.UNPAIRED, detail=why))
         return rows
 
     def _observe(self, cell: Cell, signals):

@@ -65,8 +65,11 @@ def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go(
     for bad in (rec("m", "native", 0, verdict="FAIL", ratio=3.0),
                 rec("m", "native", 0, check="param", verdict="INCONCLUSIVE", ratio=0.0),
                 rec("m", "legacy~native", 0, verdict="FAIL", ratio=2.0, taken=""),
-                rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="",
+                rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="did-not-finish",
                     detail="legacy did not finish (ERROR)"),
+                # the gate reads the code, not the words
+                rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="did-not-finish",
+                    detail="legacy raised the fixture's expected isolation error"),
                 rec("m", "legacy", 1, verdict="ERROR")):
         d = decide(healthy() + [bad], "m", "native")
         assert d.decision == NO_GO, bad
@@ -76,7 +79,7 @@ def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go(
 
 def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
     rows = [rec("m", "native", 0), rec("m", "legacy", 0, check="expected_error"),
-            rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="",
+            rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="expected-isolation-error",
                 detail="legacy raised the fixture's expected isolation error; native was judged against the "
                        "reference alone")]
     d = decide(rows, "m", "native")
@@ -145,3 +148,43 @@ def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("5", "1", "1")
     failure = suite.find("testcase[@name='param']/failure")
     assert "observed 0.003, allowed 0.001, ratio 3.0" in failure.get("message")
+
+
+def test_narrowed_evidence_is_partial_and_a_no_go_stays_no_go():
+    from parity.report.gate import PARTIAL, apply_scope, is_go
+
+    good, bad = decide(healthy("a"), "a", "native"), decide(healthy("b") + [rec("b", "native", 0, verdict="FAIL")],
+                                                            "b", "native")
+    apply_scope([good, bad], {"complete": False, "left_out": ["46 of 48 cells not run"], "options": {"-k": "x"}})
+    assert (good.decision, bad.decision) == (PARTIAL, NO_GO) and not is_go([good])
+    assert good.reasons[0].startswith("partial evidence, would be GO on what ran: 46 of 48 cells not run")
+
+
+@pytest.mark.parametrize("narrow, left_out", [
+    ({"filter": "fixture == 'kda'"}, "cells not run"),
+    ({"ranks": "1"}, "cells not run"),
+    ({"paths": "legacy"}, "cells not run"),
+    ({"steps": 1}, "--steps 1 instead of the matrix's 2"),
+    ({"fault": ["perturb_grad"]}, "faults injected: perturb_grad"),
+    ({"seed": 3}, "cells not run"),
+])
+def test_a_gate_is_complete_only_on_the_whole_matrix_with_its_steps_and_no_fault(narrow, left_out):
+    from parity.cli import RUN_DEFAULTS, _scope, _select
+
+    whole = {**RUN_DEFAULTS, "matrix": "smoke"}
+    _, cells = _select(whole)
+    full = _scope(whole, [c.id for c in cells])
+    assert full["complete"] and full["cells_run"] == full["cells_expected"] == 48 and not full["left_out"]
+    opts = {**whole, **narrow}
+    _, ran = _select(opts)
+    scope = _scope(opts, [c.id for c in ran])
+    assert not scope["complete"] and any(left_out in x for x in scope["left_out"]), scope
+    assert scope["matrix_digest"] == full["matrix_digest"]
+    assert _scope(None, [])["complete"] is False  # a directory that records no options proves nothing
+
+
+def test_gate_refuses_injected_faults(capsys):
+    from parity.cli import main
+
+    assert main(["gate", "--fault", "perturb_grad", "-k", "ranks == 1"]) == 2
+    assert "gate refuses --fault" in capsys.readouterr().err

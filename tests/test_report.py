@@ -1,5 +1,6 @@
 """Bench, compare, the HTML report (and its rendering in headless Chromium), the CI workflow."""
 
+import json
 import csv
 import os
 import re
@@ -21,10 +22,27 @@ def _parity(*args, timeout=600):
 def gated(tmp_path_factory):
     """A small real gate run with a deliberate fault, so there are failing records."""
     out = str(tmp_path_factory.mktemp("report") / "run")
-    proc = _parity("gate", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+    proc = _parity("run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
                    "--fault", "perturb_grad", "--out", out)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = _parity("gate", "--from", out)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("report")
+def test_a_gate_over_a_filtered_faulted_run_records_what_it_left_out(gated):
+    """gate.json says what the decision is worth: the matrix, its digest, what ran of it and
+    the faults; the failing model stays NO-GO (partial evidence never hides a failure)."""
+    meta = json.load(open(os.path.join(gated, "gate.json")))
+    scope = meta["scope"]
+    assert scope["matrix"] == "smoke" and len(scope["matrix_digest"]) == 16 and not scope["complete"]
+    assert scope["cells_run"] == 2 and scope["cells_expected"] == 48 and scope["faults"] == ["perturb_grad"]
+    assert scope["options"] == {"-k": "fixture == 'kda' and ranks == 1 and microbatches == 1"}
+    assert meta["versions"]["torch"] and meta["device"] == "cpu"
+    assert [d["decision"] for d in meta["decisions"]] == ["NO-GO"]
+    assert "complete: **no**" in open(os.path.join(gated, "gate.md")).read()
 
 
 @pytest.mark.slow

@@ -21,6 +21,24 @@ class Verdict(StrEnum):
     """A cross-path pair that could not be compared (the reason is in ``detail``)."""
 
 
+class Unpaired(StrEnum):
+    """Why a ``baseline~path`` pair was not compared: the ``name`` of its UNPAIRED row (the
+    gate decides on these codes; ``detail`` says it in words)."""
+
+    EXPECTED_ISOLATION_ERROR = "expected-isolation-error"
+    """One side raised the isolation error the model declares: nothing to compare, by design."""
+    SKIPPED = "skipped"
+    """One side was skipped (a matrix skip, too few GPUs)."""
+    DID_NOT_FINISH = "did-not-finish"
+    """One side crashed or hung (ERROR / TIMEOUT)."""
+    NOT_JUDGED = "not-judged"
+    """One side's judging failed."""
+    DID_NOT_TRAIN = "did-not-train"
+    """One side stopped before training (an unexpected error or an undeclared refusal)."""
+    BASELINE_NOT_RUN = "baseline-not-run"
+    """The baseline's cell was not in the run (filtered out)."""
+
+
 VERDICTS = tuple(v.value for v in Verdict)
 #: TIMEOUT/ERROR > FAIL > INCONCLUSIVE > UNPAIRED > PASS > SKIP.
 SEVERITY = {Verdict.ERROR: 5, Verdict.TIMEOUT: 5, Verdict.FAIL: 4, Verdict.INCONCLUSIVE: 3, Verdict.UNPAIRED: 2,

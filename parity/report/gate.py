@@ -16,6 +16,9 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
     the model's declared isolation error.
 - **GO** otherwise. When the baseline cannot shard the model (declared isolation error),
   the note says that the candidate was judged against the reference alone.
+- **PARTIAL** replaces GO and NOT APPLICABLE when the evidence is narrower than the matrix
+  it names (:func:`apply_scope`): a filter, other ranks or paths, fewer steps, an axis
+  override or an injected fault. A NO-GO stays NO-GO (what ran already failed).
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from parity.judge.record import BAD, Record, Verdict
+from parity.judge.record import BAD, Record, Unpaired, Verdict
 from parity.report.summary import cell_verdicts, is_pair, ratio_distribution
 
-GO, NO_GO, NOT_APPLICABLE = "GO", "NO-GO", "NOT APPLICABLE"
+GO, NO_GO, NOT_APPLICABLE, PARTIAL = "GO", "NO-GO", "NOT APPLICABLE", "PARTIAL"
 
 
 @dataclass
@@ -100,7 +103,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                          f"{candidate} cannot be compared with it there")
     d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
     unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
-    accepted = [r for r in unpaired if "raised the fixture's expected isolation error" in r.detail]
+    accepted = [r for r in unpaired if r.name == Unpaired.EXPECTED_ISOLATION_ERROR]
     others = [r for r in unpaired if r not in accepted]
     if others:
         d.reasons.append(f"{len(others)} pairs not compared: {others[0].detail}")
@@ -110,6 +113,24 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def apply_scope(decisions: list[Decision], scope: dict) -> None:
+    """GO / NOT APPLICABLE become PARTIAL when ``scope`` (what ran against the complete
+    matrix) is not complete; the reason says what was left out."""
+    if scope.get("complete"):
+        return
+    flags = ", ".join(f"{k} {v}" for k, v in scope.get("options", {}).items())
+    why = "; ".join(scope.get("left_out", [])) + (f" (options: {flags})" if flags else "")
+    for d in decisions:
+        if d.decision in (GO, NOT_APPLICABLE):
+            d.reasons.insert(0, f"partial evidence, would be {d.decision} on what ran: {why}")
+            d.decision = PARTIAL
+
+
+def is_go(decisions: list[Decision]) -> bool:
+    """Exit 0 only when there is a decision and every one is GO or NOT APPLICABLE."""
+    return bool(decisions) and all(d.decision in (GO, NOT_APPLICABLE) for d in decisions)
 
 
 def evaluate(records: list[Record], candidate: str = "native") -> list[Decision]:
@@ -124,7 +145,8 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
     for d in decisions:
         text = "; ".join(d.reasons or d.notes) or "every check passed"
         md.append(f"| {d.model} | **{d.decision}** | {text.replace('|', '/')[:400]} |")
-    md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", "", "## Evidence", ""]
+    md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", ""]
+    md += ["## What ran", ""] + _scope_lines(meta.get("scope", {}), meta) + ["", "## Evidence", ""]
     for d in decisions:
         md += [f"### {d.model}: {d.decision}", ""]
         md += [f"- {k}: {v}" for k, v in d.counts.items()]
@@ -133,5 +155,15 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
     with open(os.path.join(out, "gate.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")
     with open(os.path.join(out, "gate.json"), "w") as fh:
-        json.dump({**meta, "decisions": [asdict(d) for d in decisions],
-                   "go": all(d.decision in (GO, NOT_APPLICABLE) for d in decisions)}, fh, indent=2)
+        json.dump({**meta, "decisions": [asdict(d) for d in decisions], "go": is_go(decisions)}, fh, indent=2)
+
+
+def _scope_lines(scope: dict, meta: dict) -> list[str]:
+    versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items() if v)
+    lines = [f"- matrix `{scope.get('matrix', '?')}` (digest `{scope.get('matrix_digest', '?')}`), "
+             f"{scope.get('cells_run', '?')} of {scope.get('cells_expected', '?')} cells, {scope.get('steps', '?')} steps",
+             f"- options: {', '.join(f'`{k} {v}`' for k, v in scope.get('options', {}).items()) or 'none'}; "
+             f"faults: {', '.join(scope.get('faults', [])) or 'none'}",
+             f"- device {meta.get('device', '?')}; {versions or 'versions not recorded'}",
+             "- complete: yes" if scope.get("complete") else f"- complete: **no** ({'; '.join(scope.get('left_out', []))})"]
+    return lines
