@@ -86,6 +86,16 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
     return out
 
 
+
+def reduction_module():
+    """FSDP's private module whose ``foreach_reduce`` the reduction probe wraps; None when this
+    torch build has no such module or function (the probe is then blind: an ERROR, not a SKIP)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+    except ImportError:
+        return None
+    return pg if callable(getattr(pg, "foreach_reduce", None)) else None
+
 class Recorder:
     def __init__(self, model: nn.Module, report: ShardReport):
         self.model = model
@@ -126,9 +136,8 @@ class Recorder:
         return hook
 
     def _patch_reduce(self) -> None:
-        try:
-            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
-        except ImportError:
+        pg = reduction_module()
+        if pg is None:
             self.reduce_observable = False
             return
         self._pg, self._orig_reduce = pg, pg.foreach_reduce

@@ -105,6 +105,23 @@ def perturb_input_grad():
     return swap_attr(fsdp_classes()[1], "_cast_forward_inputs", make)
 
 
+def detach_input():
+    def make(orig):
+        def _cast_forward_inputs(self, args, kwargs):
+            args, kwargs = orig(self, args, kwargs)
+            if self._is_root:  # the root's cast cuts the input out of the graph
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            return args, kwargs
+        return _cast_forward_inputs
+    return swap_attr(fsdp_classes()[1], "_cast_forward_inputs", make)
+
+
+def hide_reduction():
+    from parity.execute import probes
+
+    return swap_attr(probes, "reduction_module", lambda orig: lambda: None)  # a build without the module
+
+
 def perturb_grad():
     def make(orig):
         def _root_post_backward_final_callback(self):

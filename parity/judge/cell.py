@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
-from parity.judge import composition, contracts, quantized
+from parity.judge import composition, contracts, coverage, quantized
 from parity.judge.compare import Assembled, Comparison, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
@@ -42,7 +43,7 @@ def _fallback_kind(reason: str, expect: str, expected_reason: str) -> str:
     build`` (the API is missing here), or ``undeclared``."""
     if reason.startswith("unsupported build"):  # never what a model declares
         return "unsupported build"
-    return "declared" if expect == "fallback" and expected_reason in reason else "undeclared"
+    return "declared" if expect == "fallback" and expected_reason and expected_reason in reason else "undeclared"
 
 
 def _expected_error_records(cell: Cell, observations: list[Observation], fixture, expect: str,
@@ -61,6 +62,9 @@ def _expected_error_records(cell: Cell, observations: list[Observation], fixture
         return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
                        detail=f"{why}{cell.path} was expected to shard this fixture: {first}")]
     declared = [p for p in fixture.expects(rep.taken, get_path(rep.taken).contract)[1].split(",") if p]
+    if not declared:  # a declaration naming nothing would accept any error
+        return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
+                       detail=f"{rep.taken} raised an isolation error the fixture does not declare for it: {first}")]
     missing = [(o.rank, p) for o in observations for p in declared if p not in o.expected_error]
     if missing:
         detail = "; ".join(f"rank {r} does not name {p}" for r, p in missing) + f" (rank 0: {first})"
@@ -110,4 +114,29 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     records += contracts.check(cell, observations, ref, base)
     records += composition.check(cell, observations, plan, base)
     records += quantized.check(cell, observations, plan, [before for before, _ in replayed], base)
+    silent = _no_gradient(cell, plan, ref)
+    if silent:
+        records = [_as_finding(r, silent) for r in records] + [coverage.no_gradient_record(sorted(silent), base)]
+    owed = coverage.owed(cell, plan, token_input=fixture.token_input, quantizable=fixture.quantizable,
+                         no_gradient=silent)
+    records.append(coverage.record(owed, records, base))
     return Judged(records, comps, run)
+
+
+#: Checks that judge a parameter's gradient; for a parameter without any they say nothing.
+_GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "trajectory")
+
+
+def _no_gradient(cell: Cell, plan, ref) -> set[str]:
+    """Trainable parameters the reference (no FSDP) never differentiates within the cell's steps."""
+    return {t.fqn for t in plan.params if t.requires_grad and t.trainable_from < cell.steps
+            and all(t.fqn not in ref.grads[s] for s in range(t.trainable_from, cell.steps))}
+
+
+def _as_finding(r: Record, silent: set[str]) -> Record:
+    """A gradient check of a parameter without gradient is not a dtype defect: SKIP, pointing at
+    the ``no-gradient`` finding that reports it."""
+    if r.check in _GRADIENT_CHECKS and r.name in silent:
+        return dataclasses.replace(r, verdict=Verdict.SKIP, ratio="", detail="no gradient in the reference "
+                                   "either: reported by the no-gradient record, not a dtype defect")
+    return r

@@ -64,6 +64,12 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
 
 
+def _missing(actual, expected) -> bool:
+    """An observation that is absent (stood in for by an empty tensor) where one was expected."""
+    return (isinstance(actual, torch.Tensor) and actual.numel() == 0
+            and isinstance(expected, torch.Tensor) and expected.numel() > 0)
+
+
 def amax(t: torch.Tensor) -> float:
     return float(t.double().abs().max()) if t.numel() else 0.0
 
@@ -105,6 +111,8 @@ class Comparison:
         signal = self.signal if self.signal is not None else (
             amax(self.expected) if isinstance(self.expected, torch.Tensor) else abs(self.expected))
         verdict = conclusive(verdict, self.allowance.allowed, signal)
+        if _missing(self.actual, self.expected):
+            detail = "missing: the run produced nothing to compare"
         detail = "; ".join(x for x in (detail, self.allowance.basis) if x)
         fp64 = ""
         if self.truth is not None:
@@ -136,12 +144,14 @@ def plan_comparisons(
             allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
             t = truth.outputs[k][d] if truth else None
             out.append(Comparison(step, "output", f"rank{r}/mb{mb}", actual, expected, allow, t))
-            g = run.input_grads[k][r]
-            if g is not None:
-                eg = ref.input_grads[k][d]
-                allow = tolerance.last_rounding(_input_grad_dtype(plan, eg), amax(eg))
-                t = truth.input_grads[k][d] if truth else None
-                out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", g, eg, allow, t))
+            g, eg = run.input_grads[k][r], ref.input_grads[k][d]
+            if eg is None:  # the reference's input has no gradient (token input): nothing to expect
+                continue
+            allow = tolerance.last_rounding(_input_grad_dtype(plan, eg), amax(eg))
+            t = truth.input_grads[k][d] if truth else None
+            # a sharded run whose input got no gradient (a path that detached it) is missing evidence
+            actual = g if g is not None else torch.zeros(0)
+            out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", actual, eg, allow, t))
     for step, grads in enumerate(ref.grads):
         spread = 0.0  # sum over gradients of numel x allowance^2
         for f, expected in grads.items():
@@ -191,6 +201,7 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             r, mb = c.name.split("/")
             k = step * micro + int(mb[2:])
             other = (second.outputs if c.check == "output" else second.input_grads)[k][int(r[4:])]
+            other = other if other is not None else torch.zeros(0)  # missing: judged as such
         elif c.check == "grad":
             other = second.grads[step].get(c.name, torch.zeros(0))
         elif c.check == "param":

@@ -57,8 +57,10 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
                               f"{cell.steps} steps"))
             continue
         want = dtype_name(t.reduce)
-        if not c.reduce_observable:
-            rows.append(_skip(base, "dtype.reduce", t.fqn, "this torch build gives no hook on FSDP's reduction"))
+        if not c.reduce_observable:  # a probe that cannot observe is an error, never a pass by absence
+            rows.append(Record(**base, check="dtype.reduce", name=t.fqn, verdict=Verdict.ERROR,
+                               detail="the reduction probe could not hook FSDP's reduction in this torch build "
+                                      "(torch.distributed.fsdp._fully_shard._fsdp_param_group.foreach_reduce)"))
         else:
             got = ",".join(c.reduce.get(t.fqn, ["<no reduction seen>"]))
             how = "reduce-scatter input" if cell.ranks > 1 else "reduce buffer (no collective on 1 rank)"
@@ -156,7 +158,8 @@ def identity_checks(obs: Observation, base: dict) -> list[Record]:
     rows = []
     for stage in ("sharded", "lazy_init", "trained"):
         snap = getattr(c, stage)
-        if snap is None:
+        if snap is None:  # a snapshot that never arrived is missing evidence
+            rows.append(_row(base, "names", f"named_parameters@{stage}", False, "a snapshot", "none taken"))
             continue
         for key, label in (("params", "named_parameters"), ("state_dict", "state_dict")):
             want, got = getattr(un, key), getattr(snap, key)

@@ -153,7 +153,7 @@ def validate(spec: object, where: str) -> Fixture:
                          f"{', '.join(IGNORED_REDUCTIONS)}")
     for key, value in spec.expect.items():
         kind, _, text = value.partition(":") if isinstance(value, str) else ("", "", "")
-        if kind not in OUTCOMES or (kind == "fallback" and not text):
+        if kind not in OUTCOMES or not any(x.strip() for x in text.split(",")):  # a declaration names what it expects
             raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
                              "fallback:TEXT (TEXT: part of the reason)")
     try:

@@ -1,0 +1,95 @@
+"""The evidence contract of a cell: which records it must produce, derived before looking.
+
+Every other check judges what arrived; this one judges whether everything that should have
+arrived did. From the cell's axes, the model's declaration and the precision plan (never from
+the observations) it derives the records the cell owes:
+
+- ``output`` and, unless the model's input is integer tokens, ``input_grad`` for every step,
+  rank and micro-batch;
+- ``grad`` and ``param`` for every trainable parameter at every step it trains, ``grad_norm``
+  at every step, ``trajectory`` for every parameter trained by the last step;
+- ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps;
+- ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
+  ``quant.blocks`` (MX) for every quantized weight;
+- ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
+  the checkpoint lifecycle.
+
+A ``coverage`` record FAILs, naming what is missing, when any owed record is absent or is a
+SKIP without a stated reason. A parameter that gets no gradient in the reference either (a
+property of the model, e.g. behind an ``argmax``) owes no ``grad``/``param``/``trajectory``
+records; it is reported as a ``no-gradient`` finding instead.
+"""
+
+from __future__ import annotations
+
+from parity.judge.record import Record, Verdict
+from parity.matrix.cell import Cell
+from parity.model.formats import layout
+from parity.model.plan import PrecisionPlan
+
+#: Owed records a cell's coverage row names at most (the count says how many more).
+NAMED = 8
+
+
+def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tuple[str, ...] = (),
+         no_gradient: set[str] = frozenset()) -> list[tuple]:
+    """``(check, name, step)`` triples the cell must produce; ``step`` None: any step,
+    ``name`` None: any name. Quantized weights come from the model's declared ``quantizable``
+    layers and the cell's ``weights`` axis, not from the plan the worker resolved."""
+    out: list[tuple] = []
+    trained = [t for t in plan.params if t.requires_grad and t.fqn not in no_gradient]
+    for step in range(cell.steps):
+        for r in range(cell.ranks):
+            for mb in range(cell.microbatches):
+                out.append(("output", f"rank{r}/mb{mb}", step))
+                if not token_input:
+                    out.append(("input_grad", f"rank{r}/mb{mb}", step))
+        out.append(("grad_norm", "global", step))
+        for t in trained:
+            if t.trainable_from <= step:
+                out += [("grad", t.fqn, step), ("param", t.fqn, step)]
+    out += [("trajectory", t.fqn, cell.steps - 1) for t in trained if t.trainable_from < cell.steps]
+    out += [("dtype.reduce", t.fqn, None) for t in plan.params
+            if t.trainable and t.trainable_from < cell.steps and t.fqn not in no_gradient]
+    for fqn, fmt in layout(quantizable, cell.weights).items():
+        if fmt != "none":
+            kind = "quant.scale" if fmt == "fp8-tensorwise" else "quant.blocks"
+            out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
+    if cell.lifecycle:
+        out.append(("checkpoint.same", None, None))
+        if cell.crossload_target:
+            out.append(("checkpoint.cross", None, None))
+    return out
+
+
+def _key(check: str, name: str | None, step) -> str:
+    return check + (f" {name}" if name is not None else "") + (f" @step {step}" if step is not None else "")
+
+
+def record(owed_rows: list[tuple], records: list[Record], base: dict) -> Record:
+    """One ``coverage`` record: PASS when every owed record is present (a SKIP counts only
+    with a stated reason), else FAIL naming the first missing ones and how many."""
+    present = [(r.check, r.name, r.step) for r in records if r.verdict != Verdict.SKIP or r.detail.strip()]
+    exact = set(present)
+    by_name = {(c, n) for c, n, _ in present}
+    checks = {c for c, _, _ in present}
+    missing = [_key(*o) for o in owed_rows
+               if not ((o[1] is None and o[0] in checks) or (o[2] is None and (o[0], o[1]) in by_name)
+                       or (o[0], o[1], o[2]) in exact)]
+    if not missing:
+        return Record(**base, check="coverage", name="records", observed=0.0, allowed=0.0, ratio=0.0,
+                      verdict=Verdict.PASS, detail=f"all {len(owed_rows)} owed records present")
+    more = f" and {len(missing) - NAMED} more" if len(missing) > NAMED else ""
+    return Record(**base, check="coverage", name="records", observed=float(len(missing)), allowed=0.0,
+                  ratio=float("inf"), verdict=Verdict.FAIL,
+                  detail=f"missing {len(missing)} of {len(owed_rows)} owed records: " + "; ".join(missing[:NAMED]) + more)
+
+
+def no_gradient_record(names: list[str], base: dict) -> Record:
+    """The model finding: trainable parameters that no computation differentiates, in the
+    reference as in the sharded run -- not a defect of a path."""
+    shown = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+    return Record(**base, check="no-gradient", name="model", observed=float(len(names)), allowed=0.0,
+                  ratio=float("inf"), verdict=Verdict.FAIL,
+                  detail=f"{len(names)} trainable parameter(s) get no gradient in the reference either (a property "
+                         f"of the model, the same on every path; freeze them or route gradients to them): {shown}")
