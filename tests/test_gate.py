@@ -129,10 +129,15 @@ def test_trajectory_allows_twice_the_emulations_distance_to_fp64_and_no_more():
     own = {n: p + 1e-3 for n, p in truth.items()}  # the emulation's own error
     fp64, emulated = ReferenceRun(params=[truth]), ReferenceRun(params=[own])
     base = dict(cell="c", fixture="m", path="native")
-    close = {n: p - 1.5e-3 for n, p in truth.items()}  # 1.5 x the emulation's distance
+    close = {n: p + 1.5e-3 for n, p in truth.items()}  # 1.5 x the emulation's distance, beside it
     far = {n: p + 3e-3 for n, p in truth.items()}  # 3 x
     assert {r.verdict for r in trajectory_records([close], emulated, fp64, init, plan, base)} == {Verdict.PASS}
-    assert {r.verdict for r in trajectory_records([far], emulated, fp64, init, plan, base)} == {Verdict.FAIL}
+    assert {r.verdict for r in trajectory_records([far], emulated, fp64, init, plan, base)
+            if r.check == "trajectory"} == {Verdict.FAIL}
+    # as close to FP64, but on the far side of it from the recipe it emulates: only the direct bound sees it
+    across = {n: p - 1.5e-3 for n, p in truth.items()}
+    verdicts = {(r.check, r.verdict) for r in trajectory_records([across], emulated, fp64, init, plan, base)}
+    assert verdicts == {("trajectory", Verdict.PASS), ("trajectory.emulation", Verdict.FAIL)}
 
 
 def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.record import Record, conclusive, judge, vacuity
+from parity.judge.record import Record, Verdict, conclusive, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
 
@@ -27,6 +27,13 @@ class Assembled:
     grad_norms: list[float] = field(default_factory=list)
 
 
+def replicated(plan: PrecisionPlan, fqn: str, value, whole: bool) -> bool:
+    """Whether every rank holds the whole of ``fqn`` (whole-tensor observations of 2-D meshes,
+    ignored parameters, scalars such as an optimizer's step) rather than a dim-0 shard."""
+    entry = plan.get(fqn)
+    return whole or bool(entry and entry.ownership == "ignored") or not isinstance(value, torch.Tensor) or value.dim() == 0
+
+
 def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict], whole: bool = False) -> torch.Tensor:
     """The full tensor of ``fqn`` from each rank's local piece: FSDP2 shards dim 0 in rank
     order, so local shards concatenate; ignored parameters (and scalars such as an
@@ -35,8 +42,7 @@ def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict], whole: bool
     if any(fqn not in d for d in per_rank):
         return torch.zeros(0)
     first = per_rank[0][fqn]
-    entry = plan.get(fqn)  # a name the plan does not know is judged as missing elsewhere
-    if whole or (entry and entry.ownership == "ignored") or not isinstance(first, torch.Tensor) or first.dim() == 0:
+    if replicated(plan, fqn, first, whole):  # every rank's copy is held to rank 0's: agreement_records
         return first
     return torch.cat([d[fqn] for d in per_rank], dim=0)
 
@@ -55,6 +61,36 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
         run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
         run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
     return run
+
+
+def agreement_records(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+    """Every rank is a witness of what is replicated: each step's global gradient norm (one
+    all-reduced scalar) and every replicated gradient and parameter must be bitwise the same
+    on every rank, since the judged values are rank 0's. One ``ranks`` record per step."""
+    rows = []
+    first, whole = observations[0], observations[0].whole
+    for step in range(len(first.grad_norms)):
+        problems = [f"rank {o.rank}: grad_norm {o.grad_norms[step]!r} vs rank 0's {first.grad_norms[step]!r}"
+                    for o in observations[1:] if o.grad_norms[step:step + 1] != first.grad_norms[step:step + 1]]
+        for kind in ("grads", "params"):
+            mine = getattr(first, kind)[step]
+            for fqn, value in mine.items():
+                if not replicated(plan, fqn, value, whole):
+                    continue
+                problems += [f"rank {o.rank}: {kind[:-1]} {fqn} differs from rank 0's" for o in observations[1:]
+                             if not _same(getattr(o, kind)[step].get(fqn), value)]
+        ok = not problems
+        rows.append(Record(**base, step=step, check="ranks", name="replicated", observed=0.0 if ok else 1.0,
+                           allowed=0.0, ratio=0.0 if ok else math.inf, verdict=Verdict.PASS if ok else Verdict.FAIL,
+                           detail=f"grad norm and replicated tensors bitwise equal on all {len(observations)} ranks"
+                           if ok else "; ".join(problems)[:1000]))
+    return rows
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return a == b
 
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Shard
 
 from parity.execute.observation import Observation
-from parity.judge.contracts import _row
+from parity.judge.contracts import _row, on_every_rank
 from parity.judge.record import Record
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -80,5 +80,5 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base
     owned = any(t.ownership == "ignored" or t.parallel for t in plan.params)
     if cell.mesh == "fsdp" and not owned:
         return []
-    rows = reduction_checks(cell, obs, plan, base)
+    rows = on_every_rank([reduction_checks(cell, o, plan, base) for o in observations])
     return rows + ownership_checks(cell, observations, plan, base)

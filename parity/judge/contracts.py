@@ -8,12 +8,14 @@ A contract record has ``observed`` 1 (broken) or 0 (held) against ``allowed`` 0.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, gather_full
-from parity.judge.record import Record, Verdict
+from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -116,9 +118,10 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     natural = dtype_name(ref.outputs[0][0].dtype)
     expected = cell.axes()["output_dtype"]
     expected = natural if expected == "natural" else expected
-    got = dtype_name(obs.outputs[0].dtype)
+    got = ",".join(sorted({dtype_name(o.dtype) for o in obs.outputs})) or "<no output>"
     rows.append(_row(base, "dtype.output", "<root>", got == expected, expected, got,
-                     f"requested {cell.output_dtype}; parameter and reduction dtypes are checked per parameter"))
+                     f"requested {cell.output_dtype}, every forward of this rank; parameter and reduction dtypes "
+                     "are checked per parameter"))
     return rows
 
 
@@ -271,15 +274,43 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     return rows
 
 
+def on_every_rank(per_rank: list[list[Record]]) -> list[Record]:
+    """One record per (check, name) from the same check run on each rank's observation: every
+    rank is a witness. The worst rank's verdict wins and the detail names each rank that
+    broke the contract; a record one rank produced and another did not is a FAIL for the
+    rank that is silent."""
+    keyed = [{(r.check, r.name, r.step): r for r in rows} for rows in per_rank]
+    order = list(dict.fromkeys(k for rows in keyed for k in rows))
+    merged = []
+    for key in order:
+        seen = [(rank, rows.get(key)) for rank, rows in enumerate(keyed)]
+        present = [r for _, r in seen if r is not None]
+        worst = max(present, key=lambda r: SEVERITY[r.verdict])
+        silent = [rank for rank, r in seen if r is None]
+        bad = [(rank, r) for rank, r in seen if r is not None and r.verdict != Verdict.PASS and r.verdict != Verdict.SKIP]
+        if not bad and not silent:
+            n = len(per_rank)
+            merged.append(replace(worst, detail=f"{worst.detail}; on all {n} ranks" if n > 1 else worst.detail))
+            continue
+        detail = "; ".join([f"rank {rank}: {r.detail}" for rank, r in bad] + [f"rank {rank}: no record" for rank in silent])
+        verdict = worst.verdict if bad else Verdict.FAIL
+        merged.append(replace(worst, verdict=verdict, detail=detail[:1000],
+                              observed=worst.observed if bad else 1.0, ratio=worst.ratio if bad else float("inf")))
+    return merged
+
+
+def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
+    """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
+    names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
+    return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
+            + unit_policy_checks(obs, plan, base) + identity_checks(obs, base) + marker_checks(obs, base))
+
+
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
     obs = observations[0]
     plan = obs.plan
-    rows = dtype_checks(cell, obs, plan, base)
+    rows = on_every_rank([per_rank_checks(cell, o, plan, ref, base) for o in observations])
     rows += buffer_checks(observations, ref, plan, base)
-    rows += boundary_checks(cell, obs, ref, plan, base)
-    rows += unit_policy_checks(obs, plan, base)
-    rows += identity_checks(obs, base)
-    rows += marker_checks(obs, base)
     if obs.contracts.resume is not None:
         rows += optimizer_checks(cell, observations, plan, base)
         rows += resume_checks(cell, observations, plan, base)

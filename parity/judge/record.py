@@ -13,7 +13,7 @@ class Verdict(StrEnum):
     PASS = "PASS"
     FAIL = "FAIL"
     INCONCLUSIVE = "INCONCLUSIVE"
-    """Within its allowance, but the allowance is at least as large as what it judges."""
+    """Within its allowance, but the allowance is at least half of what it judges (:data:`BAR`)."""
     ERROR = "ERROR"
     TIMEOUT = "TIMEOUT"
     SKIP = "SKIP"
@@ -82,7 +82,7 @@ class Record:
     signal: float | str = ""
     """The size of what was judged (max |expected|; max |dp| of the step for parameters)."""
     allowed_over_signal: float | str = ""
-    """``allowed / signal``: at 1 or more the allowance proves nothing (INCONCLUSIVE)."""
+    """``allowed / signal``: at :data:`BAR` or more the allowance proves too little (INCONCLUSIVE)."""
 
 
 COLUMNS = [f.name for f in fields(Record)]
@@ -105,8 +105,13 @@ def vacuity(allowed: float, signal: float) -> float:
     return allowed / signal if signal > 0 else math.inf
 
 
+#: The largest share of the judged signal an allowance may take: at half, a change of the
+#: signal's own size still lands at least twice the allowance away from the expectation.
+BAR = 0.5
+
+
 def conclusive(verdict: Verdict, allowed: float, signal: float) -> Verdict:
-    """A PASS whose allowance is at least as large as what it judges is INCONCLUSIVE."""
-    if verdict == Verdict.PASS and vacuity(allowed, signal) >= 1.0:
+    """A PASS whose allowance is at least half of what it judges is INCONCLUSIVE."""
+    if verdict == Verdict.PASS and vacuity(allowed, signal) >= BAR:
         return Verdict.INCONCLUSIVE
     return verdict

@@ -59,4 +59,21 @@ def trajectory_records(sharded: list[dict[str, torch.Tensor]], own: ReferenceRun
                            ratio=ratio, dtype=dtype_name(t.storage), verdict=verdict,
                            detail="; ".join(x for x in (how, basis) if x), signal=signal,
                            allowed_over_signal=vacuity(allowed, signal)))
+        rows.append(_direct(base, last, t, s, own.params[last][t.fqn], allowed, signal, d_e, floor))
     return rows
+
+
+def _direct(base: dict, last: int, t, s: torch.Tensor, e: torch.Tensor, allowed: float, signal: float,
+            d_e: float, floor: float) -> Record:
+    """``trajectory.emulation``: the sharded run against the emulating reference itself,
+    ``d(S, E) <= 2 d(E, F) + u |F|`` -- the same budget as against FP64, so a run that drifts
+    from the recipe it emulates fails even where FP64 is far from both (the triangle
+    inequality alone would allow ``3 d(E, F)``)."""
+    d_se = _l2(s, e)
+    ratio, verdict, how = judge(d_se, allowed)
+    verdict = conclusive(verdict, allowed, signal)
+    basis = (f"L2 after {last + 1} steps, sharded vs emulation: {MULTIPLE:g} x d(emulation, fp64) {d_e:.3g} + "
+             f"1 x u({dtype_name(t.storage)}) x |fp64| {floor:.3g}")
+    return Record(**base, step=last, check="trajectory.emulation", name=t.fqn, observed=d_se, allowed=allowed,
+                  ratio=ratio, dtype=dtype_name(t.storage), verdict=verdict,
+                  detail="; ".join(x for x in (how, basis) if x), signal=signal, allowed_over_signal=vacuity(allowed, signal))
