@@ -107,8 +107,8 @@ def order_cells(cells: list[Cell]) -> list[Cell]:
 
 
 def _partner(cell: Cell, paths: list[str]) -> str:
-    """The path a baseline cell's checkpoint is cross-loaded into: the run's first other path."""
-    return next((p for p in paths if p != cell.baseline), "")
+    """The paths a baseline cell's checkpoint is cross-loaded into: every other path of the run."""
+    return ",".join(p for p in paths if p != cell.baseline)
 
 
 class _Signals:

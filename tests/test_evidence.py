@@ -77,14 +77,19 @@ def test_an_empty_declared_fallback_reason_matches_nothing():
 @pytest.mark.xdist_group("evidence")
 def test_a_parameter_without_gradient_is_a_model_finding_not_a_dtype_defect(run_matrix):
     source = os.path.join(os.path.dirname(__file__), "plugins", "argmax_router.py") + ":parity_model"
-    # seed 1: no checkpoint lifecycle (DCP cannot save an AdamW state the router never got; a finding left open)
-    cells = [Cell(fixture="argmax_router", path=p, ranks=2, seed=1, source=source) for p in ("legacy", "native")]
+    cells = [Cell(fixture="argmax_router", path=p, ranks=2, source=source) for p in ("legacy", "native")]
     code, records = run_matrix(cells)
     assert code == 1
     own = [r for r in records if "~" not in r["path"]]
+    # DCP cannot restore an AdamW state the router never got: the lifecycle's ERROR stands beside
+    # the cell's numeric evidence instead of replacing it
+    lifecycle = [r for r in own if r["check"].startswith("checkpoint.") and r["verdict"] == "ERROR"]
+    assert lifecycle and all("failed" in r["detail"] for r in lifecycle)
+    assert {r["check"] for r in own if r["verdict"] == "PASS"} >= {"grad", "param", "output", "coverage"}
     findings = [r for r in own if r["check"] == "no-gradient"]
     assert len(findings) == 2 and all("router" in r["detail"] and r["verdict"] == "FAIL" for r in findings)
     about_router = [r for r in own if r["name"] == "router" and r["check"] in ("dtype.reduce", "trajectory")]
     assert about_router and {r["verdict"] for r in about_router} == {"SKIP"}
     assert {r["check"] for r in own if r["verdict"] == "FAIL"} == {"no-gradient"}
+    assert {r["check"] for r in own if r["verdict"] == "ERROR"} <= {"checkpoint.same", "checkpoint.cross"}
     assert {r["verdict"] for r in own if r["check"] == "coverage"} == {"PASS"}

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 
 from parity.errors import IsolationError
 from parity.execute.observation import MarkerSeen, Observation, Resumed
@@ -26,6 +27,9 @@ from parity.model.registry import get_fixture
 
 #: Steps 0..RESUME_STEP-1 run before the checkpoint; step RESUME_STEP runs after loading it.
 RESUME_STEP = 1
+#: What a failed save or load raises: DCP gathers every rank's error into a CheckpointException,
+#: which derives from BaseException, not Exception.
+_FAILURES = (Exception, CheckpointException)
 
 
 def _move(model: nn.Module, device) -> None:
@@ -73,41 +77,57 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     if world > 1:
         dist.broadcast_object_list(ckpt_dir, src=0)
     out: dict[str, Resumed] = {}
-    targets = [cell.path] + [t for t in (cell.crossload_target,) if t and t != cell.path]
+    targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
     try:
-        first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
-        for step in range(RESUME_STEP):
-            train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
-                       heartbeat=heartbeat)
-        msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
-        saved = {"model": plain_state(msd), "optim": osd}
-        if first.scaler is not None:  # float16: the loss scale is training state too
-            saved["scaler"] = first.scaler.state_dict()
-        dcp.save(saved, checkpoint_id=ckpt_dir[0])
-        heartbeat("checkpoint saved")
+        try:
+            _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
+                  heartbeat=heartbeat)
+        except _FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
+            return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
         for target in targets:
             try:
-                s = build(cell, target, mesh=mesh, device=device, inject=inject)
+                out[target] = _load_and_step(cell, target, ckpt_dir[0], rank=rank, world=world, mesh=mesh,
+                                             device=device, inject=inject, heartbeat=heartbeat)
             except IsolationError as exc:
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
-                continue
-            msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-            state = {"model": plain_state(msd), "optim": osd}
-            if s.scaler is not None:
-                state["scaler"] = s.scaler.state_dict()
-            dcp.load(state, checkpoint_id=ckpt_dir[0])
-            if s.scaler is not None:
-                s.scaler.load_state_dict(state["scaler"])
-            dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"],
-                                          optim_state_dict=state["optim"])
-            heartbeat(f"checkpoint loaded into {target}")
-            obs = Observation(rank=rank)
-            train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
-            out[target] = Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
-                                  optim=optimizer_state(cell, s.model, s.opt))
+            except _FAILURES as exc:  # recorded against the path that failed
+                out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
     finally:
         if world > 1:
             dist.barrier()
         if rank == 0:
             shutil.rmtree(ckpt_dir[0], ignore_errors=True)
     return out
+
+
+def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat) -> None:
+    """Train ``RESUME_STEP`` steps on the cell's path and save model, optimizer (and scaler) with DCP."""
+    first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
+    for step in range(RESUME_STEP):
+        train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
+                   heartbeat=heartbeat)
+    msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
+    saved = {"model": plain_state(msd), "optim": osd}
+    if first.scaler is not None:  # float16: the loss scale is training state too
+        saved["scaler"] = first.scaler.state_dict()
+    dcp.save(saved, checkpoint_id=ckpt)
+    heartbeat("checkpoint saved")
+
+
+def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector,
+                   heartbeat) -> Resumed:
+    """Load the checkpoint into a fresh model sharded by ``target`` and train one more step."""
+    s = build(cell, target, mesh=mesh, device=device, inject=inject)
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+    state = {"model": plain_state(msd), "optim": osd}
+    if s.scaler is not None:
+        state["scaler"] = s.scaler.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    if s.scaler is not None:
+        s.scaler.load_state_dict(state["scaler"])
+    dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    heartbeat(f"checkpoint loaded into {target}")
+    obs = Observation(rank=rank)
+    train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
+    return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
+                   optim=optimizer_state(cell, s.model, s.opt))

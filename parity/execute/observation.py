@@ -55,6 +55,9 @@ class Resumed:
     taken: str = ""
     skip: str = ""
     """Why this path could not be loaded into (it cannot shard the model)."""
+    error: str = ""
+    """What failed while saving, loading into or training this path (an ERROR record beside
+    the cell's other evidence, never in place of it)."""
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optim: dict[str, dict] = field(default_factory=dict)

@@ -126,7 +126,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
 
 
 #: Checks that judge a parameter's gradient; for a parameter without any they say nothing.
-_GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "trajectory")
+_GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "trajectory", "trajectory.emulation", "optim.state")
 
 
 def _no_gradient(cell: Cell, plan, ref) -> set[str]:

@@ -241,6 +241,14 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
 
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
+        errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations
+                  if target in o.contracts.resume and o.contracts.resume[target].error]
+        if errors:  # against the path that failed, beside the cell's other evidence
+            failed = base if target == cell.path else {
+                **base, "cell": replace(cell, path=target, crossload="").id, "path": target, "path_taken": target}
+            rows.append(Record(**failed, check=f"checkpoint.{tag}", name=target, verdict=Verdict.ERROR,
+                               detail=f"checkpoint from {cell.path}: " + "; ".join(errors)[:1000]))
+            continue
         if r0.skip:
             rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
             continue

@@ -57,7 +57,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
     if cell.lifecycle:
         out.append(("checkpoint.same", None, None))
-        if cell.crossload_target:
+        if cell.crossload_targets:
             out.append(("checkpoint.cross", None, None))
     return out
 

@@ -70,8 +70,8 @@ class Cell:
     trace: bool = False
     """Also record per-module outputs and input gradients (re-runs of failing cells)."""
     crossload: str = ""
-    """The path the checkpoint lifecycle loads this cell's checkpoint into; empty: the
-    baseline (for the baseline itself: no cross-load)."""
+    """The paths (comma-separated) the checkpoint lifecycle loads this cell's checkpoint into;
+    empty: the baseline (for the baseline itself: no cross-load)."""
 
     def __post_init__(self):
         if self.microbatches == 1 and self.sync != "every":
@@ -130,8 +130,13 @@ class Cell:
         )
 
     @property
-    def crossload_target(self) -> str:
-        return self.crossload or (self.baseline if self.path != self.baseline else "")
+    def crossload_targets(self) -> list[str]:
+        """Paths the lifecycle loads this cell's checkpoint into besides its own: ``crossload``
+        (comma-separated; the runner gives a baseline every other path of the run), else the
+        baseline (for the baseline itself: none)."""
+        if self.crossload:
+            return self.crossload.split(",")
+        return [self.baseline] if self.path != self.baseline else []
 
     def axes(self) -> dict:
         d = asdict(self)
