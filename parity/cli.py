@@ -99,39 +99,60 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_for_plan(args):
+def _models_for_plan(args) -> list:
     from parity.model.registry import get_fixture, load_source
 
     if not args.fixture and not args.model:
         raise UsageError("plan: give --fixture NAME, --model pkg.module:factory, or both (a model of that source)")
     if args.model and not args.fixture:
-        return load_source(args.model)[0]
-    return get_fixture(args.fixture, args.model or "")
+        return list(load_source(args.model))  # every model the factory returns
+    return [get_fixture(args.fixture, args.model or "")]
 
 
 def cmd_plan(args) -> int:
     from parity.model.dtypes import parse_dtype
-    from parity.model.plan import PrecisionConfig, resolve_plan
-    from parity.paths import path_names, plan_sharding
+    from parity.model.plan import PrecisionConfig
 
-    fixture = _model_for_plan(args)
     config = PrecisionConfig(
         param_dtype=parse_dtype(args.param_dtype, what="--param-dtype"),
         reduce_dtype=parse_dtype(args.reduce_dtype, what="--reduce-dtype", allow_natural=True),
         output_dtype=parse_dtype(args.output_dtype, what="--output-dtype", allow_natural=True),
     )
+    for i, fixture in enumerate(_models_for_plan(args)):
+        print(("\n" if i else "") + _describe_plan(fixture, config))
+    return 0
+
+
+def _describe_plan(fixture, config) -> str:
+    """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
+    FP32 name rules resolve differently, and every path's units."""
+    from parity.judge.plan import declared_fp32
+    from parity.model.plan import fp32_disagreements
+    from parity.paths import path_names, plan_sharding
+
     model = fixture.make(0)
     ignored = fixture.ignored(model)
-    plan = resolve_plan(model, config, ignored, fixture.keep_fp32)
-    print(f"fixture {fixture.name}: {fixture.description}\n")
-    print(plan.table())
+    plan = fixture.resolve(model, config, ignored)
+    out = [f"fixture {fixture.name}: {fixture.description}", "", plan.table(), ""]
+    resolved = declared_fp32(plan)
+    if fixture.expect_fp32 is None:
+        out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; "
+                   "declared: not declared (Fixture.expect_fp32)")
+    else:
+        declared = set(fixture.expect_fp32)
+        differ = sorted(resolved ^ declared)
+        out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; declared "
+                   + ("the same" if not differ else f"differently for {', '.join(differ)} (the plan check fails)"))
+    for fqn, by_framework, by_tokens in fp32_disagreements(model, fixture.keep_fp32):
+        out.append(f"rules disagree: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' rule, "
+                   f"{'FP32' if by_tokens else 'not FP32'} under whole name parts (Fixture.fp32_rule)")
     for path in path_names():
-        print()
+        out.append("")
         try:
-            print(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
+            out.append(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
         except ValueError as exc:
-            print(f"path requested={path}: error: {exc}")
-    return 0
+            out.append(f"path requested={path}: error: {exc}")
+    return "\n".join(out)
 
 
 def cmd_fixtures(args) -> int:
@@ -233,6 +254,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         if recorded.get("cells") != manifest["cells"]:
             raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
+    _warn_rule_disagreements(cells)
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"], junit=opts["junit"] or "")
@@ -242,6 +264,20 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         code = run_cells(cells, options, skip_reason=skip, executor=executor)
         return code if executor.rank == 0 else -1
     return run_cells(cells, options, skip_reason=matrix.skip_reason)
+
+
+def _warn_rule_disagreements(cells) -> None:
+    """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
+    the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
+    from parity.model.plan import fp32_disagreements
+    from parity.model.registry import get_fixture
+
+    for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
+        fixture = get_fixture(name, source)
+        for fqn, by_framework, _ in fp32_disagreements(fixture.make(0), fixture.keep_fp32):
+            print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
+                  f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "
+                  f"fp32_rule={fixture.fp32_rule!r} (see python -m parity plan)", file=sys.stderr)
 
 
 def cmd_run(args) -> int:

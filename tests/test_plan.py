@@ -52,7 +52,7 @@ def test_ties_and_ignored():
     assert entry.ownership == "ignored" and entry.compute == torch.float32 and entry.reduce is None
 
 
-def test_strict_names_match_on_tokens_not_substrings():
+def test_strict_names_match_as_the_chosen_rule_reads_them():
     class M(nn.Module):
         _keep_in_fp32_modules_strict = ["A_log"]
 
@@ -61,9 +61,10 @@ def test_strict_names_match_on_tokens_not_substrings():
             self.A_log = nn.Parameter(torch.zeros(2))
             self.A_logits = nn.Parameter(torch.zeros(2))
 
-    plan = resolve_plan(M(), PrecisionConfig())
-    assert plan["A_log"].compute == torch.float32
-    assert plan["A_logits"].compute == torch.bfloat16
+    tokens = resolve_plan(M(), PrecisionConfig(), fp32_rule="tokens")
+    assert tokens["A_log"].compute == torch.float32 and tokens["A_logits"].compute == torch.bfloat16
+    framework = resolve_plan(M(), PrecisionConfig())  # transformers searches the pattern: A_logits too
+    assert framework["A_log"].compute == torch.float32 and framework["A_logits"].compute == torch.float32
 
 
 def test_canonical_fqn_drops_wrapper_tokens():
@@ -114,3 +115,54 @@ def test_dtype_table_is_the_single_source():
     assert parse_dtype("natural", allow_natural=True) is None
     with pytest.raises(UsageError, match="valid: natural, float32, bfloat16, float16"):
         parse_dtype("float8", what="output_dtype", allow_natural=True, allowed=("float32", "bfloat16", "float16"))
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = _Norm()
+        self.gate_proj = torch.nn.Linear(4, 4, bias=False)
+
+
+class _Declares(torch.nn.Module):
+    """A model a new user would try: ``norm`` and ``gate`` declared strict FP32."""
+
+    _keep_in_fp32_modules_strict = ["norm", "gate"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block()])
+        self.final_norm = _Norm()
+
+
+def test_strict_fp32_names_mean_what_transformers_means_and_the_other_reading_is_shown():
+    from parity.model.plan import fp32_disagreements
+
+    model = _Declares()
+    by_framework = resolve_plan(model, PrecisionConfig())
+    by_tokens = resolve_plan(model, PrecisionConfig(), fp32_rule="tokens")
+    fp32 = {p: {t.fqn for t in plan.params if t.compute == torch.float32} for p, plan in
+            (("transformers", by_framework), ("tokens", by_tokens))}
+    assert fp32["transformers"] == {"blocks.0.norm.weight", "blocks.0.gate_proj.weight", "final_norm.weight"}
+    assert fp32["tokens"] == {"blocks.0.norm.weight"}
+    assert fp32_disagreements(model) == [("blocks.0.gate_proj.weight", True, False), ("final_norm.weight", True, False)]
+
+
+def test_the_transformers_rule_agrees_with_the_installed_transformers():
+    """The second oracle for the name rule: transformers' own pattern builder and search."""
+    loading = pytest.importorskip("transformers.core_model_loading")
+    from parity.model.plan import matches
+
+    patterns = ["norm", "gate", "A_log", "dt_bias", "e_score_correction_bias", "mlp.gate.weight", "layers.*.norm"]
+    names = ["final_norm.weight", "model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.gate.weight",
+             "model.layers.0.linear_attn.A_log", "x.dt_bias", "model.layers.3.input_layernorm.weight", "lm_head.weight"]
+    for pattern in patterns:
+        regex = loading.build_glob_alternation([pattern])[0]
+        for name in names:
+            assert matches(name, pattern) == bool(regex.search(name)), (pattern, name)

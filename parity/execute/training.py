@@ -22,7 +22,7 @@ from parity.execute.observation import Observation
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
-from parity.model.plan import PrecisionPlan, canonical_fqn, resolve_plan
+from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
 from parity.model.recipe import loss_scale, make_optimizer
 from parity.model.registry import get_fixture
@@ -76,7 +76,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         raise UsageError(f"weights {cell.weights!r}: fixture {cell.fixture!r} declares no quantizable layers "
                          "(Fixture.quantizable); run it with weights 'none'")
     quantize_weights(model, formats)  # before FSDP: it shards the wrapper and calls its all-gather hooks
-    plan = resolve_plan(model, cell.precision(), ignored, fixture.keep_fp32, fixture.unfreeze, owners, formats)
+    plan = fixture.resolve(model, cell.precision(), ignored, parallel=owners, formats=formats)
     if obs is not None:
         obs.plan = plan
     plan = inject.site("plan", plan)

@@ -81,6 +81,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"input_grad"}, _KDA2, patch=p.detach_input),
     _fault("hide_reduction", "a torch build without FSDP's private reduction module (_fsdp_param_group.foreach_reduce): the probe is blind",
            {"dtype.reduce"}, _KDA2, patch=p.hide_reduction, scopes=_MAIN),
+    _fault("resolver_misses_strict_name", "the ranks' plan resolution misses the strict-FP32 name dt_bias "
+           "(everything downstream, the reference included, follows the wrong plan)",
+           {"plan"}, _KDA2, patch=p.resolver_misses_strict_name),
     _fault("perturb_grad", "one finalized gradient is off by 1e-4 (FSDPState._root_post_backward_final_callback)",
            {"grad", "grad_norm"}, _KDA2, patch=p.perturb_grad),
     _fault("scale_grad_norm", "the sharded global norm is 1% high (torch.nn.utils.clip_grad_norm_)",

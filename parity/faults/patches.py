@@ -122,6 +122,16 @@ def hide_reduction():
     return swap_attr(probes, "reduction_module", lambda orig: lambda: None)  # a build without the module
 
 
+def resolver_misses_strict_name():
+    from parity.model import plan
+
+    def make(orig):
+        def matches(fqn, pattern, rule="transformers"):
+            return False if pattern == "dt_bias" else orig(fqn, pattern, rule)  # one declared name is lost
+        return matches
+    return swap_attr(plan, "matches", make)
+
+
 def perturb_grad():
     def make(orig):
         def _root_post_backward_final_callback(self):

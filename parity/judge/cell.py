@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
 from parity.judge import composition, contracts, coverage, quantized
+from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
@@ -111,6 +112,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))
+    records += plan_check.check(cell, fixture, observations, base)
     if cell.ranks > 1:
         records += agreement_records(observations, plan, base)
     records += contracts.check(cell, observations, ref, base)

@@ -194,7 +194,7 @@ def plan_comparisons(
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
             allow = tolerance.gradient(
-                entry.reduce or entry.storage, entry.storage, ref.grad_terms, scale,
+                entry.grad_dtype, entry.storage, ref.grad_terms, scale,
                 # per-use contributions only land separately while accumulating without sync
                 uses=max(1, len(entry.tie_group)) if accumulating else 1, compute_dtype=entry.compute,
             )

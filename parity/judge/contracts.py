@@ -258,7 +258,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         grads = [o.grads[step] for o in observations]
         for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear
             want, t = full(grads, f), plan[f]
-            allow = tolerance.gradient(t.reduce or t.storage, t.storage, cell.ranks * cell.microbatches, amax(want))
+            allow = tolerance.gradient(t.grad_dtype, t.storage, cell.ranks * cell.microbatches, amax(want))
             comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
         params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
         for f in (f for f in params[0] if plan.get(f)):

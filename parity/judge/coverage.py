@@ -8,7 +8,8 @@ the observations) it derives the records the cell owes:
   rank and micro-batch;
 - ``grad`` and ``param`` for every trainable parameter at every step it trains, ``grad_norm``
   at every step, ``trajectory`` for every parameter trained by the last step;
-- ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps;
+- ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps,
+  ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
@@ -49,6 +50,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)]
     out += [("trajectory", t.fqn, cell.steps - 1) for t in trained if t.trainable_from < cell.steps]
+    out += [("plan", t.fqn, None) for t in plan.params]
     out += [("dtype.reduce", t.fqn, None) for t in plan.params
             if t.trainable and t.trainable_from < cell.steps and t.fqn not in no_gradient]
     for fqn, fmt in layout(quantizable, cell.weights).items():

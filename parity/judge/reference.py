@@ -142,7 +142,7 @@ def run_reference(
 
     def reduce_dtype(f):
         t = entries[f]
-        return torch.float64 if fp64 else (t.reduce or t.storage)
+        return torch.float64 if fp64 else t.grad_dtype
 
     for step in range(cell.steps):
         if resync is not None and step > 0:

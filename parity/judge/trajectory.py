@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from parity.judge.record import Record, conclusive, judge, vacuity
+from parity.judge.record import Record, Verdict, conclusive, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.dtypes import dtype_name, unit_roundoff
 from parity.model.plan import PrecisionPlan
@@ -44,6 +44,11 @@ def trajectory_records(sharded: list[dict[str, torch.Tensor]], own: ReferenceRun
     rows = []
     for t in plan.params:
         if not t.requires_grad or t.trainable_from > last:  # never trained in these steps
+            continue
+        if t.trainable_from == last:  # one step: no trajectory beyond it, and ``param`` judges that step
+            rows += [Record(**base, step=last, check=check, name=t.fqn, verdict=Verdict.SKIP,
+                            detail=f"trained for one step only (unfrozen at step {last}): the param check judges it")
+                     for check in ("trajectory", "trajectory.emulation")]
             continue
         truth = fp64.params[last][t.fqn]
         s = sharded[last].get(t.fqn, torch.zeros(0))

@@ -2,8 +2,8 @@
 
 Compute dtype resolves in this order (first match wins):
 
-1. **strict FP32 names** - the model's declared ``_keep_in_fp32_modules_strict`` (matched on
-   FQN tokens, as Hugging Face does) plus tensors marked with
+1. **strict FP32 names** - the model's declared ``_keep_in_fp32_modules_strict`` (matched as
+   transformers matches them, or on whole name parts: :data:`FP32_RULES`) plus tensors marked with
    :func:`parity.model.markers.mark_keep_fp32`;
 2. **recorded compute dtype** - metadata a loader wrote on the tensor
    (:func:`parity.model.markers.set_compute_dtype`);
@@ -20,6 +20,7 @@ Frozen, ignored and non-float tensors have no reduce dtype.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,13 @@ class TensorPlan:
     def trainable(self) -> bool:
         return self.kind == "param" and self.requires_grad and self.ownership == "managed"
 
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype its gradient is summed in -- across ranks, micro-batches and uses: the
+        planned ``reduce`` dtype, else (ignored parameters, reduced by their owner) its storage
+        dtype. The one rule the reference, the allowances and the checkpoint checks share."""
+        return self.reduce or self.storage
+
     def row(self) -> dict[str, str]:
         return {
             "fqn": self.fqn,
@@ -148,26 +156,53 @@ class PrecisionPlan:
         return "\n".join(lines)
 
 
-def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = ()) -> set[str]:
-    """Declared strict-FP32 name patterns (relative to ``model``) plus marked tensors and
-    the recipe's ``extra`` patterns."""
+#: How a strict-FP32 name pattern selects tensors:
+#: ``transformers`` -- what Hugging Face transformers (5.x) does with ``_keep_in_fp32_modules_strict``
+#: (every submodule's patterns pooled, unprefixed; each a regular expression with ``*`` as ``.*``,
+#: *searched* anywhere in the parameter's full name: ``norm`` selects ``final_norm.weight``);
+#: AutoModel loads through it. ``tokens`` -- whole name parts, contiguous, relative to the
+#: declaring module (``norm`` selects ``blocks.0.norm.weight`` but not ``final_norm.weight``).
+FP32_RULES = ("transformers", "tokens")
+
+
+def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = (), rule: str = "transformers") -> set[str]:
+    """Declared strict-FP32 name patterns plus marked tensors and the recipe's ``extra``
+    patterns; under ``tokens`` a class's patterns are prefixed with its module's FQN."""
     patterns = set(fp32_marked(model)) | set(extra)
     for prefix, sub in model.named_modules():
         for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
-            patterns.add(f"{prefix}.{pat}" if prefix else pat)
+            patterns.add(f"{prefix}.{pat}" if prefix and rule == "tokens" else pat)
     return patterns
 
 
-def _matches(fqn: str, pattern: str) -> bool:
-    """True when the pattern's tokens appear contiguously in the FQN's tokens."""
+def matches(fqn: str, pattern: str, rule: str = "transformers") -> bool:
+    """Whether ``pattern`` selects ``fqn`` under ``rule`` (:data:`FP32_RULES`)."""
+    if rule == "transformers":
+        return re.search(pattern.replace("*", ".*"), fqn) is not None
     toks, pat = fqn.split("."), canonical_fqn(pattern).split(".")
     return any(toks[i : i + len(pat)] == pat for i in range(len(toks) - len(pat) + 1))
 
 
-def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: PrecisionConfig):
+def fp32_disagreements(model: nn.Module, extra: tuple[str, ...] = ()) -> list[tuple[str, bool, bool]]:
+    """(FQN, FP32 under ``transformers``, FP32 under ``tokens``) for every floating tensor the
+    two rules resolve differently -- where parity's plan would mean something else than the
+    framework's if the other rule were chosen."""
+    strict = {rule: strict_fp32_names(model, extra, rule) for rule in FP32_RULES}
+    out = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        fqn = canonical_fqn(name)
+        if not t.is_floating_point():
+            continue
+        hits = [any(matches(fqn, p, rule) for p in strict[rule]) for rule in FP32_RULES]
+        if hits[0] != hits[1]:
+            out.append((fqn, *hits))
+    return out
+
+
+def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: PrecisionConfig, rule: str):
     if not tensor.is_floating_point():
         return tensor.dtype, "non-float"
-    if any(_matches(fqn, p) for p in strict):
+    if any(matches(fqn, p, rule) for p in strict):
         return torch.float32, "strict"
     if (recorded := recorded_compute_dtype(tensor)) is not None:
         return recorded, "recorded"
@@ -187,12 +222,13 @@ def resolve_plan(
     model: nn.Module, config: PrecisionConfig, ignored: set[nn.Parameter] | frozenset = frozenset(),
     keep_fp32: tuple[str, ...] = (), unfreeze: Mapping[str, int] | None = None,
     parallel: Mapping[str, str] | None = None, formats: Mapping[str, str] | None = None,
+    fp32_rule: str = "transformers",
 ) -> PrecisionPlan:
     """Resolve the plan for every parameter and buffer of ``model`` (see module docstring);
     ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``); ``unfreeze``
     (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable;
     ``parallel``: FQN -> ownership by tensor or expert parallelism; ``formats``: FQN -> weight format."""
-    strict = strict_fp32_names(model, keep_fp32)
+    strict = strict_fp32_names(model, keep_fp32, fp32_rule)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
     first: dict[int, nn.Parameter] = {}
@@ -203,7 +239,7 @@ def resolve_plan(
     for pid, p in first.items():
         names = aliases[pid]
         fqn = names[0]
-        compute, rule = _resolve_compute(fqn, p, strict, config)
+        compute, rule = _resolve_compute(fqn, p, strict, config, fp32_rule)
         ownership = "ignored" if pid in ignored_ids else "managed"
         later = None if p.requires_grad else unfreeze_step(fqn, unfreeze or {})
         requires_grad = p.requires_grad or later is not None
@@ -230,7 +266,7 @@ def resolve_plan(
         )
     for name, b in model.named_buffers():
         fqn = canonical_fqn(name)
-        compute, rule = _resolve_compute(fqn, b, strict, config)
+        compute, rule = _resolve_compute(fqn, b, strict, config, fp32_rule)
         if rule == "default":
             compute = b.dtype  # FSDP never casts buffers
         tensors.append(

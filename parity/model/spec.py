@@ -18,7 +18,7 @@ from parity.errors import UsageError
 from parity.model.dtypes import parse_dtype
 from parity.model.formats import BLOCK
 from parity.model.markers import set_compute_dtype
-from parity.model.plan import unfreeze_step
+from parity.model.plan import FP32_RULES, resolve_plan, unfreeze_step
 
 #: Outcomes a fixture may declare per path name or per path contract.
 OUTCOMES = ("isolation-error", "fallback")
@@ -98,9 +98,24 @@ class Fixture:
     quantizable: tuple[str, ...] = ()
     """Linear layers (module FQNs) whose weights take the cell's ``weights`` format (FP8 all-gather,
     :mod:`parity.model.formats`); ``mixed`` alternates the two FP8 formats in this order."""
+    fp32_rule: str = "transformers"
+    """How ``_keep_in_fp32_modules_strict`` and ``keep_fp32`` patterns select tensors
+    (:data:`parity.model.plan.FP32_RULES`): as transformers does (the default: a pattern is
+    searched anywhere in the name), or ``tokens`` (whole name parts). ``parity plan`` lists
+    every tensor the two rules resolve differently."""
+    expect_fp32: tuple[str, ...] | None = None
+    """The FQNs the model intends to compute in FP32 under a BF16/FP16 ``param_dtype`` (FP32
+    parameters and marked FP32 buffers), declared by hand: the ``plan`` check holds the
+    resolved plan to it. None: not declared (the plan is then checked across processes only)."""
     source: str = ""
     """Where a plugin came from (``pkg.module:factory`` or ``file.py:factory``); workers
     load it again from here. Empty for registered models."""
+
+    def resolve(self, model: nn.Module, config, ignored=frozenset(), *, parallel=None, formats=None):
+        """The precision plan of ``model`` (this fixture's instance) under ``config``: the one
+        place a fixture's FP32 patterns, rule and unfreezing reach :func:`resolve_plan`."""
+        return resolve_plan(model, config, ignored, self.keep_fp32, self.unfreeze, parallel, formats,
+                            fp32_rule=self.fp32_rule)
 
     def expects(self, path: str, contract: str = "", weights: str = "none") -> tuple[str, str]:
         """(outcome, reason text) expected on ``path``; ("", "") when it should just train.
@@ -170,6 +185,13 @@ def validate(spec: object, where: str) -> Fixture:
     params = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params[n] = p
+    if spec.fp32_rule not in FP32_RULES:
+        raise UsageError(f"{where}: Fixture.fp32_rule {spec.fp32_rule!r}; valid: {', '.join(FP32_RULES)}")
+    tensors = set(params) | {n for n, _ in model.named_buffers()}
+    unknown = [f for f in spec.expect_fp32 or () if f not in tensors]
+    if unknown:
+        raise UsageError(f"{where}: Fixture.expect_fp32 names {unknown[0]!r}, which is not a parameter or buffer "
+                         "of the model; list the FQNs the model keeps in FP32")
     for fqn in spec.compute_dtypes:
         if fqn not in params:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
