@@ -11,10 +11,10 @@ import dataclasses
 import os
 import sys
 
-from parity.arguments import count as _count
 from parity.arguments import csv_list as _csv
 from parity.arguments import integer as _integer
 from parity.arguments import positive as _positive
+from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
@@ -50,7 +50,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
     p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
-    p.add_argument("--steps", type=_count, help="optimizer steps per cell instead of the matrix's")
+    p.add_argument("--steps", type=_steps, help="optimizer steps per cell instead of the matrix's (at most 1000)")
     p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="every cell's reduce_dtype (natural: None)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="every cell's optimizer")
