@@ -13,6 +13,7 @@ from parity.bench.tables import markdown, plot, rows_for, write_csv
 from parity.errors import UsageError
 from parity.execute.pool import CellFailure, RankPool
 from parity.matrix.cell import Cell
+from parity.report.outdir import usable
 
 
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
@@ -24,9 +25,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'parity[plot]' (the numbers need no plot)") from None
-    if os.path.isfile(out_dir):
-        raise UsageError(f"--out {out_dir} is a file; give a directory")
-    os.makedirs(out_dir, exist_ok=True)
+    usable(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     tmp = tempfile.mkdtemp(prefix="parity-bench-")
     pool = RankPool(ranks, device, tmp=tmp)
