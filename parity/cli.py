@@ -213,9 +213,10 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    junit_dir = os.path.dirname(os.path.abspath(opts["junit"])) if opts["junit"] else ""
-    if junit_dir and not os.path.isdir(junit_dir):
-        raise UsageError(f"--junit {opts['junit']}: no folder {junit_dir}; give a path in an existing folder")
+    if opts["junit"]:
+        from parity.report.outdir import writable_file
+
+        writable_file(opts["junit"], "--junit")
     identity = {k: opts[k] for k in RUN_IDENTITY}
     device = resolve_device(opts["device"])
     manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
@@ -285,7 +286,7 @@ def cmd_gate(args) -> int:
     if args.compare_to:
         from parity.report.compare import compare, concerns, digest_of
 
-        old, new = digest_of(args.compare_to, "--compare-to"), digest_of(out, "gate")
+        old, new = digest_of(args.compare_to, "--compare-to", baseline=True), digest_of(out, "gate")
         if old.get("matrix") and new.get("matrix") and old["matrix"] != new["matrix"]:
             raise UsageError(f"--compare-to {args.compare_to}: those results are of matrix {old['matrix']!r}, this gate "
                              f"ran {new['matrix']!r}; compare like with like (gate --matrix {old['matrix']})")
@@ -330,20 +331,69 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
+class _PipeSafe:
+    """``sys.stdout`` while a command runs: when the reader goes away (``parity gate | head -1``), what
+    is left to print goes to ``os.devnull`` and the command finishes, so its exit code is still its
+    verdict's (a NO-GO must not become 0 because nobody read the table)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _closed(self) -> None:
+        devnull = open(os.devnull, "w")
+        try:  # the real stream's buffered rest (flushed at exit) goes nowhere instead of failing
+            os.dup2(devnull.fileno(), self._stream.fileno())
+        except (OSError, ValueError, AttributeError):  # no file descriptor behind it (a test's stream)
+            pass
+        self._stream = devnull
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _one_line(exc: Exception) -> str:
+    """An error's message as the one line parity prints (user code's multi-line messages joined)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _command(args) -> int:
+    commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
+                "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
     try:
-        args = _parser().parse_args(argv)
-        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
-                    "report": cmd_report, "fuzz": fuzz_command,
-                    "fixtures": cmd_fixtures}
         return commands[args.command](args)
+    except SystemExit as exc:  # parity returns its codes; only user code (a model) exits
+        if exc.code not in (0, None):
+            raise
+        raise UsageError(f"{args.command}: user code (a model) called sys.exit({exc.code!r}) while parity was "
+                         "working; a model must not exit") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code (see the module docstring). A :class:`UsageError` is one line on
+    stderr and exit code 2; a closed stdout changes nothing (:class:`_PipeSafe`)."""
+    stdout = sys.stdout
+    sys.stdout = safe = _PipeSafe(stdout)
+    try:
+        return _command(_parser().parse_args(argv))
     except UsageError as exc:
-        print(f"parity: {exc}", file=sys.stderr)
+        print(f"parity: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # stdout closed early (``| head``): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    finally:
+        safe.flush()
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":
