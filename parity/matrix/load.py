@@ -237,7 +237,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         _accumulation(path, v)
     steps = _typed(path, "steps", data.get("steps", 2), int)
     if not 1 <= steps <= MAX_STEPS:
-        raise UsageError(f"{path}: steps must be from 1 to {MAX_STEPS}, not {steps}")
+        raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
     design = _typed(path, "design", data.get("design", "product"), str)
     if design == "product":
         rows = [dict(zip(AXES, vals)) for vals in itertools.product(*(axes[a] for a in AXES))]

@@ -162,7 +162,7 @@ def resume_point(out: str) -> set[str]:
                          "start a new run with --overwrite")
     with open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
-    read_records(cells)
+    read_records(cells, whole=True)
     with open(path, "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     return {e["group"] for e in entries}

@@ -56,16 +56,16 @@ def _parse(row: dict[str, str]) -> Record:
     return Record(**values)
 
 
-def read_records(path: str) -> list[Record]:
-    """Every complete row of a ``cells.csv`` (a torn last line of a killed run is dropped). A file that
-    cannot be read or a row that is not a record (a corrupted file) is a :class:`UsageError` naming
-    its line."""
+def read_records(path: str, *, whole: bool = False) -> list[Record]:
+    """Every complete row of a ``cells.csv`` (a torn last line of a killed run is dropped, unless
+    ``whole``: a file ``--resume`` cut at a recorded boundary has none). A file that cannot be read or a
+    row that is not a record (a corrupted file) is a :class:`UsageError` naming its row."""
     try:
         with open(path, newline="", encoding="utf-8") as fh:
             text = fh.read()
     except (OSError, ValueError) as exc:  # ValueError: not UTF-8
         raise UsageError(f"{path} is unreadable ({exc}); rerun the matrix into a new --out") from None
-    if text and not text.endswith("\n"):
+    if text and not text.endswith("\n") and not whole:
         text = text[: text.rfind("\n") + 1]
     reader = csv.DictReader(text.splitlines(keepends=True))
     try:
@@ -75,7 +75,7 @@ def read_records(path: str) -> list[Record]:
     if reader.fieldnames and list(reader.fieldnames) != COLUMNS:
         raise UsageError(f"{path}: columns differ from this parity version's ({', '.join(COLUMNS[-3:])}, ...); "
                          "rerun the matrix with this version")
-    if rows and (None in rows[-1] or any(v is None for v in rows[-1].values())):
+    if rows and not whole and (None in rows[-1] or any(v is None for v in rows[-1].values())):
         rows = rows[:-1]
     records = []
     for n, row in enumerate(rows, 2):
