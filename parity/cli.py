@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -169,11 +170,41 @@ def _run_settings(args, defaults: dict) -> dict:
     recorded = read_manifest(args.resume).get("options")
     if not isinstance(recorded, dict):
         raise UsageError(f"--resume {args.resume}: run.json records no options (not a parity run directory)")
+    wrong = [k for k in RUN_IDENTITY if k in recorded and not _as_parsed(k, recorded[k])]
+    if wrong:
+        raise UsageError(f"--resume {args.resume}: run.json records {wrong[0]} {recorded[wrong[0]]!r}, which that "
+                         "option cannot be (the file was edited); start a new run with --overwrite")
     for key, value in given.items():
         if key in RUN_IDENTITY and recorded.get(key) != value:
             raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
                              f"({recorded.get(key)!r} recorded, {value!r} given); drop it or start a new run")
     return {**defaults, **recorded, **given, "out": args.resume}
+
+
+@functools.cache
+def _run_actions() -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser()
+    _run_arguments(p, "smoke")
+    return {a.dest: a for a in p._actions}
+
+
+def _as_parsed(key: str, value) -> bool:
+    """Whether ``value`` (recorded in ``run.json``) is what ``run``'s option ``key`` parses to: the same
+    argument types and choices decide (no second table of option types)."""
+    action = _run_actions()[key]
+    if value is None:
+        return True
+    if action.nargs == 0:  # a flag
+        return isinstance(value, bool)
+    if isinstance(action, argparse._AppendAction):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return False
+    try:
+        parsed = (action.type or str)(str(value))
+    except (argparse.ArgumentTypeError, ValueError):
+        return False
+    return parsed == value and (not action.choices or value in action.choices)
 
 
 def _select(opts: dict):

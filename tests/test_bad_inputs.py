@@ -87,7 +87,8 @@ def _files(t) -> dict[str, str]:
                 "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\""}
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
-    for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe"}.items():
+    for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
+                       "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}'}.items():
         f[f"runjson_{name}"] = _write(t / f"runjson_{name}" / "run.json", text).removesuffix("/run.json")
         results(t / f"gate_runjson_{name}", {A: "PASS"})
         _write(t / f"gate_runjson_{name}" / "run.json", text)
@@ -162,6 +163,8 @@ CASES = [
     (["run", "--resume", "{runjson_list}"], "run.json is not a JSON object"),
     (["run", "--resume", "{runjson_options}"], "options is not an object"),
     (["run", "--resume", "{runjson_binary}"], "run.json is unreadable"),
+    (["run", "--resume", "{runjson_paths}"], "run.json records paths 5, which that option cannot be"),
+    (["run", "--resume", "{runjson_steps}"], "run.json records steps 100000"),
     (["run", "--resume", "{resume_progress}"], "progress.jsonl line 1 is not a progress entry"),
     (["run", "--resume", "{resume_progress_shape}"], "progress.jsonl line 2 is not a progress entry"),
     (["run", "--resume", "{resume_cells}"], "cells.csv row 2: not a parity record"),
