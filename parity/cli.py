@@ -1,7 +1,9 @@
-"""``python -m parity``: ``plan``, ``run``, ``gate``, ``fixtures``.
+"""``python -m parity``: ``plan``, ``run``, ``gate``, ``bench``, ``compare``, ``report``, ``fuzz``, ``fixtures``.
 
-Exit codes: 0 success; 1 a cell failed (FAIL/ERROR/TIMEOUT); 2 bad input (one line naming
-the thing and the valid choices); 130/143 interrupted by SIGINT/SIGTERM.
+Exit codes (README, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
+closed stdout does not change it); 1 a bad verdict (a cell FAIL/ERROR/TIMEOUT/INCONCLUSIVE, a
+NO-GO, a regression); 2 bad input, refused before any work (one line naming the thing and the
+fix; a model source exiting at import included); 130/143 interrupted by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
