@@ -365,7 +365,7 @@ def _torch_version() -> str:
 
 
 class _PipeSafe:
-    """``sys.stdout`` while a command runs: when the reader goes away (``parity gate | head -1``), what
+    """``sys.stdout`` (and ``sys.stderr``) while a command runs: when the reader goes away (``parity gate | head -1``), what
     is left to print goes to ``os.devnull`` and the command finishes, so its exit code is still its
     verdict's (a NO-GO must not become 0 because nobody read the table)."""
 
@@ -416,17 +416,18 @@ def _command(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; its exit code (see the module docstring). A :class:`UsageError` is one line on
-    stderr and exit code 2; a closed stdout changes nothing (:class:`_PipeSafe`)."""
-    stdout = sys.stdout
-    sys.stdout = safe = _PipeSafe(stdout)
+    stderr and exit code 2; a closed stdout or stderr changes nothing (:class:`_PipeSafe`)."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = safe = _PipeSafe(streams[0]), _PipeSafe(streams[1])  # ``2>&1 | head`` too
     try:
         return _command(_parser().parse_args(argv))
     except UsageError as exc:
         print(f"parity: {_one_line(exc)}", file=sys.stderr)
         return 2
     finally:
-        safe.flush()
-        sys.stdout = stdout
+        for stream in safe:
+            stream.flush()
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

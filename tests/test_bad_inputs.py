@@ -273,6 +273,9 @@ def test_a_closed_stdout_keeps_the_verdict(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     assert main(["compare", old, new]) == 1
     assert main(["compare", old, old]) == 0
+    monkeypatch.setattr(sys, "stderr", _ClosedPipe())  # parity ... 2>&1 | head -1
+    assert main(["compare", old, new]) == 1
+    assert main(["compare", old, str(tmp_path / "missing")]) == 2
 
 
 def test_a_closed_pipe_keeps_the_verdict_in_a_real_process(tmp_path):
