@@ -11,6 +11,8 @@ from parity.errors import UsageError
 #: The most optimizer steps a cell (``--steps``, a matrix's ``steps``) or a bench (``--steps``,
 #: ``--warmup``) may take: parity checks a few steps; more is a typo, not a plan.
 MAX_STEPS = 1000
+#: Seeds ``torch.manual_seed`` takes (a cell's seed, ``--seed``, a matrix's seed axis).
+SEEDS = range(-(2**63), 2**64)
 
 
 def positive(value: str) -> float:
@@ -34,6 +36,14 @@ def steps(value: str) -> int:
     n = count(value)
     if n > MAX_STEPS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS}, got {value!r}")
+    return n
+
+
+def seed(value: str) -> int:
+    n = integer(value)
+    if n not in SEEDS:
+        raise argparse.ArgumentTypeError(f"must be from {SEEDS.start} to {SEEDS.stop - 1} (torch.manual_seed), "
+                                         f"got {value!r}")
     return n
 
 

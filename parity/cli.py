@@ -15,8 +15,8 @@ import os
 import sys
 
 from parity.arguments import csv_list as _csv
-from parity.arguments import integer as _integer
 from parity.arguments import positive as _positive
+from parity.arguments import seed as _seed
 from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import UsageError
@@ -52,7 +52,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--out", help="output directory (default: results/latest)")
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
-    p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
+    p.add_argument("--seed", type=_seed, help="run every cell with this seed instead of the matrix's")
     p.add_argument("--steps", type=_steps, help="optimizer steps per cell instead of the matrix's (at most 1000)")
     p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="every cell's reduce_dtype (natural: None)")
@@ -365,9 +365,10 @@ def _torch_version() -> str:
 
 
 class _PipeSafe:
-    """``sys.stdout`` (and ``sys.stderr``) while a command runs: when the reader goes away (``parity gate | head -1``), what
-    is left to print goes to ``os.devnull`` and the command finishes, so its exit code is still its
-    verdict's (a NO-GO must not become 0 because nobody read the table)."""
+    """``sys.stdout`` (and ``sys.stderr``) while a command runs: when the reader goes away
+    (``parity gate | head -1``), what is left to print goes to ``os.devnull`` and the command
+    finishes, so its exit code is still its verdict's (a NO-GO must not become 0 because nobody
+    read the table)."""
 
     def __init__(self, stream):
         self._stream = stream

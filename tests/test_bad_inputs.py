@@ -79,7 +79,8 @@ def _files(t) -> dict[str, str]:
          "empty": str(t / "empty")}
     os.makedirs(f["empty"])
     matrices = {"axes": "axes = 3", "ranks": "[axes]\nranks = [true]", "reshard": "[axes]\nreshard = [1]",
-                "seed": "[axes]\nseed = [1.5]", "fixture": "[axes]\nfixture = [1]",
+                "seed": "[axes]\nseed = [1.5]", "seed_huge": "[axes]\nseed = [18446744073709551616]",
+                "fixture": "[axes]\nfixture = [1]",
                 "accumulation": "[axes]\naccumulation = [true]", "skip": 'skip = "never"',
                 "skip_entry": "skip = [1]", "when": '[[skip]]\nwhen = 3\nreason = "r"',
                 "reason": "[[skip]]\nwhen = \"ranks == 1\"\nreason = []", "steps": "steps = true",
@@ -110,7 +111,8 @@ def _files(t) -> dict[str, str]:
         f[f"gatejson_{name}"] = os.path.dirname(_write(os.path.join(d, "gate.json"), text))
     f["digest_notjson"] = os.path.dirname(_write(t / "digest_notjson" / "digest.json", "{"))
     f["digest_shape"] = os.path.dirname(_write(t / "digest_shape" / "digest.json", '{"cells": {"a": "GOOD"}}'))
-    f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv", "fixture,path,metric,value\nkda,legacy,units,x\n"))
+    f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv",
+                                            "fixture,path,metric,value\nkda,legacy,units,x\n"))
     f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
     return f
 
@@ -128,6 +130,8 @@ CASES = [
     (["run", "--matrix", "{matrix_ranks}", "--out", "{out}"], "axes.ranks has True, a boolean; write integers"),
     (["run", "--matrix", "{matrix_reshard}", "--out", "{out}"], "axes.reshard has 1, an integer; write booleans"),
     (["run", "--matrix", "{matrix_seed}", "--out", "{out}"], "axes.seed has 1.5, a float"),
+    (["run", "--matrix", "{matrix_seed_huge}", "--out", "{out}"], "axes.seed has 18446744073709551616; seeds run"),
+    (["run", "--seed", str(2**64), "--out", "{out}"], "--seed: must be from"),
     (["run", "--matrix", "{matrix_fixture}", "--out", "{out}"], "axes.fixture has 1, an integer; write strings"),
     (["run", "--matrix", "{matrix_accumulation}", "--out", "{out}"], "axes.accumulation has True"),
     (["run", "--matrix", "{matrix_skip}", "--out", "{out}"], "skip must be an array of tables, not a string"),

@@ -37,7 +37,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 
-from parity.arguments import MAX_STEPS
+from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
@@ -232,7 +232,10 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     _validate(path, "reshard", axes["reshard"], [True, False])
     for axis, choices in _CHOICES.items():
         _validate(path, axis, axes[axis], list(choices))
-    _validate(path, "seed", axes["seed"])
+    outside = [s for s in _validate(path, "seed", axes["seed"]) if s not in SEEDS]
+    if outside:
+        raise UsageError(f"{path}: axes.seed has {outside[0]}; seeds run from {SEEDS.start} to {SEEDS.stop - 1} "
+                         "(torch.manual_seed)")
     for v in _validate(path, "accumulation", axes["accumulation"]):
         _accumulation(path, v)
     steps = _typed(path, "steps", data.get("steps", 2), int)
@@ -295,7 +298,8 @@ def check_filter(expr: str, what: str = "-k") -> None:
     try:
         tree = ast.parse(expr, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: a NUL byte
-        raise UsageError(f"{what}: cannot parse {_short(expr)}; write e.g. \"fixture == 'kda' and ranks == 2\"") from None
+        raise UsageError(f"{what}: cannot parse {_short(expr)}; "
+                         "write e.g. \"fixture == 'kda' and ranks == 2\"") from None
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id not in FILTER_NAMES:
             raise UsageError(f"{what}: unknown name {node.id!r}; valid: {', '.join(FILTER_NAMES)}")

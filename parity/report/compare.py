@@ -41,11 +41,14 @@ def _read_digest(path: str) -> dict:
     cells, checks, bench = d.get("cells", {}), d.get("checks", {}), d.get("bench", {})
     ok = (isinstance(cells, dict) and all(v in VERDICTS for v in cells.values())
           and isinstance(checks, dict) and all(_number(v) for v in checks.values())
-          and isinstance(bench, dict) and all(isinstance(v, dict) and all(_number(v.get(k)) for k in ("median", "iqr", "n"))
-                                              for v in bench.values()))
+          and isinstance(bench, dict) and all(_bench_entry(v) for v in bench.values()))
     if not ok:
         raise UsageError(f"{path}: not a digest as parity writes it (cells, checks, bench); {fix}")
     return d
+
+
+def _bench_entry(v) -> bool:
+    return isinstance(v, dict) and all(_number(v.get(k)) for k in ("median", "iqr", "n"))
 
 
 def _number(x) -> bool:
