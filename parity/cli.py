@@ -289,6 +289,22 @@ def cmd_run(args) -> int:
     return max(0, _execute(args, opts, matrix, cells))
 
 
+def _gate_baseline(directory: str | None) -> dict | None:
+    """The digest ``gate --compare-to`` compares with (a complete run's), or ``None``."""
+    if not directory:
+        return None
+    from parity.report.compare import digest_of
+
+    return digest_of(directory, "--compare-to", baseline=True)
+
+
+def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> None:
+    """A gate compares like with like: ``--compare-to``'s results must be of the matrix it judges."""
+    if baseline and baseline.get("matrix") and matrix and baseline["matrix"] != matrix:
+        raise UsageError(f"--compare-to {directory}: those results are of matrix {baseline['matrix']!r}, this gate "
+                         f"judges {matrix!r}; compare like with like (gate --matrix {baseline['matrix']})")
+
+
 def cmd_gate(args) -> int:
     """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO per model."""
     from parity.paths import check_path
@@ -296,6 +312,7 @@ def cmd_gate(args) -> int:
     from parity.report.records import read_records
 
     candidate = check_path(args.candidate)
+    baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
         out = args.from_dir
         if not os.path.isfile(os.path.join(out, outdir.CELLS)):
@@ -304,8 +321,10 @@ def cmd_gate(args) -> int:
         if manifest.get("status") != "complete":
             raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
                              f"finish it with python -m parity run --resume {out}")
+        _same_matrix(args.compare_to, baseline, str((manifest.get("options") or {}).get("matrix", "")))
     else:
         opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+        _same_matrix(args.compare_to, baseline, opts["matrix"])
         matrix, cells = _select(opts)
         code = _execute(args, opts, matrix, cells)
         if code < 0:
@@ -316,14 +335,10 @@ def cmd_gate(args) -> int:
             return code  # interrupted: the run already said so
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
-    if args.compare_to:
+    if baseline is not None:
         from parity.report.compare import compare, concerns, digest_of
 
-        old, new = digest_of(args.compare_to, "--compare-to", baseline=True), digest_of(out, "gate")
-        if old.get("matrix") and new.get("matrix") and old["matrix"] != new["matrix"]:
-            raise UsageError(f"--compare-to {args.compare_to}: those results are of matrix {old['matrix']!r}, this gate "
-                             f"ran {new['matrix']!r}; compare like with like (gate --matrix {old['matrix']})")
-        bad, _ = compare(old, new)
+        bad, _ = compare(baseline, digest_of(out, "gate"))
         for d in decisions:
             mine = [b for b in bad if concerns(b, d.model)]
             if mine:

@@ -179,6 +179,10 @@ CASES = [
     (["gate", "--from", "{csv_number}"], "cells.csv row 2: not a parity record"),
     (["gate", "--from", "{csv_binary}"], "cells.csv is unreadable"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
+    (["gate", "--compare-to", "{interrupted}", "--out", "{out}"], "that run is interrupted, not complete"),
+    (["gate", "--compare-to", "{empty}/nope", "--out", "{out}"], "--compare-to {empty}/nope: no such directory"),
+    (["gate", "--compare-to", "{complete}", "--matrix", "default", "--out", "{out}"],
+     "those results are of matrix 'smoke', this gate judges 'default'"),
     (["gate", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
     (["gate", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
     (["gate", "-k", FILTER, "--junit", "{empty}", "--out", "{out}"], "is a directory"),
@@ -201,6 +205,7 @@ CASES = [
     (["compare", "{digest_shape}", "{complete}"], "not a digest as parity writes it"),
     (["compare", "{bench_row}", "{bench_row}"], "bench.csv row 2: not a bench row"),
     (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a positive number"),
+    (["compare", "{complete}", "{complete}", "--write-digest", "{afile}"], "--write-digest {afile}: is a file"),
     # report
     (["report", "{csv_verdict}"], "cells.csv row 2: not a parity record"),
     (["report", "{csv_binary}"], "cells.csv is unreadable"),

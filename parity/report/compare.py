@@ -23,7 +23,7 @@ import os
 
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
-from parity.report.outdir import MANIFEST, read_json, read_manifest
+from parity.report.outdir import MANIFEST, read_json, read_manifest, usable
 from parity.report.records import read_records
 from parity.report.summary import spread
 
@@ -192,11 +192,12 @@ def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
 def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str = "") -> int:
     """``parity compare``: print the report; 1 on a regression. ``write_digest``: also store
     NEW's digest there (a baseline for ``results/baselines/``)."""
+    if write_digest:
+        usable(write_digest, "--write-digest")  # before the comparison: its output must have somewhere to go
     old, new = digest_of(old_dir, "compare", baseline=True), digest_of(new_dir, "compare")
     bad, info = compare(old, new, factor=factor)
     print(report(old_dir, new_dir, bad, info))
     if write_digest:
-        os.makedirs(write_digest, exist_ok=True)
         with open(os.path.join(write_digest, DIGEST), "w") as fh:
             json.dump(new, fh, indent=0, sort_keys=True)
     return 1 if bad else 0

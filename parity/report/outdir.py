@@ -45,18 +45,19 @@ def writable_file(path: str, what: str) -> None:
         os.remove(path)
 
 
-def usable(out: str) -> None:
-    """``out`` is a directory parity can create and write (``--out`` of every command), else a
-    :class:`UsageError`."""
+def usable(out: str, what: str = "--out") -> None:
+    """``out`` is a directory parity can create and write (``--out`` of every command, ``what`` names
+    another option), else a :class:`UsageError`."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out}: is a file; give a directory (it is created if missing)")
+        raise UsageError(f"{what} {out}: is a file; give a directory (it is created if missing)")
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".parity-write-test-")
         os.close(fd)
         os.remove(probe)
     except OSError as exc:
-        raise UsageError(f"--out {out}: cannot write there ({exc.strerror or exc}); choose a writable directory") from None
+        raise UsageError(f"{what} {out}: cannot write there ({exc.strerror or exc}); "
+                         "choose a writable directory") from None
 
 
 def prepare(out: str, manifest: dict, *, overwrite: bool) -> None:
