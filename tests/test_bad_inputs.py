@@ -360,3 +360,24 @@ def test_summary_md_carries_no_raw_html_from_details():
     assert "<script>" not in md and "&lt;script&gt;alert(1)&lt;/script&gt; a|b &amp; c d" in md
     table_row = next(line for line in md.splitlines() if line.startswith("| grad | 2 |"))
     assert "w\\|x" in table_row
+
+
+def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
+    from tests.test_gate import healthy
+
+    def run_dir(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        writer = RecordWriter(str(d / "cells.csv"))
+        writer.write(rows)
+        writer.close()
+        _write(d / "run.json", json.dumps({"options": {"matrix": "smoke"}, "status": "complete",
+                                           "cells": sorted({r.cell for r in rows})}))
+        return str(d)
+
+    old = run_dir("old", healthy())
+    rows = healthy()
+    rows[1].verdict = Verdict.UNPAIRED
+    assert main(["gate", "--from", old, "--compare-to", old]) == 0
+    assert main(["gate", "--from", run_dir("new", rows), "--compare-to", old]) == 1
+    assert f"regressed against {old}: cell {rows[1].cell}: PASS -> UNPAIRED" in capsys.readouterr().out
