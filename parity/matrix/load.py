@@ -60,8 +60,8 @@ _FILTER_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.N
 #: The longest ``-k`` / ``skip.when`` expression accepted (characters).
 MAX_FILTER = 500
 _CELL_TYPES = typing.get_type_hints(Cell)
-_TOML_TYPES = {str: "a string", int: "an integer", bool: "a boolean", float: "a float", list: "an array",
-               dict: "a table"}
+#: TOML's names of the types a matrix file's values have.
+_TOML_TYPES = {str: "string", int: "integer", bool: "boolean", float: "float", list: "array", dict: "table"}
 
 
 def _matrix_dir() -> str:
@@ -96,7 +96,9 @@ def axis_type(axis: str) -> type:
 
 
 def _kind(value) -> str:
-    return _TOML_TYPES.get(type(value), type(value).__name__)
+    """``value``'s TOML type with its article: ``an integer``, ``a table``."""
+    name = _TOML_TYPES.get(type(value), type(value).__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
 
 
 def _validate(source: str, axis: str, values, valid=None) -> list:
@@ -104,11 +106,11 @@ def _validate(source: str, axis: str, values, valid=None) -> list:
     kind = axis_type(axis)
     choices = f"; valid: {', '.join(map(str, valid))}" if valid is not None else ""
     if not isinstance(values, list) or not values:
-        raise UsageError(f"{source}: axes.{axis} must be a non-empty list of {kind.__name__} values{choices}")
+        raise UsageError(f"{source}: axes.{axis} must be a non-empty array of {_TOML_TYPES[kind]}s{choices}")
     wrong = [v for v in values if type(v) is not kind]
     if wrong:
         raise UsageError(f"{source}: axes.{axis} has {_short(wrong[0])}, {_kind(wrong[0])}; write "
-                         f"{_TOML_TYPES[kind].split()[1]}s{choices}")
+                         f"{_TOML_TYPES[kind]}s{choices}")
     bad = [v for v in values if valid is not None and v not in valid]
     if bad:
         raise UsageError(f"{source}: axes.{axis} has unknown value {bad[0]!r}{choices}")
@@ -126,7 +128,7 @@ def _typed(source: str, key: str, value, kind: type, item: type | None = None):
     if ok and item is not None:
         ok = all(isinstance(v, item) for v in value)
     if not ok:
-        want = _TOML_TYPES[kind] + (f" of {_TOML_TYPES[item].split()[1]}s" if item is not None else "")
+        want = _kind(kind()) + (f" of {_TOML_TYPES[item]}s" if item is not None else "")
         raise UsageError(f"{source}: {key} must be {want}, not {_kind(value)} ({_short(value)})")
     return value
 
