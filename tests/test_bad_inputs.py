@@ -222,8 +222,10 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def files(tmp_path):
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Built once: no case may change them (each is refused before it touches anything)."""
+    tmp_path = tmp_path_factory.mktemp("bad")
     f = _files(tmp_path)
     f["resume_progress"] = _resumable(tmp_path / "resume_progress", "not json\n")
     f["resume_progress_shape"] = _resumable(tmp_path / "resume_progress_shape",
