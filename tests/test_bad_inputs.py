@@ -358,7 +358,8 @@ def test_summary_md_carries_no_raw_html_from_details():
     rows = [Record(cell="m/native/c0", fixture="m", path="native", check="grad", name="w|x",
                    verdict=Verdict.FAIL, detail="<script>alert(1)</script> a|b & c\nd", ratio=2.0, observed=2.0,
                    allowed=1.0)]
-    md = summary_markdown(rows, title="t", timings={}, cells_total=1)
+    md = summary_markdown(rows, title="<b>m</b>", timings={}, cells_total=1)  # a matrix file's name
+    assert md.startswith("# parity run: &lt;b&gt;m&lt;/b&gt;")
     assert "<script>" not in md and "&lt;script&gt;alert(1)&lt;/script&gt; a|b &amp; c d" in md
     table_row = next(line for line in md.splitlines() if line.startswith("| grad | 2 |"))
     assert "w\\|x" in table_row

@@ -121,7 +121,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
                      not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
-    out = [f"# parity run: {title}", ""]
+    out = [f"# parity run: {_md(title)}", ""]
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
