@@ -384,3 +384,13 @@ def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
     assert main(["gate", "--from", old, "--compare-to", old]) == 0
     assert main(["gate", "--from", run_dir("new", rows), "--compare-to", old]) == 1
     assert f"regressed against {old}: cell {rows[1].cell}: PASS -> UNPAIRED" in capsys.readouterr().out
+
+
+def test_gate_md_carries_no_raw_html_from_details(tmp_path):
+    from parity.report import gate
+
+    decision = gate.Decision(model="m", decision=gate.NO_GO, reasons=["native: grad: 1 ERROR (<img src=x> a|b)"])
+    gate.write(str(tmp_path), [decision], [], meta={"candidate": "native", "torch": "t", "matrix": "x", "results": "r"})
+    md = (tmp_path / "gate.md").read_text()
+    assert "<img" not in md and "| **NO-GO** | native: grad: 1 ERROR (&lt;img src=x&gt; a\\|b) |" in md
+    assert "- reason: native: grad: 1 ERROR (&lt;img src=x&gt; a|b)" in md

@@ -110,7 +110,7 @@ def ratio_distribution(records: list[Record]) -> list[str]:
     return out + ["| " + " | ".join(row) + " |" for row in ratio_rows(records)]
 
 
-def _md(text, *, cell: bool = False) -> str:
+def md_text(text, *, cell: bool = False) -> str:
     """``text`` (a detail: an exception message, a model's names) as inert markdown: ``<``, ``>``, ``&``
     escaped (a CI job summary renders raw HTML), on one line, and in a table ``cell`` its pipes escaped."""
     out = " ".join(html.escape(str(text), quote=False).split())
@@ -121,7 +121,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
                      not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
-    out = [f"# parity run: {_md(title)}", ""]
+    out = [f"# parity run: {md_text(title)}", ""]
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
@@ -130,8 +130,8 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
-        out.append(f"| {_md(check, cell=True)} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | "
-                   f"{_md(r.dtype, cell=True)} | {_md(r.cell, cell=True)} | {_md(r.name, cell=True)} |")
+        out.append(f"| {md_text(check, cell=True)} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | "
+                   f"{md_text(r.dtype, cell=True)} | {md_text(r.cell, cell=True)} | {md_text(r.name, cell=True)} |")
     out += ["", "## Ratio distribution per check", ""] + ratio_distribution(records)
     by_check = defaultdict(Counter)
     for r in records:
@@ -148,11 +148,11 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out.append(f"- `{cell}`")
         for r in [r for r in bad if r.cell == cell][:20]:
             where = f" step {r.step}" if r.step != "" else ""
-            out.append(f"  - {r.verdict} {_md(r.check)} {_md(r.name)}{where}: observed {r.observed}, "
-                       f"allowed {r.allowed}, {_md(r.detail)}")
+            out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: observed {r.observed}, "
+                       f"allowed {r.allowed}, {md_text(r.detail)}")
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
     if skipped:
-        out += ["", "## Skipped cells", ""] + [f"- `{c}`: {_md(d)}" for c, d in skipped]
+        out += ["", "## Skipped cells", ""] + [f"- `{c}`: {md_text(d)}" for c, d in skipped]
     if not_run:
         out += ["", "## Not run (interrupted)", ""] + [f"- `{c}`" for c in not_run]
     out += ["", "## Where the time went", "", "| phase | seconds |", "|---|---|"]
