@@ -22,6 +22,7 @@ from parity.runner import resolve_device
 
 EXIT_MODEL = "import sys\nsys.exit(0)\n"
 RAISING_MODEL = "raise RuntimeError('no GPU here\\nsecond line')\n"
+EXITING_FACTORY = "def model():\n    raise SystemExit\n"
 #: A small selection of the smoke matrix (its cells are never run here).
 FILTER = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
@@ -74,6 +75,7 @@ def _files(t) -> dict[str, str]:
     """Every bad file the table names, under ``t``."""
     f = {"exit": _write(t / "exit_model.py", EXIT_MODEL) + ":model",
          "raising": _write(t / "raising_model.py", RAISING_MODEL) + ":model",
+         "exiting_factory": _write(t / "exiting_factory.py", EXITING_FACTORY) + ":model",
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty")}
@@ -162,6 +164,7 @@ CASES = [
     (["run", "-k", FILTER, "--junit", "/proc/parity.xml", "--out", "{out}"], "--junit /proc/parity.xml: cannot write"),
     (["run", "-k", FILTER, "--junit", "{afile}/j.xml", "--out", "{out}"], "no folder"),
     (["run", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
+    (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),
     # run --resume: malformed files
     (["run", "--resume", "{runjson_notjson}"], "run.json is unreadable"),
     (["run", "--resume", "{runjson_list}"], "run.json is not a JSON object"),
