@@ -4,8 +4,15 @@ value and what is valid (the parser turns it into one line and exit code 2)."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from parity.errors import UsageError
+
+#: The most optimizer steps a cell (``--steps``, a matrix's ``steps``) or a bench (``--steps``,
+#: ``--warmup``) may take: parity checks a few steps; more is a typo, not a plan.
+MAX_STEPS = 1000
+#: Seeds ``torch.manual_seed`` takes (a cell's seed, ``--seed``, a matrix's seed axis).
+SEEDS = range(-(2**63), 2**64)
 
 
 def positive(value: str) -> float:
@@ -13,7 +20,7 @@ def positive(value: str) -> float:
         x = float(value)
     except ValueError:
         x = float("nan")
-    if not x > 0:
+    if not x > 0 or not math.isfinite(x):  # nan and inf included: a limit that never ends is none
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
     return x
 
@@ -25,6 +32,21 @@ def count(value: str) -> int:
     return n
 
 
+def steps(value: str) -> int:
+    n = count(value)
+    if n > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_STEPS}, got {value!r}")
+    return n
+
+
+def seed(value: str) -> int:
+    n = integer(value)
+    if n not in SEEDS:
+        raise argparse.ArgumentTypeError(f"must be from {SEEDS.start} to {SEEDS.stop - 1} (torch.manual_seed), "
+                                         f"got {value!r}")
+    return n
+
+
 def integer(value: str) -> int:
     try:
         return int(value)
@@ -33,6 +55,7 @@ def integer(value: str) -> int:
 
 
 def csv_list(value: str | None, what: str, valid: list, conv=str) -> list | None:
+    """The items of a comma list, each in ``valid`` and given once (``None`` when not given)."""
     if value is None:
         return None
     items = []
@@ -43,5 +66,7 @@ def csv_list(value: str | None, what: str, valid: list, conv=str) -> list | None
             item = None
         if item not in valid:
             raise UsageError(f"{what}: unknown value {raw.strip()!r}; valid: {', '.join(map(str, valid))}")
+        if item in items:
+            raise UsageError(f"{what}: {raw.strip()!r} is given twice; give each value once")
         items.append(item)
     return items

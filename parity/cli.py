@@ -1,7 +1,9 @@
-"""``python -m parity``: ``plan``, ``run``, ``gate``, ``fixtures``.
+"""``python -m parity``: ``plan``, ``run``, ``gate``, ``bench``, ``compare``, ``report``, ``fuzz``, ``fixtures``.
 
-Exit codes: 0 success; 1 a cell failed (FAIL/ERROR/TIMEOUT); 2 bad input (one line naming
-the thing and the valid choices); 130/143 interrupted by SIGINT/SIGTERM.
+Exit codes (README, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
+closed stdout does not change it); 1 a bad verdict (a cell FAIL/ERROR/TIMEOUT/INCONCLUSIVE, a
+NO-GO, a regression); 2 bad input, refused before any work (one line naming the thing and the
+fix; a model source exiting at import included); 130/143 interrupted by SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import functools
 import os
 import sys
 
-from parity.arguments import count as _count
 from parity.arguments import csv_list as _csv
-from parity.arguments import integer as _integer
 from parity.arguments import positive as _positive
+from parity.arguments import seed as _seed
+from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
@@ -50,8 +53,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--out", help="output directory (default: results/latest)")
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
-    p.add_argument("--seed", type=_integer, help="run every cell with this seed instead of the matrix's")
-    p.add_argument("--steps", type=_count, help="optimizer steps per cell instead of the matrix's")
+    p.add_argument("--seed", type=_seed, help="run every cell with this seed instead of the matrix's")
+    p.add_argument("--steps", type=_steps, help="optimizer steps per cell instead of the matrix's (at most 1000)")
     p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="every cell's reduce_dtype (natural: None)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="every cell's optimizer")
@@ -191,11 +194,41 @@ def _run_settings(args, defaults: dict) -> dict:
     recorded = read_manifest(args.resume).get("options")
     if not isinstance(recorded, dict):
         raise UsageError(f"--resume {args.resume}: run.json records no options (not a parity run directory)")
+    wrong = [k for k in RUN_IDENTITY if k in recorded and not _as_parsed(k, recorded[k])]
+    if wrong:
+        raise UsageError(f"--resume {args.resume}: run.json records {wrong[0]} {recorded[wrong[0]]!r}, which that "
+                         "option cannot be (the file was edited); start a new run with --overwrite")
     for key, value in given.items():
         if key in RUN_IDENTITY and recorded.get(key) != value:
             raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
                              f"({recorded.get(key)!r} recorded, {value!r} given); drop it or start a new run")
     return {**defaults, **recorded, **given, "out": args.resume}
+
+
+@functools.cache
+def _run_actions() -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser()
+    _run_arguments(p, "smoke")
+    return {a.dest: a for a in p._actions}
+
+
+def _as_parsed(key: str, value) -> bool:
+    """Whether ``value`` (recorded in ``run.json``) is what ``run``'s option ``key`` parses to: the same
+    argument types and choices decide (no second table of option types)."""
+    action = _run_actions()[key]
+    if value is None:
+        return True
+    if action.nargs == 0:  # a flag
+        return isinstance(value, bool)
+    if isinstance(action, argparse._AppendAction):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return False
+    try:
+        parsed = (action.type or str)(str(value))
+    except (argparse.ArgumentTypeError, ValueError):
+        return False
+    return parsed == value and (not action.choices or value in action.choices)
 
 
 def _select(opts: dict):
@@ -235,9 +268,10 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    junit_dir = os.path.dirname(os.path.abspath(opts["junit"])) if opts["junit"] else ""
-    if junit_dir and not os.path.isdir(junit_dir):
-        raise UsageError(f"--junit {opts['junit']}: no folder {junit_dir}; give a path in an existing folder")
+    if opts["junit"]:
+        from parity.report.outdir import writable_file
+
+        writable_file(opts["junit"], "--junit")
     identity = {k: opts[k] for k in RUN_IDENTITY}
     device = resolve_device(opts["device"])
     manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
@@ -323,6 +357,22 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
             "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
 
 
+def _gate_baseline(directory: str | None) -> dict | None:
+    """The digest ``gate --compare-to`` compares with (a complete run's), or ``None``."""
+    if not directory:
+        return None
+    from parity.report.compare import digest_of
+
+    return digest_of(directory, "--compare-to", baseline=True)
+
+
+def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> None:
+    """A gate compares like with like: ``--compare-to``'s results must be of the matrix it judges."""
+    if baseline and baseline.get("matrix") and matrix and baseline["matrix"] != matrix:
+        raise UsageError(f"--compare-to {directory}: those results are of matrix {baseline['matrix']!r}, this gate "
+                         f"judges {matrix!r}; compare like with like (gate --matrix {baseline['matrix']})")
+
+
 def cmd_gate(args) -> int:
     """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO / PARTIAL per model."""
     from parity.paths import check_path
@@ -333,6 +383,7 @@ def cmd_gate(args) -> int:
     if args.fault:
         raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
                          "test the checks with python -m parity run --fault NAME")
+    baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
         out = args.from_dir
         if not os.path.isfile(os.path.join(out, outdir.CELLS)):
@@ -341,8 +392,10 @@ def cmd_gate(args) -> int:
         if manifest.get("status") != "complete":
             raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
                              f"finish it with python -m parity run --resume {out}")
+        _same_matrix(args.compare_to, baseline, str((manifest.get("options") or {}).get("matrix", "")))
     else:
         opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+        _same_matrix(args.compare_to, baseline, opts["matrix"])
         matrix, cells = _select(opts)
         code = _execute(args, opts, matrix, cells)
         if code < 0:
@@ -353,14 +406,10 @@ def cmd_gate(args) -> int:
             return code  # interrupted: the run already said so
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
-    if args.compare_to:
+    if baseline is not None:
         from parity.report.compare import compare, concerns, digest_of
 
-        old, new = digest_of(args.compare_to, "--compare-to"), digest_of(out, "gate")
-        if old.get("matrix") and new.get("matrix") and old["matrix"] != new["matrix"]:
-            raise UsageError(f"--compare-to {args.compare_to}: those results are of matrix {old['matrix']!r}, this gate "
-                             f"ran {new['matrix']!r}; compare like with like (gate --matrix {old['matrix']})")
-        bad, _ = compare(old, new)
+        bad, _ = compare(baseline, digest_of(out, "gate"))
         for d in decisions:
             mine = [b for b in bad if concerns(b, d.model)]
             if mine:
@@ -404,20 +453,71 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-def main(argv: list[str] | None = None) -> int:
+class _PipeSafe:
+    """``sys.stdout`` (and ``sys.stderr``) while a command runs: when the reader goes away
+    (``parity gate | head -1``), what is left to print goes to ``os.devnull`` and the command
+    finishes, so its exit code is still its verdict's (a NO-GO must not become 0 because nobody
+    read the table)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _closed(self) -> None:
+        devnull = open(os.devnull, "w")
+        try:  # the real stream's buffered rest (flushed at exit) goes nowhere instead of failing
+            os.dup2(devnull.fileno(), self._stream.fileno())
+        except (OSError, ValueError, AttributeError):  # no file descriptor behind it (a test's stream)
+            pass
+        self._stream = devnull
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _one_line(exc: Exception) -> str:
+    """An error's message as the one line parity prints (user code's multi-line messages joined)."""
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+
+
+def _command(args) -> int:
+    commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
+                "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
     try:
-        args = _parser().parse_args(argv)
-        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
-                    "report": cmd_report, "fuzz": fuzz_command,
-                    "fixtures": cmd_fixtures}
         return commands[args.command](args)
+    except SystemExit as exc:  # parity returns its codes; only user code (a model) exits
+        if exc.code not in (0, None):
+            raise
+        raise UsageError(f"{args.command}: user code (a model) called sys.exit({exc.code!r}) while parity was "
+                         "working; a model must not exit") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code (see the module docstring). A :class:`UsageError` is one line on
+    stderr and exit code 2; a closed stdout or stderr changes nothing (:class:`_PipeSafe`)."""
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = safe = _PipeSafe(streams[0]), _PipeSafe(streams[1])  # ``2>&1 | head`` too
+    try:
+        return _command(_parser().parse_args(argv))
     except UsageError as exc:
-        print(f"parity: {exc}", file=sys.stderr)
+        print(f"parity: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # stdout closed early (``| head``): not an error of ours
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    finally:
+        for stream in safe:
+            stream.flush()
+        sys.stdout, sys.stderr = streams
 
 
 if __name__ == "__main__":

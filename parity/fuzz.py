@@ -147,6 +147,7 @@ def add_fuzz_arguments(sub) -> None:
 def fuzz_command(args) -> int:
     from parity.errors import UsageError
     from parity.faults import check_faults
+    from parity.report.outdir import usable
     from parity.runner import resolve_device
 
     try:
@@ -154,5 +155,6 @@ def fuzz_command(args) -> int:
     except ImportError:
         raise UsageError("fuzz needs hypothesis: pip install 'parity[test]'") from None
     check_faults([args.fault] if args.fault else [])
+    usable(args.out)  # before the campaign: its results must have somewhere to go
     return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
                     device=resolve_device(args.device), timeout=args.timeout)

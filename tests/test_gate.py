@@ -127,16 +127,16 @@ def test_trajectory_allows_twice_the_emulations_distance_to_fp64_and_no_more():
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     truth = {n: p + 0.1 for n, p in init.items()}  # where FP64 training went
     own = {n: p + 1e-3 for n, p in truth.items()}  # the emulation's own error
-    fp64, emulated = ReferenceRun(params=[truth]), ReferenceRun(params=[own])
+    fp64, emulated = ReferenceRun(params=[init, truth]), ReferenceRun(params=[init, own])  # two steps
     base = dict(cell="c", fixture="m", path="native")
     close = {n: p + 1.5e-3 for n, p in truth.items()}  # 1.5 x the emulation's distance, beside it
     far = {n: p + 3e-3 for n, p in truth.items()}  # 3 x
-    assert {r.verdict for r in trajectory_records([close], emulated, fp64, init, plan, base)} == {Verdict.PASS}
-    assert {r.verdict for r in trajectory_records([far], emulated, fp64, init, plan, base)
+    assert {r.verdict for r in trajectory_records([init, close], emulated, fp64, init, plan, base)} == {Verdict.PASS}
+    assert {r.verdict for r in trajectory_records([init, far], emulated, fp64, init, plan, base)
             if r.check == "trajectory"} == {Verdict.FAIL}
     # as close to FP64, but on the far side of it from the recipe it emulates: only the direct bound sees it
     across = {n: p - 1.5e-3 for n, p in truth.items()}
-    verdicts = {(r.check, r.verdict) for r in trajectory_records([across], emulated, fp64, init, plan, base)}
+    verdicts = {(r.check, r.verdict) for r in trajectory_records([init, across], emulated, fp64, init, plan, base)}
     assert verdicts == {("trajectory", Verdict.PASS), ("trajectory.emulation", Verdict.FAIL)}
 
 

@@ -13,6 +13,7 @@ from parity.bench.tables import markdown, plot, rows_for, write_csv
 from parity.errors import UsageError
 from parity.execute.pool import CellFailure, RankPool
 from parity.matrix.cell import Cell
+from parity.report.outdir import usable
 
 
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
@@ -24,9 +25,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'parity[plot]' (the numbers need no plot)") from None
-    if os.path.isfile(out_dir):
-        raise UsageError(f"--out {out_dir} is a file; give a directory")
-    os.makedirs(out_dir, exist_ok=True)
+    usable(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     tmp = tempfile.mkdtemp(prefix="parity-bench-")
     pool = RankPool(ranks, device, tmp=tmp)
@@ -66,7 +65,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
 
 
 def add_bench_arguments(sub) -> None:
-    from parity.arguments import count, integer, positive
+    from parity.arguments import count, integer, positive, steps
 
     bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
     bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
@@ -75,20 +74,20 @@ def add_bench_arguments(sub) -> None:
     bench.add_argument("--ranks", type=count, default=2, help="rank count (2)")
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     bench.add_argument("--warmup", type=integer, default=2, help="unmeasured steps first (2)")
-    bench.add_argument("--steps", type=count, default=10, help="measured steps (10)")
+    bench.add_argument("--steps", type=steps, default=10, help="measured steps (10, at most 1000)")
     bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
     bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
     bench.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
 
 
 def bench_command(args) -> int:
-    from parity.arguments import csv_list
+    from parity.arguments import MAX_STEPS, csv_list
     from parity.model.registry import load_source, registered
     from parity.paths import path_names
     from parity.runner import resolve_device
 
-    if args.warmup < 0:
-        raise UsageError("--warmup must be >= 0")
+    if not 0 <= args.warmup <= MAX_STEPS:
+        raise UsageError(f"--warmup must be from 0 to {MAX_STEPS}, got {args.warmup}")
     sourced = [(f.name, src) for src in args.model for f in load_source(src)]
     known = dict(sourced) if sourced else {name: "" for name in registered()}
     names = csv_list(args.fixtures, "--fixtures", list(known)) or list(known)

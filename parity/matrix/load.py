@@ -34,8 +34,10 @@ import ast
 import itertools
 import os
 import tomllib
+import typing
 from dataclasses import dataclass
 
+from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
@@ -48,6 +50,18 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
             "weights": WEIGHTS}
+#: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
+#: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
+#: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
+_FILTER_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
+                 ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Is,
+                 ast.IsNot, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add,
+                 ast.Sub, ast.Div, ast.FloorDiv)
+#: The longest ``-k`` / ``skip.when`` expression accepted (characters).
+MAX_FILTER = 500
+_CELL_TYPES = typing.get_type_hints(Cell)
+#: TOML's names of the types a matrix file's values have.
+_TOML_TYPES = {str: "string", int: "integer", bool: "boolean", float: "float", list: "array", dict: "table"}
 
 
 def _matrix_dir() -> str:
@@ -75,13 +89,48 @@ class Matrix:
         return ""
 
 
-def _validate(source: str, axis: str, values, valid) -> list:
+def axis_type(axis: str) -> type:
+    """The type of ``axis``'s values in a matrix file: its :class:`Cell` field's (``ranks = [true]`` is no
+    rank count); ``accumulation`` (the fields ``microbatches`` and ``sync``) is written ``"K[:sync]"``."""
+    return str if axis == "accumulation" else _CELL_TYPES[axis]
+
+
+def _kind(value) -> str:
+    """``value``'s TOML type with its article: ``an integer``, ``a table``."""
+    name = _TOML_TYPES.get(type(value), type(value).__name__)
+    return ("an " if name[0] in "aeiou" else "a ") + name
+
+
+def _validate(source: str, axis: str, values, valid=None) -> list:
+    """``values`` of ``axis``: a non-empty list of :func:`axis_type` values, each in ``valid`` if given."""
+    kind = axis_type(axis)
+    choices = f"; valid: {', '.join(map(str, valid))}" if valid is not None else ""
     if not isinstance(values, list) or not values:
-        raise UsageError(f"{source}: axes.{axis} must be a non-empty list; valid values: {', '.join(map(str, valid))}")
-    bad = [v for v in values if v not in valid]
+        raise UsageError(f"{source}: axes.{axis} must be a non-empty array of {_TOML_TYPES[kind]}s{choices}")
+    wrong = [v for v in values if type(v) is not kind]
+    if wrong:
+        raise UsageError(f"{source}: axes.{axis} has {_short(wrong[0])}, {_kind(wrong[0])}; write "
+                         f"{_TOML_TYPES[kind]}s{choices}")
+    bad = [v for v in values if valid is not None and v not in valid]
     if bad:
-        raise UsageError(f"{source}: axes.{axis} has unknown value {bad[0]!r}; valid: {', '.join(map(str, valid))}")
+        raise UsageError(f"{source}: axes.{axis} has unknown value {bad[0]!r}{choices}")
     return values
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _typed(source: str, key: str, value, kind: type, item: type | None = None):
+    """``value`` of top-level ``key``, which must be a ``kind`` (a list of ``item``, when given)."""
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if ok and item is not None:
+        ok = all(isinstance(v, item) for v in value)
+    if not ok:
+        want = _kind(kind()) + (f" of {_TOML_TYPES[item]}s" if item is not None else "")
+        raise UsageError(f"{source}: {key} must be {want}, not {_kind(value)} ({_short(value)})")
+    return value
 
 
 def _accumulation(source: str, value) -> tuple[int, str]:
@@ -163,13 +212,12 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     unknown = [k for k in data if k not in keys]
     if unknown:
         raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: {', '.join(keys)}")
-    axes_in = data.get("axes", {})
+    axes_in = _typed(path, "axes", data.get("axes", {}), dict)
     for key in axes_in:
         if key not in AXES:
             raise UsageError(f"{path}: unknown axis axes.{key}; valid: {', '.join(AXES)}")
-    sources = data.get("models", [])
-    if not isinstance(sources, list) or not all(isinstance(m, str) for m in sources):
-        raise UsageError(f"{path}: models must be a list of \"pkg.module:factory\" strings")
+    sources = _typed(path, "models", data.get("models", []), list, str)
+    description = _typed(path, "description", data.get("description", ""), str)
     sources = [os.path.join(os.path.dirname(path), m) if m.partition(":")[0].endswith(".py") else m for m in sources]
     if models:
         sources = list(models)
@@ -186,18 +234,20 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     _validate(path, "reshard", axes["reshard"], [True, False])
     for axis, choices in _CHOICES.items():
         _validate(path, axis, axes[axis], list(choices))
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in axes["seed"]) or not axes["seed"]:
-        raise UsageError(f"{path}: axes.seed must be a non-empty list of integers")
-    for v in axes["accumulation"]:
+    outside = [s for s in _validate(path, "seed", axes["seed"]) if s not in SEEDS]
+    if outside:
+        raise UsageError(f"{path}: axes.seed has {outside[0]}; seeds run from {SEEDS.start} to {SEEDS.stop - 1} "
+                         "(torch.manual_seed)")
+    for v in _validate(path, "accumulation", axes["accumulation"]):
         _accumulation(path, v)
-    steps = data.get("steps", 2)
-    if not isinstance(steps, int) or steps < 1:
-        raise UsageError(f"{path}: steps must be a positive integer")
-    design = data.get("design", "product")
+    steps = _typed(path, "steps", data.get("steps", 2), int)
+    if not 1 <= steps <= MAX_STEPS:
+        raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
+    design = _typed(path, "design", data.get("design", "product"), str)
     if design == "product":
         rows = [dict(zip(AXES, vals)) for vals in itertools.product(*(axes[a] for a in AXES))]
     elif design == "covering":
-        exhaustive = data.get("exhaustive", ["fixture", "path"])
+        exhaustive = _typed(path, "exhaustive", data.get("exhaustive", ["fixture", "path"]), list, str)
         bad = [a for a in exhaustive if a not in AXES]
         if bad:
             raise UsageError(f"{path}: exhaustive has unknown axis {bad[0]!r}; valid: {', '.join(AXES)}")
@@ -206,7 +256,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
                 exhaustive = [must, *exhaustive]
         # one covering per fixture, shared by the paths: pairs are covered for each
         # (fixture, path) and every legacy cell has its native twin to compare with
-        rotate = data.get("rotate", [])
+        rotate = _typed(path, "rotate", data.get("rotate", []), list, str)
         bad = [a for a in rotate if a not in AXES or a in exhaustive]
         if bad:
             raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
@@ -229,26 +279,35 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
             seen.add(cell.id)
             cells.append(cell)
     skips = []
-    for entry in data.get("skip", []):
-        if not isinstance(entry, dict) or set(entry) != {"when", "reason"}:
+    for entry in _typed(path, "skip", data.get("skip", []), list, dict):
+        if set(entry) != {"when", "reason"}:
             raise UsageError(f"{path}: each [[skip]] needs exactly the keys when, reason")
-        check_filter(entry["when"], f"{path}: skip.when")
-        skips.append((entry["when"], entry["reason"]))
+        check_filter(_typed(path, "skip.when", entry["when"], str), f"{path}: skip.when")
+        skips.append((entry["when"], _typed(path, "skip.reason", entry["reason"], str)))
     name = os.path.basename(path).removesuffix(".toml")
-    return Matrix(name=name, description=data.get("description", ""), cells=tuple(cells), skips=tuple(skips))
+    return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips))
 
 
 def check_filter(expr: str, what: str = "-k") -> None:
-    """Parse and trial-evaluate ``expr`` so bad input fails before anything runs."""
+    """Parse and trial-evaluate ``expr`` so bad input fails before anything runs. Its cost is bounded:
+    at most :data:`MAX_FILTER` characters of :data:`_FILTER_NODES` (evaluating it is then linear in its
+    length)."""
+    if not isinstance(expr, str):
+        raise UsageError(f"{what}: must be a string expression, not {_short(expr)}")
+    if len(expr) > MAX_FILTER:
+        raise UsageError(f"{what}: the expression has {len(expr)} characters, more than {MAX_FILTER}; "
+                         "select with --paths / --ranks or a shorter expression")
     try:
         tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
-        raise UsageError(f"{what}: cannot parse {expr!r}; write e.g. \"fixture == 'kda' and ranks == 2\"") from None
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # ValueError: a NUL byte
+        raise UsageError(f"{what}: cannot parse {_short(expr)}; "
+                         "write e.g. \"fixture == 'kda' and ranks == 2\"") from None
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id not in FILTER_NAMES:
             raise UsageError(f"{what}: unknown name {node.id!r}; valid: {', '.join(FILTER_NAMES)}")
-        if isinstance(node, (ast.Call, ast.Attribute, ast.Lambda, ast.Subscript)):
-            raise UsageError(f"{what}: only comparisons of axis values are allowed in {expr!r}")
+        if not isinstance(node, _FILTER_NODES):
+            raise UsageError(f"{what}: only comparisons of axis values joined by and / or / not (and + - /) are "
+                             f"allowed; {type(node).__name__} in {_short(expr)} is not")
     matches(Cell(fixture="kda", path="legacy"), expr, what)
 
 

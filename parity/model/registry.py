@@ -26,6 +26,15 @@ from parity.model.spec import Fixture, validate
 
 GROUP = "parity.models"
 _loaded_sources: dict[str, list[Fixture]] = {}
+#: What user code (a model source's import, its factory, an entry point) may raise that makes it bad
+#: input: any exception, and ``sys.exit`` -- a source that exits must not end parity with its code.
+_USER_FAILURES = (Exception, SystemExit)
+
+
+def _failed(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r}); a model source must not exit"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _specs(obj, where: str) -> list[Fixture]:
@@ -38,8 +47,8 @@ def _specs(obj, where: str) -> list[Fixture]:
     if callable(obj):
         try:
             made = obj()
-        except Exception as exc:  # noqa: BLE001 - user code: name it, exit 2
-            raise UsageError(f"{where}: the factory raised {type(exc).__name__}: {exc}") from None
+        except _USER_FAILURES as exc:  # user code: name it, exit 2
+            raise UsageError(f"{where}: the factory failed: {_failed(exc)}") from None
         return _specs(made, where)
     return [validate(obj, where)]
 
@@ -53,8 +62,8 @@ def registered() -> dict[str, Fixture]:
         where = f"entry point {GROUP}:{ep.name} ({ep.value})"
         try:
             obj = ep.load()
-        except Exception as exc:  # noqa: BLE001
-            raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+        except _USER_FAILURES as exc:
+            raise UsageError(f"{where} cannot be loaded: {_failed(exc)}") from None
         for spec in _specs(obj, where):
             found.setdefault(spec.name, spec)
     return found
@@ -75,17 +84,17 @@ def _import_source(source: str):
             sys.modules[name] = module
             try:
                 spec.loader.exec_module(module)
-            except Exception as exc:  # noqa: BLE001
+            except _USER_FAILURES as exc:
                 del sys.modules[name]
-                raise UsageError(f"--model {source!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+                raise UsageError(f"--model {source!r}: importing {target} failed: {_failed(exc)}") from None
         module = sys.modules[name]
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
             raise UsageError(f"--model {source!r}: cannot import {target} ({exc}); install it or give a file path") from None
-        except Exception as exc:  # noqa: BLE001 - user code failing at import is bad input too
-            raise UsageError(f"--model {source!r}: importing {target} failed: {type(exc).__name__}: {exc}") from None
+        except _USER_FAILURES as exc:  # user code failing at import is bad input too
+            raise UsageError(f"--model {source!r}: importing {target} failed: {_failed(exc)}") from None
     if not hasattr(module, attr):
         raise UsageError(f"--model {source!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)

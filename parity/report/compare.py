@@ -3,9 +3,11 @@
 A directory is reduced to its **digest** (``digest.json``, small enough to commit under
 ``results/baselines/``): each cell's worst verdict, each check's worst ratio, and the bench
 metrics (median, IQR) when ``bench.csv`` is there. A directory holding only a digest
-compares like a full one. Regressions:
+compares like a full one. OLD must be a complete run (its ``run.json`` or digest says ``complete``;
+an interrupted or empty OLD is refused, exit 2). Regressions, whatever OLD holds:
 
 - a cell whose verdict got worse (PASS -> FAIL, ERROR, ...), or that the new run lacks;
+- a cell whose verdict is an alarm (:data:`ALARMS`) it was not in OLD, a cell only NEW has included;
 - a check whose worst ratio (per model) grew by more than ``factor`` and now exceeds ``floor`` (a tenth
   of its allowance by default: below that, growth is rounding noise, not a trend);
 - a bench count or byte total that changed at all (they are deterministic), or a timed
@@ -20,11 +22,53 @@ import math
 import os
 
 from parity.errors import UsageError
-from parity.judge.record import SEVERITY, Verdict
+from parity.judge.record import SEVERITY, VERDICTS, Verdict
+from parity.report.outdir import MANIFEST, read_json, read_manifest, usable
 from parity.report.records import read_records
 from parity.report.summary import spread
 
 DIGEST = "digest.json"
+#: Verdicts that are a regression wherever they newly appear: in a cell OLD judged otherwise, or in
+#: one OLD does not have.
+ALARMS = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE, Verdict.UNPAIRED)
+
+
+def _read_digest(path: str) -> dict:
+    """A ``digest.json``: ``cells`` maps cell ids to verdicts, ``checks`` names to numbers, ``bench`` keys
+    to ``{median, iqr, n}``; anything else is a :class:`UsageError`."""
+    fix = "write it again with parity compare --write-digest"
+    d = read_json(path, fix)
+    cells, checks, bench = d.get("cells", {}), d.get("checks", {}), d.get("bench", {})
+    ok = (isinstance(cells, dict) and all(v in VERDICTS for v in cells.values())
+          and isinstance(checks, dict) and all(_number(v) for v in checks.values())
+          and isinstance(bench, dict) and all(_bench_entry(v) for v in bench.values()))
+    if not ok:
+        raise UsageError(f"{path}: not a digest as parity writes it (cells, checks, bench); {fix}")
+    return d
+
+
+def _bench_entry(v) -> bool:
+    return isinstance(v, dict) and all(_number(v.get(k)) for k in ("median", "iqr", "n"))
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _bench_values(path: str) -> dict[str, list[float]]:
+    """``bench.csv``'s values per fixture|path|metric; a malformed row is a :class:`UsageError`."""
+    values: dict[str, list[float]] = {}
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            for n, row in enumerate(csv.DictReader(fh), 2):
+                try:
+                    values.setdefault(f"{row['fixture']}|{row['path']}|{row['metric']}", []).append(float(row["value"]))
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise UsageError(f"{path} row {n}: not a bench row ({type(exc).__name__}: {exc}); "
+                                     "rerun parity bench") from None
+    except (OSError, ValueError, csv.Error) as exc:  # ValueError: not UTF-8
+        raise UsageError(f"{path} is unreadable ({exc}); rerun parity bench") from None
+    return values
 
 
 def digest(directory: str) -> dict:
@@ -34,8 +78,7 @@ def digest(directory: str) -> dict:
         path = os.path.join(directory, DIGEST)
         if not os.path.isfile(path):
             return {}
-        with open(path) as fh:
-            return json.load(fh)
+        return _read_digest(path)
     cells: dict[str, str] = {}
     checks: dict[str, float] = {}
     for r in read_records(cells_csv) if os.path.isfile(cells_csv) else ():
@@ -45,28 +88,32 @@ def digest(directory: str) -> dict:
         if isinstance(r.ratio, float) and math.isfinite(r.ratio):
             key = f"{r.fixture}|{r.check}"
             checks[key] = max(checks.get(key, 0.0), r.ratio)
-    out = {"cells": cells, "checks": checks, "bench": {}, "matrix": _matrix_of(directory)}
+    out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory)}
     if os.path.isfile(bench_csv):
-        values: dict[str, list[float]] = {}
-        with open(bench_csv) as fh:
-            for row in csv.DictReader(fh):
-                values.setdefault(f"{row['fixture']}|{row['path']}|{row['metric']}", []).append(float(row["value"]))
-        for key, v in values.items():
+        for key, v in _bench_values(bench_csv).items():
             s = spread(v)
             out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v)}
     return out
 
 
-def _matrix_of(directory: str) -> str:
-    try:
-        with open(os.path.join(directory, "run.json")) as fh:
-            return str((json.load(fh).get("options") or {}).get("matrix", ""))
-    except (OSError, ValueError):
-        return ""
+def _run_of(directory: str) -> dict:
+    """The matrix and status ``run.json`` records (nothing without a ``run.json``: a bench or a
+    hand-made directory)."""
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        return {"matrix": ""}
+    manifest = read_manifest(directory)
+    return {"matrix": str((manifest.get("options") or {}).get("matrix", "")), "status": manifest.get("status", "")}
 
 
-def _worse(old: str, new: str) -> bool:
-    return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] and Verdict(new) != Verdict.SKIP
+def _worse(old: str | None, new: str) -> bool:
+    """Whether verdict ``new`` is a regression from ``old`` (``None``: OLD lacks the cell): more severe
+    (SKIP apart), or an alarm OLD did not have."""
+    if Verdict(new) == Verdict.SKIP or new == old:
+        return False
+    if old is None:
+        return Verdict(new) in ALARMS
+    return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or (
+        Verdict(new) in ALARMS and SEVERITY[Verdict(new)] == SEVERITY[Verdict(old)])
 
 
 def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:
@@ -79,8 +126,11 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
         elif now != was:
             (bad if _worse(was, now) else info).append(f"cell {cell}: {was} -> {now}")
     added = sorted(set(new.get("cells", {})) - set(old.get("cells", {})))
-    if added:
-        info.append(f"{len(added)} cells only in the new run (e.g. {added[0]})")
+    alarms = [c for c in added if _worse(None, new["cells"][c])]
+    bad += [f"cell {c}: {new['cells'][c]} (not in the old run)" for c in alarms]
+    if len(added) > len(alarms):
+        info.append(f"{len(added) - len(alarms)} cells only in the new run (e.g. "
+                    f"{next(c for c in added if c not in alarms)})")
     for check, was in sorted(old.get("checks", {}).items()):
         now = new.get("checks", {}).get(check)
         if now is None:
@@ -121,25 +171,33 @@ def report(old_dir: str, new_dir: str, bad: list[str], info: list[str]) -> str:
     return "\n".join(lines)
 
 
-def digest_of(directory: str, what: str) -> dict:
-    """The digest of a results directory; :class:`UsageError` naming it when there is none."""
+def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
+    """The digest of a results directory; :class:`UsageError` naming it when there is none. A
+    ``baseline`` (OLD) must also be a complete run that holds results."""
     if not os.path.isdir(directory):
         raise UsageError(f"{what} {directory}: no such directory")
     d = digest(directory)
     if not d:
         raise UsageError(f"{what} {directory}: no cells.csv, bench.csv or digest.json there; give a parity results "
                          "directory")
+    if baseline and d.get("status", "complete") != "complete":
+        raise UsageError(f"{what} {directory}: that run is {d['status'] or 'of unknown status'}, not complete; "
+                         f"finish it (parity run --resume {directory}) or compare against a complete run")
+    if baseline and not d.get("cells") and not d.get("bench"):
+        raise UsageError(f"{what} {directory}: holds no results (no cell, no bench row); compare against a "
+                         "complete run")
     return d
 
 
 def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str = "") -> int:
     """``parity compare``: print the report; 1 on a regression. ``write_digest``: also store
     NEW's digest there (a baseline for ``results/baselines/``)."""
-    old, new = digest_of(old_dir, "compare"), digest_of(new_dir, "compare")
+    if write_digest:
+        usable(write_digest, "--write-digest")  # before the comparison: its output must have somewhere to go
+    old, new = digest_of(old_dir, "compare", baseline=True), digest_of(new_dir, "compare")
     bad, info = compare(old, new, factor=factor)
     print(report(old_dir, new_dir, bad, info))
     if write_digest:
-        os.makedirs(write_digest, exist_ok=True)
         with open(os.path.join(write_digest, DIGEST), "w") as fh:
             json.dump(new, fh, indent=0, sort_keys=True)
     return 1 if bad else 0

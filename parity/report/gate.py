@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from parity.judge.record import BAD, Record, Unpaired, Verdict
-from parity.report.summary import cell_verdicts, is_pair, ratio_distribution
+from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
 
 GO, NO_GO, NOT_APPLICABLE, PARTIAL = "GO", "NO-GO", "NOT APPLICABLE", "PARTIAL"
 
@@ -144,13 +144,13 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
           "| model | decision | reasons / notes |", "|---|---|---|"]
     for d in decisions:
         text = "; ".join(d.reasons or d.notes) or "every check passed"
-        md.append(f"| {d.model} | **{d.decision}** | {text.replace('|', '/')[:400]} |")
+        md.append(f"| {d.model} | **{d.decision}** | {md_text(text[:400], cell=True)} |")
     md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", ""]
     md += ["## What ran", ""] + _scope_lines(meta.get("scope", {}), meta) + ["", "## Evidence", ""]
     for d in decisions:
         md += [f"### {d.model}: {d.decision}", ""]
         md += [f"- {k}: {v}" for k, v in d.counts.items()]
-        md += [f"- reason: {x}" for x in d.reasons] + [f"- note: {x}" for x in d.notes] + [""]
+        md += [f"- reason: {md_text(x)}" for x in d.reasons] + [f"- note: {md_text(x)}" for x in d.notes] + [""]
     md += ["## Ratio distribution per check", ""] + ratio_distribution(records)
     with open(os.path.join(out, "gate.md"), "w") as fh:
         fh.write("\n".join(md) + "\n")

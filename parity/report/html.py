@@ -15,6 +15,7 @@ import os
 
 from parity.errors import UsageError
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
+from parity.report.outdir import MANIFEST, read_json, read_manifest
 from parity.report.summary import RATIO_COLUMNS, ratio_rows, verdict_counts
 
 REPORT = "report.html"
@@ -78,14 +79,31 @@ def heatmap(records: list[Record]) -> str:
     return f'<table id="heatmap">{head}\n' + "\n".join(rows) + "</table>"
 
 
+def _read_gate(path: str) -> dict:
+    """``gate.json``: ``decisions`` is a list of objects with a ``model`` and a ``decision`` string, their
+    ``reasons`` / ``notes`` lists of strings; anything else is a :class:`UsageError`."""
+    fix = f"rewrite it with parity gate --from {os.path.dirname(path) or '.'}"
+    gate = read_json(path, fix)
+
+    def strings(x) -> bool:
+        return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+    decisions = gate.get("decisions", [])
+    ok = isinstance(decisions, list) and all(
+        isinstance(d, dict) and isinstance(d.get("model"), str) and isinstance(d.get("decision"), str)
+        and strings(d.get("reasons", [])) and strings(d.get("notes", [])) for d in decisions)
+    if not ok:
+        raise UsageError(f"{path}: decisions are not as parity writes them; {fix}")
+    return gate
+
+
 def write_html(out_dir: str, records: list[Record]) -> str:
     """Write ``report.html`` into ``out_dir`` from its records and whatever else is there."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>parity report</title><style>{_STYLE}</style>"
              "</head><body>", f"<h1>parity report: {_esc(os.path.abspath(out_dir))}</h1>"]
     gate_path = os.path.join(out_dir, "gate.json")
     if os.path.isfile(gate_path):
-        with open(gate_path) as fh:
-            gate = json.load(fh)
+        gate = _read_gate(gate_path)
         parts.append(f"<h2 id='gate'>Gate: enable <code>{_esc(gate.get('candidate'))}</code>?</h2>")
         rows = []
         for d in gate.get("decisions", []):
@@ -106,15 +124,14 @@ def write_html(out_dir: str, records: list[Record]) -> str:
                               str(r.detail)[:500]] for r in failing[:500]]))
     bench_md = os.path.join(out_dir, "bench.md")
     if os.path.isfile(bench_md):
-        with open(bench_md) as fh:
+        with open(bench_md, encoding="utf-8", errors="replace") as fh:
             parts += ["<h2 id='bench'>Bench</h2>", f"<pre>{_esc(fh.read())}</pre>"]
-    manifest = os.path.join(out_dir, "run.json")
-    if os.path.isfile(manifest):
-        with open(manifest) as fh:
-            run = json.load(fh)
+    if os.path.isfile(os.path.join(out_dir, MANIFEST)):
+        run = read_manifest(out_dir)
         env = {"torch": run.get("torch"), "device": run.get("device"), "status": run.get("status"),
                "options": json.dumps(run.get("options", {}))}
-        env.update({k: v for k, v in (run.get("environment") or {}).items() if k not in env})
+        environment = run.get("environment")
+        env.update({k: v for k, v in (environment if isinstance(environment, dict) else {}).items() if k not in env})
         parts += ["<h2 id='env'>Versions and hardware</h2>", _table(["", ""], [[k, v] for k, v in env.items()])]
     parts.append("</body></html>")
     path = os.path.join(out_dir, REPORT)

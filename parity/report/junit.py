@@ -3,14 +3,30 @@
 A case fails when any of its records is FAIL / INCONCLUSIVE / ERROR / TIMEOUT (the worst
 record's observed / allowed / ratio and detail are the message), is skipped when all are
 SKIP, and passes otherwise.
+
+The file is well-formed whatever a detail holds (an exception message from a model): ANSI escape
+sequences are stripped and characters XML 1.0 cannot hold are written ``#xNN``, as pytest does;
+ElementTree escapes the rest (``<``, ``&``, ``]]>``...).
 """
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
+
+#: ANSI escape sequences (colours, cursor moves): meaningless in a CI system's test report.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+#: What XML 1.0 cannot hold: control characters other than tab, newline and CR, lone surrogates,
+#: U+FFFE and U+FFFF.
+_ILLEGAL = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def xml_text(text) -> str:
+    """``text`` as XML 1.0 can hold it: ANSI sequences stripped, illegal characters written ``#xNN``."""
+    return _ILLEGAL.sub(lambda m: f"#x{ord(m.group()):02X}", _ANSI.sub("", str(text)))
 
 
 def write_junit(path: str, records: list[Record], *, suite: str) -> None:
@@ -18,23 +34,24 @@ def write_junit(path: str, records: list[Record], *, suite: str) -> None:
     for r in records:
         cases[(r.cell, r.path, r.check)].append(r)
     root = ET.Element("testsuites")
-    ts = ET.SubElement(root, "testsuite", name=f"parity {suite}", tests=str(len(cases)))
+    ts = ET.SubElement(root, "testsuite", name=xml_text(f"parity {suite}"), tests=str(len(cases)))
     failures = skipped = errors = 0
     for (cell, cell_path, check), rows in cases.items():
-        case = ET.SubElement(ts, "testcase", classname=f"{cell} [{cell_path}]", name=check)
+        case = ET.SubElement(ts, "testcase", classname=xml_text(f"{cell} [{cell_path}]"), name=xml_text(check))
         worst = max(rows, key=lambda r: SEVERITY[r.verdict])
-        message = (f"{worst.verdict} {worst.name}: observed {worst.observed}, allowed {worst.allowed}, "
-                   f"ratio {worst.ratio}, dtype {worst.dtype}; {worst.detail}")
+        message = xml_text(f"{worst.verdict} {worst.name}: observed {worst.observed}, allowed {worst.allowed}, "
+                           f"ratio {worst.ratio}, dtype {worst.dtype}; {worst.detail}")
         if worst.verdict in BAD:
             kind = "error" if worst.verdict in (Verdict.ERROR, Verdict.TIMEOUT) else "failure"
             errors += kind == "error"
             failures += kind == "failure"
             el = ET.SubElement(case, kind, message=message[:1000], type=str(worst.verdict))
-            el.text = "\n".join(f"{r.verdict} {r.name} step {r.step}: observed {r.observed}, allowed {r.allowed}, "
-                                f"ratio {r.ratio}; {r.detail}" for r in rows if r.verdict in BAD)
+            el.text = xml_text("\n".join(f"{r.verdict} {r.name} step {r.step}: observed {r.observed}, "
+                                         f"allowed {r.allowed}, ratio {r.ratio}; {r.detail}"
+                                         for r in rows if r.verdict in BAD))
         elif all(r.verdict == Verdict.SKIP for r in rows):
             skipped += 1
-            ET.SubElement(case, "skipped", message=worst.detail[:1000])
+            ET.SubElement(case, "skipped", message=xml_text(worst.detail)[:1000])
     ts.set("failures", str(failures))
     ts.set("errors", str(errors))
     ts.set("skipped", str(skipped))

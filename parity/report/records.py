@@ -56,17 +56,32 @@ def _parse(row: dict[str, str]) -> Record:
     return Record(**values)
 
 
-def read_records(path: str) -> list[Record]:
-    """Every complete row of a ``cells.csv`` (a torn last line of a killed run is dropped)."""
-    with open(path, newline="") as fh:
-        text = fh.read()
-    if text and not text.endswith("\n"):
+def read_records(path: str, *, whole: bool = False) -> list[Record]:
+    """Every complete row of a ``cells.csv`` (a torn last line of a killed run is dropped, unless
+    ``whole``: a file ``--resume`` cut at a recorded boundary has none). A file that cannot be read or a
+    row that is not a record (a corrupted file) is a :class:`UsageError` naming its row."""
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise UsageError(f"{path} is unreadable ({exc}); rerun the matrix into a new --out") from None
+    if text and not text.endswith("\n") and not whole:
         text = text[: text.rfind("\n") + 1]
     reader = csv.DictReader(text.splitlines(keepends=True))
-    rows = list(reader)
+    try:
+        rows = list(reader)
+    except csv.Error as exc:
+        raise UsageError(f"{path} line {reader.line_num}: not CSV ({exc}); rerun the matrix into a new --out") from None
     if reader.fieldnames and list(reader.fieldnames) != COLUMNS:
         raise UsageError(f"{path}: columns differ from this parity version's ({', '.join(COLUMNS[-3:])}, ...); "
                          "rerun the matrix with this version")
-    if rows and (None in rows[-1] or any(v is None for v in rows[-1].values())):
+    if rows and not whole and (None in rows[-1] or any(v is None for v in rows[-1].values())):
         rows = rows[:-1]
-    return [_parse(r) for r in rows]
+    records = []
+    for n, row in enumerate(rows, 2):
+        try:
+            records.append(_parse(row))
+        except (ValueError, TypeError) as exc:  # a missing or extra field, a number or verdict that is none
+            raise UsageError(f"{path} row {n}: not a parity record ({exc}); rerun the matrix into a new --out "
+                             "(or --overwrite)") from None
+    return records

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import math
 import statistics
 from collections import Counter, defaultdict
@@ -109,11 +110,18 @@ def ratio_distribution(records: list[Record]) -> list[str]:
     return out + ["| " + " | ".join(row) + " |" for row in ratio_rows(records)]
 
 
+def md_text(text, *, cell: bool = False) -> str:
+    """``text`` (a detail: an exception message, a model's names) as inert markdown: ``<``, ``>``, ``&``
+    escaped (a CI job summary renders raw HTML), on one line, and in a table ``cell`` its pipes escaped."""
+    out = " ".join(html.escape(str(text), quote=False).split())
+    return out.replace("|", "\\|") if cell else out
+
+
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
                      not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
-    out = [f"# parity run: {title}", ""]
+    out = [f"# parity run: {md_text(title)}", ""]
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
@@ -122,7 +130,8 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
-        out.append(f"| {check} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | {r.dtype} | {r.cell} | {r.name} |")
+        out.append(f"| {md_text(check, cell=True)} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | "
+                   f"{md_text(r.dtype, cell=True)} | {md_text(r.cell, cell=True)} | {md_text(r.name, cell=True)} |")
     out += ["", "## Ratio distribution per check", ""] + ratio_distribution(records)
     by_check = defaultdict(Counter)
     for r in records:
@@ -139,10 +148,11 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out.append(f"- `{cell}`")
         for r in [r for r in bad if r.cell == cell][:20]:
             where = f" step {r.step}" if r.step != "" else ""
-            out.append(f"  - {r.verdict} {r.check} {r.name}{where}: observed {r.observed}, allowed {r.allowed}, {r.detail}")
+            out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: observed {r.observed}, "
+                       f"allowed {r.allowed}, {md_text(r.detail)}")
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
     if skipped:
-        out += ["", "## Skipped cells", ""] + [f"- `{c}`: {d}" for c, d in skipped]
+        out += ["", "## Skipped cells", ""] + [f"- `{c}`: {md_text(d)}" for c, d in skipped]
     if not_run:
         out += ["", "## Not run (interrupted)", ""] + [f"- `{c}`" for c in not_run]
     out += ["", "## Where the time went", "", "| phase | seconds |", "|---|---|"]

@@ -1,0 +1,403 @@
+"""Issue 20: exit 0 only with evidence, one line and exit 2 for every bad input (before any work),
+valid machine-readable outputs. Every case here is pure Python and takes milliseconds: a bad input
+must be refused before a rank is spawned (two cases start a ``python -m parity`` process, because
+only a real process shows what ``sys.exit`` at import and a closed pipe do to the exit code)."""
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from parity.cli import RUN_DEFAULTS, RUN_IDENTITY, _select, main
+from parity.judge.record import Record, Verdict
+from parity.report.junit import write_junit
+from parity.report.records import RecordWriter
+from parity.report.summary import summary_markdown
+from parity.runner import resolve_device
+
+EXIT_MODEL = "import sys\nsys.exit(0)\n"
+RAISING_MODEL = "raise RuntimeError('no GPU here\\nsecond line')\n"
+EXITING_FACTORY = "def model():\n    raise SystemExit\n"
+#: A small selection of the smoke matrix (its cells are never run here).
+FILTER = "fixture == 'kda' and ranks == 1 and microbatches == 1"
+
+
+def _records(verdicts: dict[str, str]) -> list[Record]:
+    return [Record(cell=cell, fixture=cell.split("/")[0], path=cell.split("/")[1], check="output", name="loss",
+                   verdict=Verdict(v), detail="d") for cell, v in verdicts.items()]
+
+
+def results(d, verdicts: dict[str, str], status: str = "complete", options: dict | None = None):
+    """A results directory as ``run`` leaves it: ``cells.csv`` of one record per cell, ``run.json``."""
+    os.makedirs(d, exist_ok=True)
+    writer = RecordWriter(os.path.join(d, "cells.csv"))
+    writer.write(_records(verdicts))
+    writer.close()
+    manifest = {"options": options or {"matrix": "smoke"}, "status": status, "cells": sorted(verdicts),
+                "torch": torch.__version__, "device": "cpu"}
+    with open(os.path.join(d, "run.json"), "w") as fh:
+        json.dump(manifest, fh)
+    return str(d)
+
+
+def _write(path, text: str | bytes) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(text.encode() if isinstance(text, str) else text)
+    return str(path)
+
+
+def _resumable(d, progress: str, cells_csv: str | None = None) -> str:
+    """An interrupted run of :data:`FILTER` that ``--resume`` accepts up to ``progress.jsonl``."""
+    opts = {**RUN_DEFAULTS, "filter": FILTER}
+    _, cells = _select(opts)
+    os.makedirs(d)
+    manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": torch.__version__,
+                "device": resolve_device("auto"), "cells": [c.id for c in cells], "status": "interrupted"}
+    _write(os.path.join(d, "run.json"), json.dumps(manifest))
+    if cells_csv is not None:
+        _write(os.path.join(d, "cells.csv"), cells_csv)
+        progress = progress.replace("SIZE", str(len(cells_csv.encode())))
+    _write(os.path.join(d, "progress.jsonl"), progress)
+    return str(d)
+
+
+HEADER = ",".join(asdict(Record(cell="c", fixture="f", path="p"))) + "\n"
+A = "kda/legacy/r1/c0"
+
+
+def _files(t) -> dict[str, str]:
+    """Every bad file the table names, under ``t``."""
+    f = {"exit": _write(t / "exit_model.py", EXIT_MODEL) + ":model",
+         "raising": _write(t / "raising_model.py", RAISING_MODEL) + ":model",
+         "exiting_factory": _write(t / "exiting_factory.py", EXITING_FACTORY) + ":model",
+         "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
+         "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
+         "empty": str(t / "empty")}
+    os.makedirs(f["empty"])
+    matrices = {"axes": "axes = 3", "ranks": "[axes]\nranks = [true]", "reshard": "[axes]\nreshard = [1]",
+                "seed": "[axes]\nseed = [1.5]", "seed_huge": "[axes]\nseed = [18446744073709551616]",
+                "fixture": "[axes]\nfixture = [1]",
+                "accumulation": "[axes]\naccumulation = [true]", "skip": 'skip = "never"',
+                "skip_entry": "skip = [1]", "when": '[[skip]]\nwhen = 3\nreason = "r"',
+                "reason": "[[skip]]\nwhen = \"ranks == 1\"\nreason = []", "steps": "steps = true",
+                "steps_huge": "steps = 100000", "design": "design = [1]", "description": "description = {a = 1}",
+                "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\""}
+    for name, text in matrices.items():
+        f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
+    for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
+                       "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}'}.items():
+        f[f"runjson_{name}"] = _write(t / f"runjson_{name}" / "run.json", text).removesuffix("/run.json")
+        results(t / f"gate_runjson_{name}", {A: "PASS"})
+        _write(t / f"gate_runjson_{name}" / "run.json", text)
+        f[f"gate_runjson_{name}"] = str(t / f"gate_runjson_{name}")
+    for name in ("verdict", "number", "binary"):
+        d = results(t / f"csv_{name}", {A: "PASS"})
+        with open(os.path.join(d, "cells.csv")) as fh:
+            good = fh.read().splitlines()[1].split(",")
+        bad = list(good)
+        if name == "verdict":
+            bad[bad.index("PASS")] = "MAYBE"
+        else:
+            bad[HEADER.split(",").index("ranks")] = "abc"
+        text = HEADER + ",".join(bad) + "\n" + ",".join(good) + "\n"
+        _write(os.path.join(d, "cells.csv"), text if name != "binary" else HEADER.encode() + b"\xff\n")
+        f[f"csv_{name}"] = d
+    for name, text in {"notjson": "{", "shape": '{"decisions": [{"model": 1}]}'}.items():
+        d = results(t / f"gatejson_{name}", {A: "PASS"})
+        f[f"gatejson_{name}"] = os.path.dirname(_write(os.path.join(d, "gate.json"), text))
+    f["digest_notjson"] = os.path.dirname(_write(t / "digest_notjson" / "digest.json", "{"))
+    f["digest_shape"] = os.path.dirname(_write(t / "digest_shape" / "digest.json", '{"cells": {"a": "GOOD"}}'))
+    f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv",
+                                            "fixture,path,metric,value\nkda,legacy,units,x\n"))
+    f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
+    return f
+
+
+#: (argv, what the one line says); ``{name}`` is a file of :func:`_files`, ``{out}`` an --out that must
+#: not be created (nothing may start).
+CASES = [
+    # plan
+    (["plan"], "give --fixture NAME"),
+    (["plan", "--fixture", "kda", "--param-dtype", "float8"], "float8"),
+    (["plan", "--model", "{exit}"], "called sys.exit(0); a model source must not exit"),
+    (["plan", "--model", "{raising}"], "RuntimeError: no GPU here; second line"),
+    # run: matrix files
+    (["run", "--matrix", "{matrix_axes}", "--out", "{out}"], "axes must be a table, not an integer"),
+    (["run", "--matrix", "{matrix_ranks}", "--out", "{out}"], "axes.ranks has True, a boolean; write integers"),
+    (["run", "--matrix", "{matrix_reshard}", "--out", "{out}"], "axes.reshard has 1, an integer; write booleans"),
+    (["run", "--matrix", "{matrix_seed}", "--out", "{out}"], "axes.seed has 1.5, a float"),
+    (["run", "--matrix", "{matrix_seed_huge}", "--out", "{out}"], "axes.seed has 18446744073709551616; seeds run"),
+    (["run", "--seed", str(2**64), "--out", "{out}"], "--seed: must be from"),
+    (["run", "--matrix", "{matrix_fixture}", "--out", "{out}"], "axes.fixture has 1, an integer; write strings"),
+    (["run", "--matrix", "{matrix_accumulation}", "--out", "{out}"], "axes.accumulation has True"),
+    (["run", "--matrix", "{matrix_skip}", "--out", "{out}"], "skip must be an array of tables, not a string"),
+    (["run", "--matrix", "{matrix_skip_entry}", "--out", "{out}"], "skip must be an array of tables"),
+    (["run", "--matrix", "{matrix_when}", "--out", "{out}"], "skip.when must be a string, not an integer"),
+    (["run", "--matrix", "{matrix_reason}", "--out", "{out}"], "skip.reason must be a string"),
+    (["run", "--matrix", "{matrix_steps}", "--out", "{out}"], "steps must be an integer, not a boolean"),
+    (["run", "--matrix", "{matrix_steps_huge}", "--out", "{out}"], "steps must be a positive integer up to 1000"),
+    (["run", "--matrix", "{matrix_design}", "--out", "{out}"], "design must be a string"),
+    (["run", "--matrix", "{matrix_description}", "--out", "{out}"], "description must be a string, not a table"),
+    (["run", "--matrix", "{matrix_exhaustive}", "--out", "{out}"], "exhaustive must be an array of strings"),
+    (["run", "--matrix", "{matrix_models}", "--out", "{out}"], "models must be an array of strings"),
+    # run: options
+    (["run", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
+    (["run", "--ranks", "1,2,1", "--out", "{out}"], "--ranks: '1' is given twice"),
+    (["run", "--timeout", "inf", "--out", "{out}"], "--timeout: must be a positive number of seconds, got 'inf'"),
+    (["run", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
+    (["run", "--steps", "1001", "--out", "{out}"], "--steps: must be at most 1000"),
+    (["run", "--steps", "0", "--out", "{out}"], "--steps: must be a positive integer"),
+    (["run", "-k", "fixture == 'kda' or " * 30 + "True", "--out", "{out}"], "more than 500"),
+    (["run", "-k", "fixture == 'a' * 10**10", "--out", "{out}"], "Mult in"),
+    (["run", "-k", "ranks == 9**9**9", "--out", "{out}"], "Pow in"),
+    (["run", "-k", "fixture == '%0999999999d' % 1", "--out", "{out}"], "Mod in"),
+    (["run", "-k", "ranks == 1 << 10**10", "--out", "{out}"], "LShift in"),
+    (["run", "-k", "[x for x in path]", "--out", "{out}"], "ListComp in"),
+    (["run", "-k", "ranks == \0", "--out", "{out}"], "-k: cannot parse"),
+    (["run", "-k", FILTER, "--junit", "{empty}", "--out", "{out}"], "--junit {empty}: is a directory"),
+    (["run", "-k", FILTER, "--junit", "/proc/parity.xml", "--out", "{out}"], "--junit /proc/parity.xml: cannot write"),
+    (["run", "-k", FILTER, "--junit", "{afile}/j.xml", "--out", "{out}"], "no folder"),
+    (["run", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
+    (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),
+    # run --resume: malformed files
+    (["run", "--resume", "{runjson_notjson}"], "run.json is unreadable"),
+    (["run", "--resume", "{runjson_list}"], "run.json is not a JSON object"),
+    (["run", "--resume", "{runjson_options}"], "options is not an object"),
+    (["run", "--resume", "{runjson_binary}"], "run.json is unreadable"),
+    (["run", "--resume", "{runjson_paths}"], "run.json records paths 5, which that option cannot be"),
+    (["run", "--resume", "{runjson_steps}"], "run.json records steps 100000"),
+    (["run", "--resume", "{resume_progress}"], "progress.jsonl line 1 is not a progress entry"),
+    (["run", "--resume", "{resume_progress_shape}"], "progress.jsonl line 2 is not a progress entry"),
+    (["run", "--resume", "{resume_cells}"], "cells.csv row 2: not a parity record"),
+    # gate
+    (["gate", "--from", "{gate_runjson_notjson}"], "run.json is unreadable"),
+    (["gate", "--from", "{gate_runjson_list}"], "run.json is not a JSON object"),
+    (["gate", "--from", "{csv_verdict}"], "cells.csv row 2: not a parity record ('MAYBE' is not a valid Verdict)"),
+    (["gate", "--from", "{csv_number}"], "cells.csv row 2: not a parity record"),
+    (["gate", "--from", "{csv_binary}"], "cells.csv is unreadable"),
+    (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
+    (["gate", "--compare-to", "{interrupted}", "--out", "{out}"], "that run is interrupted, not complete"),
+    (["gate", "--compare-to", "{empty}/nope", "--out", "{out}"], "--compare-to {empty}/nope: no such directory"),
+    (["gate", "--compare-to", "{complete}", "--matrix", "default", "--out", "{out}"],
+     "those results are of matrix 'smoke', this gate judges 'default'"),
+    (["gate", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
+    (["gate", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
+    (["gate", "-k", FILTER, "--junit", "{empty}", "--out", "{out}"], "is a directory"),
+    # bench
+    (["bench", "--out", "{afile}"], "--out {afile}: is a file"),
+    (["bench", "--out", "{afile}/sub"], "--out {afile}/sub: cannot write there"),
+    (["bench", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
+    (["bench", "--steps", "5000", "--out", "{out}"], "--steps: must be at most 1000"),
+    (["bench", "--warmup", "5000", "--out", "{out}"], "--warmup must be from 0 to 1000"),
+    (["bench", "--timeout", "inf", "--out", "{out}"], "got 'inf'"),
+    (["bench", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
+    # compare
+    (["compare", "{interrupted}", "{complete}"], "compare {interrupted}: that run is interrupted, not complete"),
+    (["compare", "{empty}", "{complete}"], "no cells.csv, bench.csv or digest.json"),
+    (["compare", "{header_only}", "{complete}"], "holds no results"),
+    (["compare", "{csv_verdict}", "{complete}"], "cells.csv row 2: not a parity record"),
+    (["compare", "{complete}", "{csv_number}"], "cells.csv row 2: not a parity record"),
+    (["compare", "{gate_runjson_notjson}", "{complete}"], "run.json is unreadable"),
+    (["compare", "{digest_notjson}", "{complete}"], "digest.json is unreadable"),
+    (["compare", "{digest_shape}", "{complete}"], "not a digest as parity writes it"),
+    (["compare", "{bench_row}", "{bench_row}"], "bench.csv row 2: not a bench row"),
+    (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a positive number"),
+    (["compare", "{complete}", "{complete}", "--write-digest", "{afile}"], "--write-digest {afile}: is a file"),
+    # report
+    (["report", "{csv_verdict}"], "cells.csv row 2: not a parity record"),
+    (["report", "{csv_binary}"], "cells.csv is unreadable"),
+    (["report", "{gatejson_notjson}"], "gate.json is unreadable"),
+    (["report", "{gatejson_shape}"], "gate.json: decisions are not as parity writes them"),
+    (["report", "{gate_runjson_list}"], "run.json is not a JSON object"),
+    # fuzz
+    (["fuzz", "--out", "{afile}"], "--out {afile}: is a file"),
+    (["fuzz", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
+    (["fuzz", "--fault", "gremlin", "--out", "{out}"], "--fault: unknown value 'gremlin'"),
+    (["fuzz", "--examples", "0", "--out", "{out}"], "--examples: must be a positive integer"),
+    # fixtures
+    (["fixtures", "extra"], "unrecognized arguments: extra"),
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Built once: no case may change them (each is refused before it touches anything)."""
+    tmp_path = tmp_path_factory.mktemp("bad")
+    f = _files(tmp_path)
+    f["resume_progress"] = _resumable(tmp_path / "resume_progress", "not json\n")
+    f["resume_progress_shape"] = _resumable(tmp_path / "resume_progress_shape",
+                                            '{"group": "g", "bytes": SIZE}\n{"group": 1}\n', HEADER)
+    f["resume_cells"] = _resumable(tmp_path / "resume_cells", '{"group": "g", "bytes": SIZE}\n',
+                                   HEADER + "a,b,c\n")
+    f["out"] = str(tmp_path / "out")
+    return f
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2_before_any_work(capsys, files, argv, message):
+    code = main([a.format(**files) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("parity: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message.format(**files) in err
+    assert not os.path.exists(files["out"])  # nothing was started: not even the output directory
+
+
+def _parity(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_a_model_exiting_at_import_is_exit_2_in_a_real_process(tmp_path):
+    model = _write(tmp_path / "exit_model.py", EXIT_MODEL) + ":model"
+    proc = _parity("gate", "--model", model, "--out", str(tmp_path / "gate"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "called sys.exit(0)" in proc.stderr and not os.path.exists(tmp_path / "gate")
+
+
+def test_user_code_exiting_0_during_a_command_is_not_success(capsys, monkeypatch):
+    import parity.cli as cli
+
+    def exits(args):
+        sys.exit(0)
+
+    monkeypatch.setattr(cli, "cmd_fixtures", exits)
+    assert main(["fixtures"]) == 2
+    assert "user code (a model) called sys.exit(0)" in capsys.readouterr().err
+
+
+class _ClosedPipe:
+    """A stdout whose reader went away."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_keeps_the_verdict(tmp_path, monkeypatch):
+    old = results(tmp_path / "old", {A: "PASS"})
+    new = results(tmp_path / "new", {A: "FAIL"})
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["compare", old, new]) == 1
+    assert main(["compare", old, old]) == 0
+    monkeypatch.setattr(sys, "stderr", _ClosedPipe())  # parity ... 2>&1 | head -1
+    assert main(["compare", old, new]) == 1
+    assert main(["compare", old, str(tmp_path / "missing")]) == 2
+
+
+def test_a_closed_pipe_keeps_the_verdict_in_a_real_process(tmp_path):
+    old = results(tmp_path / "old", {A: "PASS"})
+    new = results(tmp_path / "new", {A: "ERROR"})
+    proc = subprocess.Popen([sys.executable, "-m", "parity", "compare", old, new], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before parity writes (parity ... | head -0)
+    assert proc.wait(timeout=120) == 1
+    assert proc.stderr.read() == b""
+
+
+@pytest.mark.parametrize("old, new, line", [
+    ({A: "PASS"}, {A: "PASS", "kda/native/r1/c0": "ERROR"}, "cell kda/native/r1/c0: ERROR (not in the old run)"),
+    ({A: "PASS"}, {A: "PASS", "kda/native/r1/c0": "UNPAIRED"}, "UNPAIRED (not in the old run)"),
+    ({A: "PASS"}, {A: "INCONCLUSIVE"}, f"cell {A}: PASS -> INCONCLUSIVE"),
+    ({A: "TIMEOUT"}, {A: "ERROR"}, f"cell {A}: TIMEOUT -> ERROR"),
+    ({A: "PASS", "kda/native/r1/c0": "PASS"}, {A: "PASS"}, "cell kda/native/r1/c0: PASS before, not run now"),
+])
+def test_compare_flags_new_alarms_and_missing_cells(capsys, tmp_path, old, new, line):
+    assert main(["compare", results(tmp_path / "old", old), results(tmp_path / "new", new)]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSED" in out and line in out
+
+
+def test_compare_of_an_interrupted_new_run_flags_what_it_did_not_run(capsys, tmp_path):
+    old = results(tmp_path / "old", {A: "PASS", "kda/native/r1/c0": "PASS"})
+    new = results(tmp_path / "new", {A: "ERROR"}, status="interrupted")
+    assert main(["compare", old, new]) == 1
+    out = capsys.readouterr().out
+    assert f"cell {A}: PASS -> ERROR" in out and "not run now" in out
+
+
+def test_compare_passes_equal_runs_and_new_passing_cells(capsys, tmp_path):
+    old = results(tmp_path / "old", {A: "PASS", "kda/native/r1/c0": "ERROR"})
+    new = results(tmp_path / "new", {A: "PASS", "kda/native/r1/c0": "ERROR", "lm/native/r1/c0": "PASS"})
+    assert main(["compare", old, new]) == 0
+    assert "1 cells only in the new run" in capsys.readouterr().out
+
+
+def test_a_digest_of_an_interrupted_run_is_no_baseline(capsys, tmp_path):
+    new = results(tmp_path / "new", {A: "PASS"}, status="interrupted")
+    assert main(["compare", results(tmp_path / "old", {A: "PASS"}), new,
+                 "--write-digest", str(tmp_path / "digest")]) == 0
+    assert main(["compare", str(tmp_path / "digest"), new]) == 2
+    assert "that run is interrupted, not complete" in capsys.readouterr().err
+
+
+HOSTILE = "boom \x1b[31mred\x1b[0m \x00nul \x08bs ]]> <tag> & \ud800 | pipe\nnext"
+
+
+def test_junit_is_well_formed_whatever_a_detail_holds(tmp_path):
+    rows = [Record(cell="m/native/c0", fixture="m", path="native", check="grad", name="w\x1b[1m",
+                   verdict=Verdict.ERROR, detail=HOSTILE),
+            Record(cell="m/native/c1", fixture="m", path="native", check="grad", name="w",
+                   verdict=Verdict.SKIP, detail=HOSTILE)]
+    path = tmp_path / "j.xml"
+    write_junit(str(path), rows, suite="s\x07")
+    suite = ET.parse(path).getroot().find("testsuite")  # parses: well-formed
+    error = suite.find("testcase/error")
+    for text in (error.get("message"), error.text):
+        assert "red" in text and "\x1b" not in text and "[31m" not in text
+        assert "#x00nul #x08bs ]]> <tag> & #xD800" in text
+    assert suite.find("testcase/skipped").get("message").startswith("boom red")
+    assert suite.get("name") == "parity s#x07"
+
+
+def test_summary_md_carries_no_raw_html_from_details():
+    rows = [Record(cell="m/native/c0", fixture="m", path="native", check="grad", name="w|x",
+                   verdict=Verdict.FAIL, detail="<script>alert(1)</script> a|b & c\nd", ratio=2.0, observed=2.0,
+                   allowed=1.0)]
+    md = summary_markdown(rows, title="<b>m</b>", timings={}, cells_total=1)  # a matrix file's name
+    assert md.startswith("# parity run: &lt;b&gt;m&lt;/b&gt;")
+    assert "<script>" not in md and "&lt;script&gt;alert(1)&lt;/script&gt; a|b &amp; c d" in md
+    table_row = next(line for line in md.splitlines() if line.startswith("| grad | 2 |"))
+    assert "w\\|x" in table_row
+
+
+def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
+    from tests.test_gate import healthy
+
+    def run_dir(name, rows):
+        d = tmp_path / name
+        d.mkdir()
+        writer = RecordWriter(str(d / "cells.csv"))
+        writer.write(rows)
+        writer.close()
+        _write(d / "run.json", json.dumps({"options": {"matrix": "smoke"}, "status": "complete",
+                                           "cells": sorted({r.cell for r in rows})}))
+        return str(d)
+
+    old = run_dir("old", healthy())
+    rows = healthy()
+    rows[1].verdict = Verdict.UNPAIRED
+    # two cells of smoke's 48: PARTIAL at best (exit 1), never a regression against itself
+    assert main(["gate", "--from", old, "--compare-to", old]) == 1
+    first = capsys.readouterr().out
+    assert "PARTIAL" in first and "regressed" not in first
+    assert main(["gate", "--from", run_dir("new", rows), "--compare-to", old]) == 1
+    out = capsys.readouterr().out
+    assert "NO-GO" in out and f"regressed against {old}: cell {rows[1].cell}: PASS -> UNPAIRED" in out
+
+
+def test_gate_md_carries_no_raw_html_from_details(tmp_path):
+    from parity.report import gate
+
+    decision = gate.Decision(model="m", decision=gate.NO_GO, reasons=["native: grad: 1 ERROR (<img src=x> a|b)"])
+    gate.write(str(tmp_path), [decision], [], meta={"candidate": "native", "torch": "t", "matrix": "x", "results": "r"})
+    md = (tmp_path / "gate.md").read_text()
+    assert "<img" not in md and "| **NO-GO** | native: grad: 1 ERROR (&lt;img src=x&gt; a\\|b) |" in md
+    assert "- reason: native: grad: 1 ERROR (&lt;img src=x&gt; a|b)" in md
