@@ -1,7 +1,9 @@
 """``python -m parity``: ``plan``, ``run``, ``gate``, ``fixtures``.
 
 Exit codes: 0 success; 1 a cell failed (FAIL/ERROR/TIMEOUT); 2 bad input (one line naming
-the thing and the valid choices); 130/143 interrupted by SIGINT/SIGTERM.
+the thing and the valid choices), an output directory in use or a ``--resume`` of something
+that changed; 74 a result file could not be written (disk full: :class:`~parity.errors.OutputError`);
+130/143 interrupted by SIGINT/SIGTERM (:mod:`parity.interrupt`), whatever the command.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from parity.arguments import csv_list as _csv
 from parity.arguments import integer as _integer
 from parity.arguments import positive as _positive
 from parity.bench.run import add_bench_arguments, bench_command
-from parity.errors import UsageError
+from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
+from parity.interrupt import Interrupted, Signals, exit_code, raising
 from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
 from parity.model.topology import MESHES
 
@@ -257,9 +260,9 @@ def cmd_run(args) -> int:
 
 def cmd_gate(args) -> int:
     """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO per model."""
+    from parity.execute.torchrun import under_torchrun
     from parity.paths import check_path
-    from parity.report import gate, outdir
-    from parity.report.records import read_records
+    from parity.report import outdir
 
     candidate = check_path(args.candidate)
     if args.from_dir:
@@ -270,9 +273,11 @@ def cmd_gate(args) -> int:
         if manifest.get("status") != "complete":
             raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
                              f"finish it with python -m parity run --resume {out}")
-    else:
-        opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
-        matrix, cells = _select(opts)
+        with Signals() as signals:
+            return _decide(args, out, manifest, candidate, signals)
+    opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+    matrix, cells = _select(opts)
+    with Signals(enabled=not under_torchrun()) as signals:  # the run's cells and files, then the gate's
         code = _execute(args, opts, matrix, cells)
         if code < 0:
             return 0  # a torchrun peer: rank 0 decides
@@ -280,6 +285,15 @@ def cmd_gate(args) -> int:
         manifest = outdir.read_manifest(out)
         if manifest.get("status") != "complete":
             return code  # interrupted: the run already said so
+        return _decide(args, out, manifest, candidate, signals)
+
+
+def _decide(args, out: str, manifest: dict, candidate: str, signals: Signals) -> int:
+    """Judge ``out``'s records, write the gate's files, print the decisions."""
+    from parity.errors import writing
+    from parity.report import gate, outdir
+    from parity.report.records import read_records
+
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
     if args.compare_to:
@@ -298,15 +312,21 @@ def cmd_gate(args) -> int:
     meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
             "matrix": (manifest.get("options") or {}).get("matrix", ""),
             "cells": len(manifest.get("cells", [])), "records": len(records)}
-    gate.write(out, decisions, records, meta=meta)
     from parity.report.html import write_html
 
-    write_html(out, records)
+    with writing(os.path.join(out, "gate.md")):
+        gate.write(out, decisions, records, meta=meta)
+    with writing(os.path.join(out, "report.html")):
+        write_html(out, records)
     width = max((len(d.model) for d in decisions), default=5)
     for d in decisions:
         why = "; ".join(d.reasons or d.notes)
         print(f"{d.model:<{width}}  {d.decision:<14}  {why[:200]}")
     print(f"gate: {out}/gate.md, {out}/gate.json")
+    if signals():  # arrived while the gate's files were written: they were completed first
+        print(f"parity: interrupted by {signals.name} while writing the gate's files (they are complete)",
+              file=sys.stderr)
+        return signals.code
     go = bool(decisions) and all(d.decision in (gate.GO, gate.NOT_APPLICABLE) for d in decisions)
     return 0 if go else 1
 
@@ -331,15 +351,23 @@ def _torch_version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from parity.execute.torchrun import under_torchrun
+
     try:
-        args = _parser().parse_args(argv)
-        commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
-                    "report": cmd_report, "fuzz": fuzz_command,
-                    "fixtures": cmd_fixtures}
-        return commands[args.command](args)
+        with raising(enabled=not under_torchrun()):
+            args = _parser().parse_args(argv)
+            commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command,
+                        "compare": cmd_compare, "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
+            return commands[args.command](args)
     except UsageError as exc:
         print(f"parity: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"parity: {exc}", file=sys.stderr)
+        return EXIT_OUTPUT
+    except Interrupted as exc:  # outside a command's own safe points: nothing was being written
+        print(f"parity: interrupted by {exc}", file=sys.stderr)
+        return exit_code(exc.signum) if exc.signum else 130
     except BrokenPipeError:  # stdout closed early (``| head``): not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
