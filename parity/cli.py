@@ -219,9 +219,11 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     junit_dir = os.path.dirname(os.path.abspath(opts["junit"])) if opts["junit"] else ""
     if junit_dir and not os.path.isdir(junit_dir):
         raise UsageError(f"--junit {opts['junit']}: no folder {junit_dir}; give a path in an existing folder")
-    identity = {k: opts[k] for k in RUN_IDENTITY}
+    from parity.report.identity import difference, identity
+
     device = resolve_device(opts["device"])
-    manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
+    manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": _torch_version(), "device": device,
+                "cells": [c.id for c in cells], **identity(matrix.path, cells)}
     if args.resume:
         from parity.report.outdir import read_manifest
 
@@ -235,6 +237,10 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         if recorded.get("cells") != manifest["cells"]:
             raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
+        changed = difference(recorded, manifest)
+        if changed:
+            raise UsageError(f"--resume {args.resume}: {changed}; resume with the parity, model and matrix files "
+                             "it ran with, or start a new run with --overwrite")
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"], junit=opts["junit"] or "")

@@ -66,6 +66,8 @@ class Matrix:
     description: str
     cells: tuple[Cell, ...]
     skips: tuple[tuple[str, str], ...] = ()
+    path: str = ""
+    """The ``.toml`` file it was read from (its digest names the run in ``run.json``)."""
     """(filter expression, reason) pairs: matching cells are reported as SKIP."""
 
     def skip_reason(self, cell: Cell) -> str:
@@ -235,7 +237,8 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         check_filter(entry["when"], f"{path}: skip.when")
         skips.append((entry["when"], entry["reason"]))
     name = os.path.basename(path).removesuffix(".toml")
-    return Matrix(name=name, description=data.get("description", ""), cells=tuple(cells), skips=tuple(skips))
+    return Matrix(name=name, description=data.get("description", ""), cells=tuple(cells), skips=tuple(skips),
+                  path=os.path.abspath(path))
 
 
 def check_filter(expr: str, what: str = "-k") -> None:
