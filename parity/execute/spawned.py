@@ -5,8 +5,9 @@ the process target is :func:`start`, in this module, which imports nothing heavy
 the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a
 no-op elsewhere, where the workers' parent-liveness check between cells remains), exits at
 once if the parent is already gone, and only then imports the real target (and with it
-torch). Multiprocessing's spawn runs ``python -m parity``'s ``__main__`` nowhere in the child,
-so nothing imports torch before :func:`start`.
+torch). Before the target, multiprocessing's spawn re-runs the parent's main script in the
+child (not a ``-m`` package's ``__main__``): the ``parity`` command's script imports only
+:func:`parity.main`, which is light, so nothing imports torch before :func:`start`.
 """
 
 from __future__ import annotations
