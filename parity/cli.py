@@ -320,9 +320,8 @@ def _decide(args, out: str, manifest: dict, candidate: str, signals: Signals) ->
             "cells": len(manifest.get("cells", [])), "records": len(records)}
     from parity.report.html import write_html
 
-    with writing(os.path.join(out, "gate.md")):
+    with writing(out):
         gate.write(out, decisions, records, meta=meta)
-    with writing(os.path.join(out, "report.html")):
         write_html(out, records)
     width = max((len(d.model) for d in decisions), default=5)
     for d in decisions:

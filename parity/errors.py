@@ -27,11 +27,12 @@ EXIT_OUTPUT = 74
 
 @contextlib.contextmanager
 def writing(path: str):
-    """Writes to ``path`` inside this block raise :class:`OutputError` instead of ``OSError``."""
+    """Writes to ``path`` inside this block raise :class:`OutputError` instead of ``OSError``
+    (naming the file the error names, when it names one: ``path`` may be a folder of them)."""
     try:
         yield
     except OSError as exc:
-        raise OutputError(path, exc) from None
+        raise OutputError(str(exc.filename) if exc.filename else path, exc) from None
 
 
 class IsolationError(ValueError):

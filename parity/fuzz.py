@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-from parity.errors import writing
+from parity.errors import OutputError, writing
 from parity.execute.pool import RankPool
 from parity.interrupt import Interrupted, Signals
 from parity.judge.record import Verdict
@@ -120,6 +120,8 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     except Interrupted:
         if last_failure:  # interrupted while shrinking: the smallest failure found so far
             _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix)
+    except OutputError:  # a full disk is not a generated model's failure: exit 74
+        raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
