@@ -14,3 +14,13 @@ The pipeline, one subpackage per stage (data flows one way, top to bottom):
 """
 
 __version__ = "0.2.0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``parity`` command. It imports the CLI (and torch) only when called: multiprocessing
+    re-runs the command's script in every spawned rank worker before the worker's entry point,
+    and that must not import torch before the worker asked to die with its parent
+    (:mod:`parity.execute.spawned`)."""
+    from parity.cli import main as cli_main
+
+    return cli_main(argv)

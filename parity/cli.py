@@ -2,16 +2,19 @@
 
 Exit codes (README, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
 closed stdout does not change it); 1 a bad verdict (a cell FAIL/ERROR/TIMEOUT/INCONCLUSIVE, a
-NO-GO, a regression); 2 bad input, refused before any work (one line naming the thing and the
-fix; a model source exiting at import included); 130/143 interrupted by SIGINT/SIGTERM.
+NO-GO or PARTIAL gate, a regression); 2 bad input, refused before any work (one line naming the
+thing and the fix; a model source exiting at import, an output directory in use, a ``--resume``
+of something that changed); 74 a result file could not be written (disk full:
+:class:`~parity.errors.OutputError`); 130/143 interrupted by SIGINT/SIGTERM (:mod:`parity.interrupt`),
+whatever the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import functools
+import hashlib
 import os
 import sys
 
@@ -20,8 +23,9 @@ from parity.arguments import positive as _positive
 from parity.arguments import seed as _seed
 from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments, bench_command
-from parity.errors import UsageError
+from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
+from parity.interrupt import Interrupted, Signals, exit_code, raising
 from parity.matrix.cell import INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
 from parity.model.topology import MESHES
 
@@ -272,9 +276,11 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         from parity.report.outdir import writable_file
 
         writable_file(opts["junit"], "--junit")
-    identity = {k: opts[k] for k in RUN_IDENTITY}
+    from parity.report.identity import difference, identity
+
     device = resolve_device(opts["device"])
-    manifest = {"options": identity, "torch": _torch_version(), "device": device, "cells": [c.id for c in cells]}
+    manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": _torch_version(), "device": device,
+                "cells": [c.id for c in cells], **identity(matrix.path, cells)}
     if args.resume:
         from parity.report.outdir import read_manifest
 
@@ -288,6 +294,10 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         if recorded.get("cells") != manifest["cells"]:
             raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
                              "run (the matrix file or a plugin changed); start a new run with --overwrite")
+        changed = difference(recorded, manifest)
+        if changed:
+            raise UsageError(f"--resume {args.resume}: {changed}; resume with the parity, model and matrix files "
+                             "it ran with, or start a new run with --overwrite")
     _warn_rule_disagreements(cells)
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
@@ -375,9 +385,9 @@ def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> N
 
 def cmd_gate(args) -> int:
     """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO / PARTIAL per model."""
+    from parity.execute.torchrun import under_torchrun
     from parity.paths import check_path
-    from parity.report import gate, outdir
-    from parity.report.records import read_records
+    from parity.report import outdir
 
     candidate = check_path(args.candidate)
     if args.fault:
@@ -393,10 +403,12 @@ def cmd_gate(args) -> int:
             raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
                              f"finish it with python -m parity run --resume {out}")
         _same_matrix(args.compare_to, baseline, str((manifest.get("options") or {}).get("matrix", "")))
-    else:
-        opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
-        _same_matrix(args.compare_to, baseline, opts["matrix"])
-        matrix, cells = _select(opts)
+        with Signals() as signals:
+            return _decide(args, out, manifest, candidate, baseline, signals)
+    opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+    _same_matrix(args.compare_to, baseline, opts["matrix"])
+    matrix, cells = _select(opts)
+    with Signals(enabled=not under_torchrun()) as signals:  # the run's cells and files, then the gate's
         code = _execute(args, opts, matrix, cells)
         if code < 0:
             return 0  # a torchrun peer: rank 0 decides
@@ -404,6 +416,16 @@ def cmd_gate(args) -> int:
         manifest = outdir.read_manifest(out)
         if manifest.get("status") != "complete":
             return code  # interrupted: the run already said so
+        return _decide(args, out, manifest, candidate, baseline, signals)
+
+
+def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | None, signals: Signals) -> int:
+    """Judge ``out``'s records (against ``baseline``, ``--compare-to``'s digest, when given) and
+    the scope of its run, write the gate's files, print the decisions."""
+    from parity.errors import writing
+    from parity.report import gate, outdir
+    from parity.report.records import read_records
+
     records = read_records(os.path.join(out, outdir.CELLS))
     decisions = gate.evaluate(records, candidate)
     if baseline is not None:
@@ -422,15 +444,20 @@ def cmd_gate(args) -> int:
             "matrix": scope.get("matrix", ""), "cells": len(manifest.get("cells", [])), "records": len(records),
             "scope": scope, "device": manifest.get("device", ""),
             "versions": {k: env.get(k, "") for k in ("torch", "cuda", "nccl", "python")}}
-    gate.write(out, decisions, records, meta=meta)
     from parity.report.html import write_html
 
-    write_html(out, records)
+    with writing(out):
+        gate.write(out, decisions, records, meta=meta)
+        write_html(out, records)
     width = max((len(d.model) for d in decisions), default=5)
     for d in decisions:
         why = "; ".join(d.reasons or d.notes)
         print(f"{d.model:<{width}}  {d.decision:<14}  {why[:200]}")
     print(f"gate: {out}/gate.md, {out}/gate.json")
+    if signals():  # arrived while the gate's files were written: they were completed first
+        print(f"parity: interrupted by {signals.name} while writing the gate's files (they are complete)",
+              file=sys.stderr)
+        return signals.code
     return 0 if gate.is_go(decisions) else 1
 
 
@@ -509,11 +536,20 @@ def main(argv: list[str] | None = None) -> int:
     stderr and exit code 2; a closed stdout or stderr changes nothing (:class:`_PipeSafe`)."""
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = safe = _PipeSafe(streams[0]), _PipeSafe(streams[1])  # ``2>&1 | head`` too
+    from parity.execute.torchrun import under_torchrun
+
     try:
-        return _command(_parser().parse_args(argv))
+        with raising(enabled=not under_torchrun()):
+            return _command(_parser().parse_args(argv))
     except UsageError as exc:
         print(f"parity: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OutputError as exc:
+        print(f"parity: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_OUTPUT
+    except Interrupted as exc:  # outside a command's own safe points: nothing was being written
+        print(f"parity: interrupted by {exc}", file=sys.stderr)
+        return exit_code(exc.signum) if exc.signum else 130
     finally:
         for stream in safe:
             stream.flush()

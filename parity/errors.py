@@ -1,8 +1,38 @@
 """Errors with a one-line message that names the thing and the fix."""
 
+from __future__ import annotations
+
+import contextlib
+
 
 class UsageError(ValueError):
     """Bad input from the user (unknown fixture, path, dtype, matrix...). The CLI exits 2."""
+
+
+class OutputError(Exception):
+    """A result file could not be written (disk full, quota, permissions changed mid-run).
+    The CLI exits :data:`EXIT_OUTPUT` with one line naming the file and what to do."""
+
+    def __init__(self, path: str, exc: OSError, fix: str = "make room or fix its permissions, then rerun"):
+        self.path, self.reason, self.fix = path, exc.strerror or str(exc), fix
+        super().__init__(path)
+
+    def __str__(self) -> str:
+        return f"cannot write {self.path} ({self.reason}); {self.fix}"
+
+
+EXIT_OUTPUT = 74
+"""``EX_IOERR`` (sysexits.h): parity could not write its results."""
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """Writes to ``path`` inside this block raise :class:`OutputError` instead of ``OSError``
+    (naming the file the error names, when it names one: ``path`` may be a folder of them)."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(str(exc.filename) if exc.filename else path, exc) from None
 
 
 class IsolationError(ValueError):

@@ -10,18 +10,28 @@ reproducer file (``parity run --model FILE:parity_model`` replays it).
 
 With ``--fault NAME`` the property is not asserted: every example runs with the fault and the
 campaign counts the examples whose records flag it (sensitivity per 100 examples).
+
+SIGINT/SIGTERM (:mod:`parity.interrupt`) end the campaign after the example in progress is
+abandoned: the pools are killed, the temporary folder removed, the examples that finished are
+counted in ``fuzz.md`` and the smallest failing example found so far, if any, is written as
+a reproducer; the exit code is 130/143.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import replace
 
+from parity.errors import OutputError, writing
 from parity.execute.pool import RankPool
+from parity.interrupt import Interrupted, Signals
 from parity.judge.record import Verdict
 from parity.matrix.cell import Cell
 from parity.report.records import read_records
@@ -34,12 +44,12 @@ class _Pools:
 
     rank = 0
 
-    def __init__(self, device: str, tmp: str):
-        self.device, self.tmp, self.pools = device, tmp, {}
+    def __init__(self, device: str, tmp: str, stop_requested):
+        self.device, self.tmp, self.pools, self.stop_requested = device, tmp, {}, stop_requested
 
     def run(self, cell: Cell, timeout: float):
         if cell.ranks not in self.pools:
-            self.pools[cell.ranks] = RankPool(cell.ranks, self.device, tmp=self.tmp)
+            self.pools[cell.ranks] = RankPool(cell.ranks, self.device, tmp=self.tmp, stop_requested=self.stop_requested)
         return self.pools[cell.ranks].run(cell, timeout)
 
     def skip_reason(self, cell: Cell) -> str:
@@ -52,29 +62,39 @@ class _Pools:
 
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
              timeout: float = 120.0) -> int:
+    os.makedirs(out_dir, exist_ok=True)
+    with Signals() as signals:
+        return _campaign(examples=examples, seed=seed, out_dir=out_dir, fault=fault, device=device, timeout=timeout,
+                         signals=signals)
+
+
+def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str, timeout: float,
+              signals: Signals) -> int:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
 
     from parity_fixtures.generated import axes, replay_matrix, reproducer, source_for, specs
 
-    os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
-    pools = _Pools(device, tmp)
+    pools = _Pools(device, tmp, signals)
     verdicts, judged, caught, inconclusive = Counter(), [], [], []
     last_failure: list[tuple[dict, list]] = []
-    ran = [0]
+    ran, tries = [0], [0]
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
     @fixed_seed(seed)
     @given(spec=specs(), values=axes())
     def example(spec, values):
-        ran[0] += 1
-        run_dir = os.path.join(tmp, f"example-{ran[0]}")
+        signals.check()
+        tries[0] += 1
+        run_dir = os.path.join(tmp, f"example-{tries[0]}")
         cells = [Cell(fixture=spec["name"], path=p, source=source_for(spec), steps=2,
                       faults=(fault,) if fault else (), **values) for p in ("legacy", "native")]
         run_cells(cells, RunOptions(out_dir=run_dir, timeout=timeout, progress=False, title="fuzz"),
                   executor=pools)
+        signals.check()  # the run stopped for a signal: its records are partial, not an example
+        ran[0] += 1
         records = read_records(os.path.join(run_dir, "cells.csv"))
         shutil.rmtree(run_dir, ignore_errors=True)
         bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT)]
@@ -93,24 +113,19 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
 
     t0 = time.perf_counter()
     code = 0
-    import contextlib
-    import io
-
     try:
         # run_cells prints a table and progress lines per example: the campaign reports instead
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             example()
+    except Interrupted:
+        if last_failure:  # interrupted while shrinking: the smallest failure found so far
+            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix)
+    except OutputError:  # a full disk is not a generated model's failure: exit 74
+        raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
-            spec, values = last_failure[-1]
-            stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
-            with open(stem + ".py", "w") as fh:
-                fh.write(reproducer(spec))
-            with open(stem + ".toml", "w") as fh:
-                fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
-            print(f"fuzz: a generated model failed; minimal reproducer: {stem}.py "
-                  f"(replay: python -m parity run --matrix {stem}.toml)")
+            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix)
         print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
@@ -125,11 +140,28 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
                  + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
     lines += ratio_distribution(judged)
+    if signals():
+        lines.append(f"interrupted by {signals.name}: the counts above are of the {ran[0]} runs that finished")
     text = "\n".join(lines)
     print(text)
-    with open(os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md"), "w") as fh:
+    path = os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md")
+    with writing(path), open(path, "w") as fh:
         fh.write(text + "\n")
+    if signals():
+        print(f"parity: interrupted by {signals.name} after {ran[0]} fuzz runs; what finished is in {path}",
+              file=sys.stderr)
+        return signals.code
     return code
+
+
+def _write_reproducer(out_dir: str, spec: dict, values: dict, reproducer, replay_matrix) -> None:
+    stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
+    with writing(stem + ".py"), open(stem + ".py", "w") as fh:
+        fh.write(reproducer(spec))
+    with writing(stem + ".toml"), open(stem + ".toml", "w") as fh:
+        fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
+    print(f"fuzz: a generated model failed; minimal reproducer: {stem}.py "
+          f"(replay: python -m parity run --matrix {stem}.toml)")
 
 
 def add_fuzz_arguments(sub) -> None:

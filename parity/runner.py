@@ -6,10 +6,17 @@ with its baseline as soon as both finished (``path = baseline~path`` rows) and a
 complete before the next starts -- which is what makes ``--resume`` exact.
 
 Pools are started once per rank count and reused; cells that crash or hang become
-ERROR/TIMEOUT records and the pool restarts. SIGINT/SIGTERM stop the run cleanly: no new
-cell starts, workers are told to exit and killed after a grace period, the temporary
-folder is removed, a summary marked "interrupted" is written, and the exit code is 130
-(SIGINT) or 143 (SIGTERM).
+ERROR/TIMEOUT records and the pool restarts. SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
+the run cleanly: no new cell starts, workers are told to exit and killed after a grace
+period, the temporary folder is removed, a summary marked "interrupted" is written, and the
+exit code is 130 (SIGINT) or 143 (SIGTERM). A signal while the result files are written
+lets them be completed (none is torn), then leaves ``run.json`` ``interrupted`` (``--resume``
+rewrites them without running a cell) and exits the same way.
+
+The output directory is locked for the whole run (one writer, :func:`parity.report.outdir.locked`).
+A result file that cannot be written (disk full) stops the run with an
+:class:`~parity.errors.OutputError` (exit 74) after marking ``run.json`` ``failed``; what was
+recorded is kept and ``--resume`` continues once there is room.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -26,7 +32,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from parity.execute.pool import CellFailure, Interrupted, RankPool
+from parity.errors import OutputError, writing
+from parity.execute.pool import CellFailure, RankPool
+from parity.interrupt import Interrupted, Signals, exit_code
 from parity.judge.cell import base_fields, failure_record, judge_cell
 from parity.judge.compare import cross_path
 from parity.judge.divergence import NUMERIC, locate
@@ -38,8 +46,6 @@ from parity.report.environment import environment
 from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
 from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
-
-EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,30 +117,6 @@ def _partner(cell: Cell, paths: list[str]) -> str:
     return ",".join(p for p in paths if p != cell.baseline)
 
 
-class _Signals:
-    """SIGINT/SIGTERM set a flag that the run polls at safe points (no torn rows)."""
-
-    def __init__(self, enabled: bool = True):
-        self.received: int | None = None
-        self.enabled = enabled  # off under torchrun: its peers could not follow a stop; torchrun handles signals
-        self._old = {}
-
-    def __enter__(self):
-        for sig in EXIT_SIGNAL if self.enabled else ():
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = self.received or signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-
-    def __call__(self) -> bool:
-        return self.received is not None
-
-
 def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, executor=None) -> int:
     """Run ``cells``; returns the exit code (0 all pass, 1 any FAIL/ERROR/TIMEOUT, 130/143
     interrupted)."""
@@ -154,17 +136,22 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
         return 0
     out = options.out_dir
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
-    if options.resume:
-        done_groups = outdir.resume_point(out)
-        outdir.write_manifest(out, {**manifest, "status": "running"})
-    else:
-        outdir.prepare(out, manifest, overwrite=options.overwrite)
-        done_groups = set()
-    todo = [c for c in cells if c.pair_id not in done_groups]
-    run = _Run(cells, todo, options, skip_reason, executor)
-    with _Signals(enabled=executor is None) as signals:
-        run.execute(signals)
-    return run.finish(manifest, signals.received)
+    with outdir.locked(out, "--resume" if options.resume else "--out"), Signals(enabled=executor is None) as signals:
+        if options.resume:
+            done_groups = outdir.resume_point(out)
+            outdir.write_manifest(out, {**manifest, "status": "running"})
+        else:
+            outdir.prepare(out, manifest, overwrite=options.overwrite)
+            done_groups = set()
+        todo = [c for c in cells if c.pair_id not in done_groups]
+        try:
+            run = _Run(cells, todo, options, skip_reason, executor)
+            run.execute(signals)
+            return run.finish(manifest, signals)
+        except OutputError as exc:
+            exc.fix = f"make room, then continue: python -m parity run --resume {out}"
+            outdir.set_status(out, "failed")
+            raise
 
 
 class _Run:
@@ -175,8 +162,9 @@ class _Run:
         self.timings = Counter()
         self.pools: dict[int, RankPool] = {}
         self.tmp = ""
-        self.writer = RecordWriter(os.path.join(options.out_dir, outdir.CELLS),
-                                   append=os.path.exists(os.path.join(options.out_dir, outdir.CELLS)))
+        cells_csv = os.path.join(options.out_dir, outdir.CELLS)
+        with writing(cells_csv):
+            self.writer = RecordWriter(cells_csv, append=os.path.exists(cells_csv))
         self.group_left = Counter(c.pair_id for c in todo)
         self.group_cells: dict[str, list[Cell]] = {}
         for c in todo:
@@ -211,7 +199,8 @@ class _Run:
                 self.group_left[cell.pair_id] -= 1
                 if self.group_left[cell.pair_id] == 0:
                     new = new + self._unpaired_rows(cell.pair_id)
-                self.writer.write(new)
+                with writing(self.writer.path):
+                    self.writer.write(new)
                 if self.group_left[cell.pair_id] == 0:
                     outdir.mark_group_done(self.options.out_dir, cell.pair_id)
                     self.baseline_judged.pop(cell.pair_id, None)
@@ -313,8 +302,11 @@ class _Run:
         finally:
             self.timings["spawn"] += pool.spawn_seconds - spawn0
 
-    def finish(self, manifest: dict, received: int | None) -> int:
+    def finish(self, manifest: dict, signals: Signals) -> int:
+        """Write summary, timings, report (and JUnit), then ``run.json`` last: ``complete`` only
+        when no signal arrived, even one during this writing (which is let finish)."""
         out = self.options.out_dir
+        stopped = signals.received  # before every cell ran
         t = self.timings
         t["wall"] = time.perf_counter() - self.wall0
         t["other (parent, queues, skips)"] = t["wall"] - sum(
@@ -324,21 +316,29 @@ class _Run:
         records = read_records(os.path.join(out, outdir.CELLS))
         recorded = {r.cell for r in records}
         not_run = [c.id for c in self.cells if c.id not in recorded]
-        why = signal.Signals(received).name if received else ""
-        with open(os.path.join(out, "summary.md"), "w") as fh:
+        why = signals.name if stopped else ""
+        path = os.path.join(out, "summary.md")
+        with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
-                                      not_run=not_run if received else [], interrupted=why))
-        with open(os.path.join(out, "timings.json"), "w") as fh:
+                                      not_run=not_run if stopped else [], interrupted=why))
+        path = os.path.join(out, "timings.json")
+        with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
-        outdir.write_manifest(out, {**manifest, "status": "interrupted" if received else "complete",
-                                    "environment": environment(self.device)})
-        write_html(out, records)
+        with writing(os.path.join(out, "report.html")):
+            write_html(out, records)
         if self.options.junit:
-            write_junit(self.options.junit, records, suite=self.options.title)
-        if received:
+            with writing(self.options.junit):
+                write_junit(self.options.junit, records, suite=self.options.title)
+        outdir.write_manifest(out, {**manifest, "status": "interrupted" if signals() else "complete",
+                                    "environment": environment(self.device)})
+        if stopped:
             print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "
                   f"finished rows kept in {out} (continue: python -m parity run --resume {out})", file=sys.stderr)
-            return EXIT_SIGNAL[received]
+            return exit_code(stopped)
+        if signals():
+            print(f"parity: interrupted by {signals.name} while writing the results; all {len(self.cells)} cells are "
+                  f"recorded in {out} (finish: python -m parity run --resume {out})", file=sys.stderr)
+            return signals.code
         print(terminal_table(records))
         print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
         verdicts = cell_verdicts(records)

@@ -54,11 +54,14 @@ def _write(path, text: str | bytes) -> str:
 
 def _resumable(d, progress: str, cells_csv: str | None = None) -> str:
     """An interrupted run of :data:`FILTER` that ``--resume`` accepts up to ``progress.jsonl``."""
+    from parity.report.identity import identity
+
     opts = {**RUN_DEFAULTS, "filter": FILTER}
-    _, cells = _select(opts)
+    matrix, cells = _select(opts)
     os.makedirs(d)
     manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": torch.__version__,
-                "device": resolve_device("auto"), "cells": [c.id for c in cells], "status": "interrupted"}
+                "device": resolve_device("auto"), "cells": [c.id for c in cells], "status": "interrupted",
+                **identity(matrix.path, cells)}
     _write(os.path.join(d, "run.json"), json.dumps(manifest))
     if cells_csv is not None:
         _write(os.path.join(d, "cells.csv"), cells_csv)

@@ -114,3 +114,60 @@ def test_resume_refuses_changed_options_naming_them(capsys, tmp_path):
 def test_a_closed_stdout_is_not_a_traceback():
     proc = subprocess.run(f"{sys.executable} -m parity fixtures | head -1", shell=True, capture_output=True, text=True)
     assert proc.stdout.startswith("kda") and proc.stderr == ""
+
+
+SMALL = ["--matrix", "smoke", "-k", "fixture == 'frozen' and ranks == 1"]
+HOLD = "import sys\nfrom parity.report import outdir\nwith outdir.locked(sys.argv[1]):\n    print('held', flush=True)\n" \
+       "    sys.stdin.read()\n"
+
+
+def test_a_directory_in_use_is_refused_naming_its_holder_and_a_dead_holder_does_not_block(capsys, tmp_path):
+    import os
+
+    from parity.report import outdir
+
+    d = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline() == "held\n"
+    assert main(["run", *SMALL, "--out", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"parity: --out {d} is in use by another parity run (pid {holder.pid}); ")
+    assert len(err.strip().splitlines()) == 1
+    assert os.listdir(d) == [outdir.LOCK]  # nothing of a second run was written
+    holder.kill()
+    holder.wait()
+    assert (d / outdir.LOCK).read_text().strip() == str(holder.pid)  # a stale lock file...
+    with outdir.locked(str(d)):  # ...does not block: the kernel released the dead holder's lock
+        assert (d / outdir.LOCK).read_text().strip() == str(os.getpid())
+    assert os.listdir(d) == []
+
+
+def test_resume_refuses_a_changed_model_file_or_parity_version(capsys, tmp_path):
+    import pathlib
+    import shutil
+
+    from parity.cli import RUN_DEFAULTS, RUN_IDENTITY, _select
+    from parity.report import outdir
+    from parity.report.identity import identity, parity_version
+    from parity.runner import resolve_device
+
+    src = tmp_path / "my_model.py"
+    shutil.copy(pathlib.Path(__file__).parents[1] / "examples" / "own_model" / "my_model.py", src)
+    opts = {**RUN_DEFAULTS, "model": [f"{src}:parity_model"]}
+    matrix, cells = _select(opts)
+    d = tmp_path / "run"
+    d.mkdir()
+    manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": torch.__version__,
+                "device": resolve_device("auto"), "cells": [c.id for c in cells], **identity(matrix.path, cells),
+                "status": "interrupted"}
+    assert str(src) in manifest["sources"] and matrix.path in manifest["sources"]
+    src.write_text(src.read_text() + "\n# edited after the run was interrupted\n")
+    outdir.write_manifest(str(d), manifest)
+    assert main(["run", "--resume", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert f"{src} changed since; resume with the parity, model and matrix files it ran with" in err
+    assert len(err.strip().splitlines()) == 1
+    outdir.write_manifest(str(d), {**manifest, "parity": {"version": "0.0.1"}})
+    assert main(["run", "--resume", str(d)]) == 2
+    assert f"it was written by parity 0.0.1, this is parity {parity_version()['version']}" in capsys.readouterr().err

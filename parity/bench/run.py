@@ -1,17 +1,23 @@
-"""``python -m parity bench``: every model x path on one rank count, measured, written."""
+"""``python -m parity bench``: every model x path on one rank count, measured, written.
+
+SIGINT/SIGTERM (:mod:`parity.interrupt`) stop after the measurement in progress is
+abandoned: the pool is killed, its temporary folder removed, and what was measured is
+written (the rest listed as not run) before exiting 130/143."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 from parity.report.environment import environment
 from parity.bench.measure import BenchTask
 from parity.bench.tables import markdown, plot, rows_for, write_csv
-from parity.errors import UsageError
+from parity.errors import UsageError, writing
 from parity.execute.pool import CellFailure, RankPool
+from parity.interrupt import Interrupted, Signals
 from parity.matrix.cell import Cell
 from parity.report.outdir import usable
 
@@ -27,17 +33,25 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             raise UsageError("--plot needs matplotlib: pip install 'parity[plot]' (the numbers need no plot)") from None
     usable(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
-    tmp = tempfile.mkdtemp(prefix="parity-bench-")
-    pool = RankPool(ranks, device, tmp=tmp)
-    rows, failures, code = [], [], 0
-    try:
-        for name, source in models:
-            for path in paths:
+    todo = [(name, source, path) for name, source in models for path in paths]
+    rows, failures, code, ran = [], [], 0, 0
+    with Signals() as signals:
+        tmp = tempfile.mkdtemp(prefix="parity-bench-")
+        pool = RankPool(ranks, device, tmp=tmp, stop_requested=signals)
+        try:
+            for name, source, path in todo:
+                if signals():
+                    break
                 cell = Cell(fixture=name, path=path, ranks=ranks, device=device, source=source,
                             steps=warmup + steps + 1)
                 try:
                     results = pool.run(BenchTask(cell=cell, warmup=warmup, steps=steps), timeout)
+                except Interrupted:
+                    break
                 except CellFailure as exc:
+                    if signals():  # a rank killed by the same signal is not this model's failure
+                        break
+                    ran += 1
                     declared = "IsolationError" in exc.reason
                     failures.append(f"{name} / {path}: {exc.verdict}"
                                     + (" (declared isolation error: this path cannot shard it)" if declared
@@ -46,22 +60,40 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                     continue
                 new = rows_for(name, path, ranks, device, results)
                 rows += new
+                ran += 1
                 got = {r["metric"]: r["value"] for r in new if r["repetition"] == 0}
                 print(f"{name:<16} {path:<8} took {results[0].taken:<8} units {got['units']:>3}  collectives "
                       f"{got['collectives total']:>4}  MiB {got['bytes total'] / 2**20:8.3f}", flush=True)
-    finally:
-        pool.stop(kill=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    env = environment(device)
-    write_csv(os.path.join(out_dir, "bench.csv"), rows)
-    with open(os.path.join(out_dir, "bench.md"), "w") as fh:
-        fh.write(markdown(rows, env, warmup=warmup, steps=steps, failures=failures))
-    with open(os.path.join(out_dir, "bench.json"), "w") as fh:
-        json.dump({"environment": env, "warmup": warmup, "steps": steps, "ranks": ranks, "not_measured": failures},
-                  fh, indent=1)
-    written = plot(rows, out_dir) if plots and rows else []
-    print(f"bench: {out_dir}/bench.md, {out_dir}/bench.csv" + "".join(f", {f}" for f in written))
+        finally:
+            pool.stop(kill=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if signals():
+            failures += [f"{n} / {p}: not run (interrupted by {signals.name})" for n, _, p in todo[ran:]]
+        _write(out_dir, rows, failures, device=device, warmup=warmup, steps=steps, ranks=ranks,
+               plots=plots and not signals(), interrupted=signals.name)
+        if signals():
+            print(f"parity: interrupted by {signals.name} after {ran} of {len(todo)} model x path "
+                  f"runs; what finished is in {out_dir}/bench.csv and bench.md", file=sys.stderr)
+            return signals.code
     return code
+
+
+def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, warmup: int, steps: int,
+           ranks: int, plots: bool, interrupted: str) -> None:
+    env = environment(device)
+    meta = {"environment": env, "warmup": warmup, "steps": steps, "ranks": ranks, "not_measured": failures}
+    path = os.path.join(out_dir, "bench.csv")
+    with writing(path):
+        write_csv(path, rows)
+    path = os.path.join(out_dir, "bench.md")
+    with writing(path), open(path, "w") as fh:
+        fh.write(markdown(rows, env, warmup=warmup, steps=steps, failures=failures))
+    path = os.path.join(out_dir, "bench.json")
+    with writing(path), open(path, "w") as fh:
+        json.dump({**meta, "interrupted": interrupted} if interrupted else meta, fh, indent=1)
+    with writing(out_dir):
+        written = plot(rows, out_dir) if plots and rows else []
+    print(f"bench: {out_dir}/bench.md, {out_dir}/bench.csv" + "".join(f", {f}" for f in written))
 
 
 def add_bench_arguments(sub) -> None:

@@ -9,8 +9,9 @@ heartbeat after building and after every micro-batch, and a cell is a TIMEOUT on
 rank has reported anything for ``timeout`` seconds.
 
 Workers never outlive or block on their parent: they ignore SIGINT (the parent handles a
-Ctrl-C for the whole run), ask the kernel to kill them when the parent dies, stop taking
-cells once it is gone, and never wait on a result nobody reads (``cancel_join_thread``).
+Ctrl-C for the whole run), ask the kernel to kill them when the parent dies -- before they
+import torch (:mod:`parity.execute.spawned`) --, stop taking cells once it is gone, and
+never wait on a result nobody reads (``cancel_join_thread``).
 Every file they create lives under the run's temporary folder, which the parent removes.
 """
 
@@ -28,16 +29,16 @@ import warnings
 
 import torch
 
+from parity.execute import spawned
+from parity.interrupt import Interrupted
+
+__all__ = ["CellFailure", "Interrupted", "RankPool", "from_bytes", "to_bytes"]
 
 
 class CellFailure(Exception):
     def __init__(self, verdict: str, reason: str):
         self.verdict, self.reason = verdict, reason
         super().__init__(f"{verdict}: {reason}")
-
-
-class Interrupted(Exception):
-    """The parent was asked to stop (SIGINT/SIGTERM) while waiting on a pool."""
 
 
 def to_bytes(obj) -> bytes:
@@ -48,16 +49,6 @@ def to_bytes(obj) -> bytes:
 
 def from_bytes(data: bytes):
     return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (best effort elsewhere)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _next_task(tasks, parent: int):
@@ -74,7 +65,6 @@ def _next_task(tasks, parent: int):
 def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, parent: int, tmp: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent during spawn
-    _die_with_parent()
     results.cancel_join_thread()  # exiting never waits for the parent to read
     tempfile.tempdir = tmp  # DCP checkpoints and the like go where the parent cleans up
     warnings.filterwarnings("ignore")
@@ -144,9 +134,10 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.procs = [
-            ctx.Process(
-                target=_worker,
-                args=(r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid(), self.tmp),
+            ctx.Process(  # spawned.start: die-with-parent first, then import this module (and torch)
+                target=spawned.start,
+                args=(f"{__name__}:_worker", os.getpid(),
+                      r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid(), self.tmp),
                 daemon=True,
             )
             for r in range(self.world)

@@ -80,6 +80,8 @@ class Matrix:
     description: str
     cells: tuple[Cell, ...]
     skips: tuple[tuple[str, str], ...] = ()
+    path: str = ""
+    """The ``.toml`` file it was read from (its digest names the run in ``run.json``)."""
     """(filter expression, reason) pairs: matching cells are reported as SKIP."""
 
     def skip_reason(self, cell: Cell) -> str:
@@ -285,7 +287,8 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         check_filter(_typed(path, "skip.when", entry["when"], str), f"{path}: skip.when")
         skips.append((entry["when"], _typed(path, "skip.reason", entry["reason"], str)))
     name = os.path.basename(path).removesuffix(".toml")
-    return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips))
+    return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
+                  path=os.path.abspath(path))
 
 
 def check_filter(expr: str, what: str = "-k") -> None:

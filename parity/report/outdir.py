@@ -11,20 +11,29 @@ Rules (``README.md``, "Results"):
   byte length of ``cells.csv``, each time a pair group of cells is fully recorded; ``--resume``
   cuts ``cells.csv`` back to the last such line and runs the rest, so a resumed run's
   files equal an uninterrupted run's (timings apart).
+- One writer per directory: a run holds :data:`LOCK` (``flock``, the holder's pid inside)
+  for its whole life; a second run, ``--overwrite`` or ``--resume`` of a directory in use is
+  refused naming that pid. The kernel drops the lock when its holder dies, so a killed
+  run's directory is never blocked; the file is removed when the run ends.
+- A file that cannot be written (disk full) is an :class:`~parity.errors.OutputError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
 
-from parity.errors import UsageError
+from parity.errors import UsageError, writing
 
 MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
 RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json", "report.html")
+LOCK = ".parity.lock"
+_held: set[str] = set()
 
 
 def writable_file(path: str, what: str) -> None:
@@ -60,6 +69,51 @@ def usable(out: str, what: str = "--out") -> None:
                          "choose a writable directory") from None
 
 
+def _holder(path: str) -> str:
+    try:
+        with open(path) as fh:
+            pid = fh.read().strip()
+    except OSError:
+        pid = ""
+    return f"pid {pid}" if pid.isdigit() else "a process that is starting"
+
+
+@contextlib.contextmanager
+def locked(out: str, what: str = "--out"):
+    """Hold ``out``'s lock for the block (see the module); a directory in use is exit 2.
+    Reentrant within one process (a gate holds it across its run)."""
+    usable(out)
+    key = os.path.realpath(out)
+    if key in _held:
+        yield
+        return
+    path = os.path.join(out, LOCK)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UsageError(f"{what} {out} is in use by another parity run ({_holder(path)}); wait for it to "
+                             "finish or stop it, or choose another --out") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break  # not a file its previous holder removed while we opened it
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held.add(key)
+        yield
+    finally:
+        _held.discard(key)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)
+
+
 def prepare(out: str, manifest: dict, *, overwrite: bool) -> None:
     """Make ``out`` ready for a new run and write its manifest (status ``running``)."""
     usable(out)
@@ -75,10 +129,26 @@ def prepare(out: str, manifest: dict, *, overwrite: bool) -> None:
 
 
 def write_manifest(out: str, manifest: dict) -> None:
+    """Replace ``run.json`` atomically (a full disk leaves the previous one)."""
     tmp = os.path.join(out, MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(manifest, fh, indent=1)
-    os.replace(tmp, os.path.join(out, MANIFEST))
+    with writing(os.path.join(out, MANIFEST)):
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(manifest, fh, indent=1)
+            os.replace(tmp, os.path.join(out, MANIFEST))
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
+def set_status(out: str, status: str) -> bool:
+    """Best effort: record ``status`` in ``run.json`` (e.g. ``failed`` when the disk is full);
+    False when even that could not be written."""
+    try:
+        write_manifest(out, {**read_manifest(out), "status": status})
+        return True
+    except Exception:  # noqa: BLE001 - the error being reported matters more
+        return False
 
 
 def read_json(path: str, fix: str) -> dict:
@@ -111,7 +181,7 @@ def read_manifest(out: str) -> dict:
 def mark_group_done(out: str, group: str) -> None:
     """Record that ``group``'s rows are all in ``cells.csv`` (after they were flushed)."""
     size = os.path.getsize(os.path.join(out, CELLS))
-    with open(os.path.join(out, PROGRESS), "a") as fh:
+    with writing(os.path.join(out, PROGRESS)), open(os.path.join(out, PROGRESS), "a") as fh:
         fh.write(json.dumps({"group": group, "bytes": size}) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -161,9 +231,9 @@ def resume_point(out: str) -> set[str]:
     if size < entries[-1]["bytes"]:
         raise UsageError(f"--resume {out}: {CELLS} is missing or shorter than {PROGRESS} records; "
                          "start a new run with --overwrite")
-    with open(cells, "r+b") as fh:
+    with writing(cells), open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
     read_records(cells, whole=True)
-    with open(path, "w") as fh:
+    with writing(path), open(path, "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     return {e["group"] for e in entries}
