@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import re
 import sys
 
 from parity.arguments import csv_list as _csv
@@ -342,6 +343,9 @@ NARROWING = ("filter", "ranks", "paths", "steps", *AXIS_OPTIONS)
 _FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "paths", "steps", *AXIS_OPTIONS)}}
 
 
+_FAULT_TAG = re.compile(r"/fault-[^/]+$")
+
+
 def _scope(opts: dict | None, ran: list[str]) -> dict:
     """What a gate's evidence covers against the complete matrix its run names: the matrix,
     a digest of its complete cell list, the options that narrowed it, the counts run vs
@@ -354,7 +358,8 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
     matrix, cells = _select(full)
     expected = sorted(c.id for c in cells)
     steps = cells[0].steps if cells else 0
-    missing = sorted(set(expected) - set(ran))
+    ran = {_FAULT_TAG.sub("", c) for c in ran}  # an injected fault is reported below, not as a missing cell
+    missing = sorted(set(expected) - ran)
     given = {k: opts[k] for k in NARROWING if opts.get(k) not in (None, [])}
     left_out = [f"{len(missing)} of {len(expected)} cells not run (e.g. {missing[0]})"] if missing else []
     if given.get("steps") not in (None, steps):
@@ -363,7 +368,7 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
         left_out.append(f"faults injected: {', '.join(opts['fault'])}")
     digest = hashlib.sha256(f"steps={steps}\n".encode() + "\n".join(expected).encode()).hexdigest()[:16]
     return {"complete": not left_out, "left_out": left_out, "matrix": matrix.name, "matrix_digest": digest,
-            "cells_expected": len(expected), "cells_run": len(set(ran) & set(expected)), "steps": opts["steps"] or steps,
+            "cells_expected": len(expected), "cells_run": len(ran & set(expected)), "steps": opts["steps"] or steps,
             "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
 
 
