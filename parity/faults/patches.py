@@ -61,6 +61,16 @@ def bf16_reduce():
     return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
 
 
+def bf16_reduce_tied():
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self._param_fqn == "embed.weight":  # only the tied embedding/head reduces in BF16
+                self.reduce_dtype = torch.bfloat16
+        return init_dtype_attrs
+    return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
+
+
 def fsdp_rank_dependent_dtype():
     import dataclasses
 
@@ -151,6 +161,17 @@ def perturb_grad():
 
 def scale_grad_norm():
     return swap_attr(torch.nn.utils, "clip_grad_norm_", lambda orig: lambda *a, **k: orig(*a, **k) * 1.01)
+
+
+def rank1_grad_norm():
+    import torch.distributed as dist
+
+    def make(orig):
+        def clip_grad_norm_(*a, **k):
+            norm = orig(*a, **k)
+            return norm * 1.01 if dist.get_rank() == 1 else norm  # only rank 1's global norm is off
+        return clip_grad_norm_
+    return swap_attr(torch.nn.utils, "clip_grad_norm_", make)
 
 
 def perturb_param():

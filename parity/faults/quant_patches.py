@@ -55,3 +55,16 @@ def fp8_gather_off():
             return payload
         return _payload
     return swap_attr(_weight(), "_payload", make)
+
+
+def mx_exponents_misaligned():
+    """The all-gather is right, the receiving side is not: each row block is dequantized with
+    its neighbour's gathered exponents (what the GEMM consumes differs from what was sent)."""
+    def make(orig):
+        def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+            meta, padded, rows = metadata
+            if self.fmt == "mxfp8":
+                meta = torch.roll(meta, 1, dims=0)
+            return orig(self, outputs, (meta, padded, rows), param_dtype, out=out)
+        return fsdp_post_all_gather
+    return swap_attr(_weight(), "fsdp_post_all_gather", make)

@@ -104,7 +104,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     own = run_reference(cell, fixture, plan, report, device=device)  # its own trajectory, no resync
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
     topo = cell.topology()
-    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches, accumulating=cell.accumulating,
+    comps = plan_comparisons(run, ref, plan, micro=cell.microbatches,
                              replayed=replayed, world=cell.ranks, truth=truth if fp64 else None,
                              optimizer=cell.optimizer, data_ranks=[topo.data_rank(r) for r in range(cell.ranks)])
     records += [c.record(base) for c in comps]

@@ -162,7 +162,7 @@ class Comparison:
 
 
 def plan_comparisons(
-    run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int, accumulating: bool,
+    run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int,
     replayed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], world: int = 1,
     truth: ReferenceRun | None = None, optimizer: str = "adamw", data_ranks: list[int] | None = None,
 ) -> list[Comparison]:
@@ -193,11 +193,7 @@ def plan_comparisons(
         for f, expected in grads.items():
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
-            allow = tolerance.gradient(
-                entry.grad_dtype, entry.storage, ref.grad_terms, scale,
-                # per-use contributions only land separately while accumulating without sync
-                uses=max(1, len(entry.tie_group)) if accumulating else 1, compute_dtype=entry.compute,
-            )
+            allow = tolerance.gradient(entry.grad_dtype, entry.storage, ref.grad_terms, scale)
             spread += expected.numel() * allow.allowed ** 2
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None

@@ -16,6 +16,8 @@ pass every other check. So, per parameter:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from parity.execute.observation import Observation
@@ -25,6 +27,7 @@ from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, TensorPlan, canonical_fqn
+from parity.model.registry import get_fixture
 
 
 def _entry(t: TensorPlan | None) -> str:
@@ -35,15 +38,22 @@ def _entry(t: TensorPlan | None) -> str:
             f"{'trainable' if t.requires_grad else 'frozen'} from {t.trainable_from}, {t.format}")
 
 
-def fresh_plan(cell: Cell, fixture, ranks_plan: PrecisionPlan) -> PrecisionPlan:
+def fresh_plan(cell: Cell, ranks_plan: PrecisionPlan) -> PrecisionPlan:
     """The plan of a fresh, unsharded build in this process; only the map of parameters owned
     by tensor / expert parallelism comes from the ranks (building their mesh needs ranks)."""
-    model = fixture.make(cell.seed)
-    owners = {t.fqn: t.parallel for t in ranks_plan.params if t.parallel}
+    owners = tuple(sorted((t.fqn, t.parallel) for t in ranks_plan.params if t.parallel))
+    return _fresh(cell.fixture, cell.source, cell.seed, cell.precision(), cell.weights, owners)
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh(name: str, source: str, seed: int, config, weights: str, owners: tuple) -> PrecisionPlan:
+    """One build per model and recipe in a run (cells differ in axes the plan does not read)."""
+    fixture = get_fixture(name, source)
+    model = fixture.make(seed)
+    parallel = dict(owners)
     ignored = set(fixture.ignored(model))
-    ignored |= {p for n, p in model.named_parameters() if owners.get(canonical_fqn(n)) == "ep"}
-    return fixture.resolve(model, cell.precision(), ignored, parallel=owners,
-                           formats=layout(fixture.quantizable, cell.weights))
+    ignored |= {p for n, p in model.named_parameters() if parallel.get(canonical_fqn(n)) == "ep"}
+    return fixture.resolve(model, config, ignored, parallel=parallel, formats=layout(fixture.quantizable, weights))
 
 
 def declared_fp32(plan: PrecisionPlan) -> set[str]:
@@ -54,7 +64,7 @@ def declared_fp32(plan: PrecisionPlan) -> set[str]:
 
 
 def check(cell: Cell, fixture, observations: list[Observation], base: dict) -> list[Record]:
-    fresh = fresh_plan(cell, fixture, observations[0].plan)
+    fresh = fresh_plan(cell, observations[0].plan)
     declared = set(fixture.expect_fp32) if fixture.expect_fp32 is not None else None
     resolved = declared_fp32(fresh)
     rows = []

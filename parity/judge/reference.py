@@ -105,6 +105,12 @@ def _unscaled(grad: torch.Tensor, reduce_dtype: torch.dtype, scale: float) -> to
     return grad if scale == 1.0 else grad.to(reduce_dtype) / scale
 
 
+def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
+    """A leaf of its own for every alias of a tied weight (the same values as its canonical copy)."""
+    return {a: copies[f].detach().clone().requires_grad_(copies[f].requires_grad)
+            for f, t in entries.items() for a in t.tie_group[1:]}
+
+
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
@@ -132,6 +138,12 @@ def run_reference(
     world, micro = topo.data_world, cell.microbatches
     groups = topo.replica_groups()
     accumulate_unsharded = cell.accumulating
+    # a tied weight's uses on the first micro-batch without sync: FSDP (2.15) moves each use's
+    # compute-dtype gradient into the reduce-dtype accumulator on its own (the accumulator does
+    # not exist yet), where autograd would sum them in the compute dtype; later micro-batches sum
+    # them in autograd first. Emulated with one leaf per use, not with a wider allowance.
+    per_use = accumulate_unsharded and not fp64 and any(t.tie_group for t in plan.params)
+    entries_by_alias = {a: t.fqn for t in plan.params for a in t.tie_group[1:]}
     deferred = cell.sync == "replicas-last" and micro > 1
     handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp)
     run = ReferenceRun(grad_terms=world * micro)
@@ -167,18 +179,24 @@ def run_reference(
                     inputs = tuple(x.detach().requires_grad_() for x in inputs)
                 copies = {f: seen[f].detach().requires_grad_(t.requires_grad and step >= t.trainable_from)
                           for f, t in entries.items()}
+                uses = _per_use(copies, entries) if per_use and mb == 0 else {}
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 if trace is not None and step == rank == mb == 0:
                     rec += install_trace(model, trace)
-                out = fixture.output(functional_call(model, copies, inputs))
+                out = fixture.output(functional_call(model, {**copies, **uses}, inputs, tie_weights=not uses))
                 for h in rec:
                     h.remove()
                 loss = fixture.loss(out, batch.target) / micro
                 (loss * scale).backward()
                 outs.append(out.detach().cpu())  # results live on the CPU, like the ranks'
                 in_grads.append(None if fixture.token_input else inputs[0].grad.cpu() / scale)
-                per_rank.append({f: _unscaled(copies[f].grad, reduce_dtype(f), scale)
-                                 for f in trainable if copies[f].grad is not None})
+                got = {f: copies[f].grad for f in trainable if copies[f].grad is not None}
+                for alias, leaf in uses.items():  # each use's gradient rounded apart, summed in reduce dtype
+                    f = entries_by_alias[alias]
+                    if leaf.grad is not None:
+                        own = got.get(f)
+                        got[f] = leaf.grad.to(reduce_dtype(f)) + (own.to(reduce_dtype(f)) if own is not None else 0)
+                per_rank.append({f: _unscaled(g, reduce_dtype(f), scale) for f, g in got.items()})
                 if fixture.unused_params:  # every rank reduces every trainable tensor
                     for f in trainable:
                         if copies[f].requires_grad and f not in per_rank[-1] and entries[f].ownership == "managed":

@@ -46,22 +46,14 @@ def last_rounding(dtype: torch.dtype, scale: float) -> Allowance:
     return Allowance(2 * unit_roundoff(dtype) * scale, dtype, _fmt(2, dtype, scale))
 
 
-def gradient(
-    reduce_dtype: torch.dtype, storage_dtype: torch.dtype, terms: int, scale: float,
-    *, uses: int = 1, compute_dtype: torch.dtype | None = None,
-) -> Allowance:
+def gradient(reduce_dtype: torch.dtype, storage_dtype: torch.dtype, terms: int, scale: float) -> Allowance:
     """A sum of ``terms`` contributions in ``reduce_dtype`` (recursive-summation bound
-    (n-1)u plus one division), then a cast to storage if that is coarser. A weight used
-    ``uses`` times per forward (tied) gets its per-use contributions summed either in the
-    compute dtype (autograd's input buffer) or in the reduce dtype (FSDP accumulating
-    without sync): ``uses - 1`` further roundings in the compute dtype."""
+    (n-1)u plus one division), then a cast to storage if that is coarser. A tied weight's
+    uses are not widened for: the reference sums them as FSDP does (autograd in the compute
+    dtype, or rounded apart on the first micro-batch without sync)."""
     n = terms * unit_roundoff(reduce_dtype)
     dtype = reduce_dtype
     basis = _fmt(terms, reduce_dtype, scale)
-    if uses > 1 and compute_dtype is not None and coarser(compute_dtype, reduce_dtype) == compute_dtype:
-        n += (uses - 1) * terms * unit_roundoff(compute_dtype)
-        dtype = compute_dtype
-        basis += f" + {(uses - 1) * terms} x u({dtype_name(compute_dtype)}) x {scale:.3g} (tied)"
     if coarser(reduce_dtype, storage_dtype) != reduce_dtype:
         n += unit_roundoff(storage_dtype)
         dtype = storage_dtype

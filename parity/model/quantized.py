@@ -62,7 +62,8 @@ class GatherStats:
     digests: list[float] = field(default_factory=list)
     """A fingerprint of the dequantized unsharded weight after every all-gather of the step."""
     exponents: torch.Tensor | None = None
-    """MX: the E8M0 block exponents of the whole weight as the step's first all-gather gave them."""
+    """MX: the E8M0 block exponents of the whole weight as the step's first dequantization used
+    them (what the GEMM consumed, read after the all-gather, not what a rank sent)."""
 
 
 class QuantizedWeight(torch.Tensor):
@@ -155,21 +156,21 @@ class QuantizedWeight(torch.Tensor):
             dist.all_gather(gathered, exps, group=mesh.get_group())
             every = torch.cat(gathered)
             meta = torch.exp2(every.float() - 127)
-            if self.stats.exponents is None:
-                self.stats.exponents = every[: outer_size[0]].clone()
         else:
             gathered = [torch.empty(1, device=self._data.device) for _ in range(mesh.size())]
             dist.all_gather(gathered, scale.reshape(1).float(), group=mesh.get_group())
             meta = torch.cat(gathered)  # each rank's scale: equal when the amax was global
             self.stats.scales = meta.tolist()
-        return (payload,), (meta, padded)
+        return (payload,), (meta, padded, outer_size[0])
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        (payload,), (meta, padded) = outputs, metadata
+        (payload,), (meta, padded, rows) = outputs, metadata
         if payload.dtype == torch.bfloat16:
             weight = payload.to(param_dtype)
         elif self.fmt == "mxfp8":
             weight = F.dequantize(payload.view(F.ELEMENT), self.fmt, meta, param_dtype)
+            if self.stats.exponents is None:  # what the dequantization consumed, not what was sent
+                self.stats.exponents = (torch.log2(meta[:rows]) + 127).to(torch.uint8)
         else:  # tensorwise: each rank's rows with the scale that rank used
             chunks = payload.view(F.ELEMENT).split(padded)
             weight = torch.cat([F.dequantize(c, self.fmt, s, param_dtype) for c, s in zip(chunks, meta)])

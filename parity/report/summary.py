@@ -81,27 +81,32 @@ def terminal_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
-RATIO_COLUMNS = ["check", "records", "p50 ratio", "p99 ratio", "max ratio", "max allowed/signal"]
+RATIO_COLUMNS = ["check", "records", "p50 ratio", "p99 ratio", "max ratio", "p50 allowed/signal",
+                 "p99 allowed/signal", "max allowed/signal"]
+
+
+def _percentiles(values: list[float]) -> list[str]:
+    if not values:
+        return ["-", "-", "-"]
+    v = np.asarray(values)
+    p50, p99 = np.percentile(v, [50, 99], method="nearest")  # no interpolation across inf
+    return [_ratio(p50), _ratio(p99), _ratio(v.max())]
 
 
 def ratio_rows(records: list[Record]) -> list[list[str]]:
-    """Per check, the p50 / p99 / max of observed/allowed and the largest allowed/signal --
-    how much headroom each check really has, and how sharp it is (:data:`RATIO_COLUMNS`)."""
+    """Per check, the p50 / p99 / max of observed/allowed (how much headroom each check
+    really has) and of allowed/signal (how sharp it is; INCONCLUSIVE from 0.5):
+    :data:`RATIO_COLUMNS`."""
     ratios: dict[str, list[float]] = defaultdict(list)
-    vacuity: dict[str, float] = defaultdict(float)
+    vacuity: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if isinstance(r.ratio, float) and not math.isnan(r.ratio):
             key = f"{r.check} (cross-path)" if is_pair(r) else r.check
             ratios[key].append(r.ratio)
-            if isinstance(r.allowed_over_signal, float):
-                vacuity[key] = max(vacuity[key], r.allowed_over_signal)
-    rows = []
-    for key in sorted(ratios):
-        v = np.asarray(ratios[key])
-        p50, p99 = np.percentile(v, [50, 99], method="nearest")  # no interpolation across inf
-        rows.append([key, str(len(v)), _ratio(p50), _ratio(p99), _ratio(v.max()),
-                     _ratio(vacuity[key]) if key in vacuity else "-"])
-    return rows
+            if isinstance(r.allowed_over_signal, float) and not math.isnan(r.allowed_over_signal):
+                vacuity[key].append(r.allowed_over_signal)
+    return [[key, str(len(ratios[key])), *_percentiles(ratios[key]), *_percentiles(vacuity[key])]
+            for key in sorted(ratios)]
 
 
 def ratio_distribution(records: list[Record]) -> list[str]:
