@@ -9,8 +9,9 @@ from parity.matrix.cell import Cell
 
 #: The hang is judged by silence, with a timeout measured on this machine (test_integration).
 RUN_HERE = [name for name in FAULTS if name != "hang"]
-#: Faults only one configuration reveals: also run with that configuration turned off.
-QUIET = [name for name in RUN_HERE if FAULTS[name].quiet]
+#: Two halves of the registry, each run once per session in its own xdist group, so the two
+#: test workers share the fault cells instead of one running all of them.
+HALVES = {"a": RUN_HERE[0::2], "b": RUN_HERE[1::2]}
 
 
 def _failing(records, name: str, cell: dict | None = None) -> set[str]:
@@ -19,34 +20,71 @@ def _failing(records, name: str, cell: dict | None = None) -> set[str]:
             if r["cell"] == target and r["verdict"] in ("FAIL", "ERROR", "TIMEOUT", "INCONCLUSIVE")}
 
 
-@pytest.fixture(scope="module")
-def fault_records(tmp_path_factory):
+def _run_faults(names: list[str], out: str) -> list[dict]:
+    """Each fault's cell, and for a fault only one configuration reveals, the cell with that
+    configuration turned off (which must flag nothing)."""
     from parity.runner import RunOptions, run_cells
     from tests.conftest import read_records
 
-    out = str(tmp_path_factory.mktemp("faults") / "run")
-    cells = [Cell(**FAULTS[name].cell, faults=(name,)) for name in RUN_HERE]
-    cells += [Cell(**{**FAULTS[name].cell, **FAULTS[name].quiet}, faults=(name,)) for name in QUIET]
+    cells = [Cell(**FAULTS[name].cell, faults=(name,)) for name in names]
+    cells += [Cell(**{**FAULTS[name].cell, **FAULTS[name].quiet}, faults=(name,)) for name in names
+              if FAULTS[name].quiet]
     code = run_cells(cells, RunOptions(out_dir=out, timeout=120, progress=False))
     assert code == 1
     return read_records(out)
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("faults")
-@pytest.mark.parametrize("name", RUN_HERE)
-def test_fault_is_flagged_by_exactly_its_declared_checks(fault_records, name):
-    assert _failing(fault_records, name) == set(FAULTS[name].flags), FAULTS[name].where
+@pytest.fixture(scope="module")
+def faults_a(tmp_path_factory):
+    return _run_faults(HALVES["a"], str(tmp_path_factory.mktemp("faults") / "a"))
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("faults")
-@pytest.mark.parametrize("name", QUIET)
-def test_a_configuration_fault_is_silent_without_its_configuration(fault_records, name):
+@pytest.fixture(scope="module")
+def faults_b(tmp_path_factory):
+    return _run_faults(HALVES["b"], str(tmp_path_factory.mktemp("faults") / "b"))
+
+
+def _records_of(request, name: str) -> list[dict]:
+    return request.getfixturevalue("faults_a" if name in HALVES["a"] else "faults_b")
+
+
+def _check_flagged(records, name: str) -> None:
+    assert _failing(records, name) == set(FAULTS[name].flags), FAULTS[name].where
+
+
+def _check_quiet(records, name: str) -> None:
     fault = FAULTS[name]
     quiet = {**fault.cell, **fault.quiet}
-    assert any(r["cell"] == Cell(**quiet, faults=(name,)).id for r in fault_records)
-    assert _failing(fault_records, name, quiet) == set(), f"{name} flagged with {dict(fault.quiet)}"
+    assert any(r["cell"] == Cell(**quiet, faults=(name,)).id for r in records)
+    assert _failing(records, name, quiet) == set(), f"{name} flagged with {dict(fault.quiet)}"
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a")
+@pytest.mark.parametrize("name", HALVES["a"])
+def test_fault_is_flagged_by_exactly_its_declared_checks(faults_a, name):
+    _check_flagged(faults_a, name)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-b")
+@pytest.mark.parametrize("name", HALVES["b"])
+def test_fault_of_the_second_half_is_flagged_by_exactly_its_declared_checks(faults_b, name):
+    _check_flagged(faults_b, name)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a")
+@pytest.mark.parametrize("name", [n for n in HALVES["a"] if FAULTS[n].quiet])
+def test_a_configuration_fault_is_silent_without_its_configuration(faults_a, name):
+    _check_quiet(faults_a, name)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-b")
+@pytest.mark.parametrize("name", [n for n in HALVES["b"] if FAULTS[n].quiet])
+def test_a_configuration_fault_of_the_second_half_is_silent_without_it(faults_b, name):
+    _check_quiet(faults_b, name)
 
 
 def test_every_check_kind_has_a_fault():
@@ -69,8 +107,9 @@ def test_no_fault_name_appears_in_production_modules():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("faults")
-def test_a_fault_confined_to_one_holder_is_located_there(fault_records):
+@pytest.mark.xdist_group("faults-a" if "holder_dt_bias_bf16" in HALVES["a"] else "faults-b")
+def test_a_fault_confined_to_one_holder_is_located_there(request):
+    fault_records = _records_of(request, "holder_dt_bias_bf16")
     rows = [r for r in fault_records if r["cell"].endswith("fault-holder_dt_bias_bf16") and r["check"] == "divergence"]
     assert [(r["name"], r["verdict"]) for r in rows] == [("blocks.1.holder", "FAIL")]
     assert rows[0]["detail"].startswith("first in forward order: blocks.1.holder")

@@ -57,7 +57,7 @@ def test_representative_slice_passes_on_both_paths_and_rank_counts(run_matrix):
     assert {r["verdict"] for r in lm_skip} == {"SKIP"}
 
 
-@pytest.mark.xdist_group("faults")
+@pytest.mark.xdist_group("crash")
 def test_bf16_reduction_fails_at_the_first_step_on_one_rank_too(run_matrix):
     cells = [Cell(fixture="kda", path="native", faults=("bf16_reduce",)),
              Cell(fixture="lm", path="legacy", ranks=2, faults=("bf16_reduce",))]

@@ -57,15 +57,15 @@ def _file_of(obj) -> str:
         path = inspect.getsourcefile(inspect.unwrap(obj))
     except (TypeError, OSError):
         return ""
-    return os.path.abspath(path) if path and os.path.isfile(path) else ""
+    return os.path.realpath(path) if path and os.path.isfile(path) else ""
 
 
 def _source_file(source: str) -> str:
     target = source.rpartition(":")[0]
     if target.endswith(".py"):
-        return os.path.abspath(target)
+        return os.path.realpath(target)
     module = sys.modules.get(target)
-    return os.path.abspath(module.__file__) if getattr(module, "__file__", None) else ""
+    return os.path.realpath(module.__file__) if getattr(module, "__file__", None) else ""
 
 
 def model_files(cells) -> list[str]:
@@ -83,7 +83,7 @@ def model_files(cells) -> list[str]:
 
 def identity(matrix_file: str, cells) -> dict:
     """What ``run.json`` records: ``parity`` (version, commit) and ``sources`` (path -> sha256)."""
-    files = ([os.path.abspath(matrix_file)] if matrix_file else []) + model_files(cells)
+    files = ([os.path.realpath(matrix_file)] if matrix_file else []) + model_files(cells)
     return {"parity": parity_version(), "sources": {f: _sha256(f) for f in files}}
 
 
