@@ -93,3 +93,18 @@ def test_a_parameter_without_gradient_is_a_model_finding_not_a_dtype_defect(run_
     assert {r["check"] for r in own if r["verdict"] == "FAIL"} == {"no-gradient"}
     assert {r["check"] for r in own if r["verdict"] == "ERROR"} <= {"checkpoint.same", "checkpoint.cross"}
     assert {r["verdict"] for r in own if r["check"] == "coverage"} == {"PASS"}
+
+
+def test_a_rank_that_reports_no_marked_tensor_fails_when_the_model_marks_some():
+    from parity.execute.observation import MarkerSeen, Observation
+    from parity.judge.contracts import declared_marks, marker_checks
+
+    declared = declared_marks("kda", "", 0)
+    assert declared and all(kind == "buffer" for _, kind in declared)
+    silent = Observation(rank=1)
+    rows = marker_checks(silent, BASE, declared)
+    assert rows and {r.verdict for r in rows} == {Verdict.FAIL} and "no report from this rank" in rows[0].detail
+    full = Observation(rank=0)
+    full.contracts.markers = {n: MarkerSeen(kind=k, after_move=True, dtype="float32") for n, k in declared}
+    assert {r.verdict for r in marker_checks(full, BASE, declared)} == {Verdict.PASS}
+    assert [r.verdict for r in marker_checks(Observation(rank=0), BASE, ())] == [Verdict.SKIP]

@@ -8,6 +8,7 @@ A contract record has ``observed`` 1 (broken) or 0 (held) against ``allowed`` 0.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -179,15 +180,33 @@ def identity_checks(obs: Observation, base: dict) -> list[Record]:
     return rows
 
 
-def marker_checks(obs: Observation, base: dict) -> list[Record]:
+@functools.lru_cache(maxsize=64)
+def declared_marks(fixture: str, source: str, seed: int) -> tuple[tuple[str, str], ...]:
+    """(name, kind) of every tensor the model marks FP32, read in this process from a fresh
+    build: what each rank's marker report must account for."""
+    from parity.model.markers import fp32_marked
+    from parity.model.registry import get_fixture
+
+    model = get_fixture(fixture, source).make(seed)
+    buffers = dict(model.named_buffers())
+    return tuple(sorted((name, "buffer" if name in buffers else "param") for name in fp32_marked(model)))
+
+
+def marker_checks(obs: Observation, base: dict, declared: tuple[tuple[str, str], ...] = ()) -> list[Record]:
+    """Each marked tensor's fate on this rank; a tensor the model marks that the rank did not
+    report is a FAIL (an empty report is not a pass), a SKIP only when the model marks nothing."""
     marks = obs.contracts.markers
-    if not marks:
+    if not marks and not declared:
         return [_skip(base, "marker", "*", "fixture marks no tensor FP32")]
     rows = []
     for name, m in marks.items():
         ok = m.after_move and m.dtype == "float32"
         rows.append(_row(base, "marker", f"{m.kind}:{name}", ok, "marked after the move, float32 after conversion",
                          f"marked={m.after_move}, {m.dtype}", dtype="float32"))
+    for name, kind in declared:
+        if name not in marks:
+            rows.append(_row(base, "marker", f"{kind}:{name}", False, "reported (the model marks it)",
+                             "no report from this rank", dtype="float32"))
     return rows
 
 
@@ -311,7 +330,8 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base) + identity_checks(obs, base) + marker_checks(obs, base))
+            + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
+            + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed)))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
