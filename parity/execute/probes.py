@@ -23,6 +23,7 @@ from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
+from parity.paths import apply
 from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
@@ -87,15 +88,6 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
 
 
 
-def reduction_module():
-    """FSDP's private module whose ``foreach_reduce`` the reduction probe wraps; None when this
-    torch build has no such module or function (the probe is then blind: an ERROR, not a SKIP)."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
-    except ImportError:
-        return None
-    return pg if callable(getattr(pg, "foreach_reduce", None)) else None
-
 class Recorder:
     def __init__(self, model: nn.Module, report: ShardReport):
         self.model = model
@@ -136,7 +128,7 @@ class Recorder:
         return hook
 
     def _patch_reduce(self) -> None:
-        pg = reduction_module()
+        pg = apply.reduction_module()
         if pg is None:
             self.reduce_observable = False
             return

@@ -127,9 +127,9 @@ def detach_input():
 
 
 def hide_reduction():
-    from parity.execute import probes
+    from parity.paths import apply
 
-    return swap_attr(probes, "reduction_module", lambda orig: lambda: None)  # a build without the module
+    return swap_attr(apply, "reduction_module", lambda orig: lambda: None)  # a build without the module
 
 
 def resolver_misses_strict_name():

@@ -106,6 +106,16 @@ def resolved_dtypes(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def reduction_module():
+    """FSDP's private module whose ``foreach_reduce`` the reduction probe wraps; None when this
+    torch build has no such module or function (the probe is then blind: an ERROR, not a SKIP)."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+    except ImportError:
+        return None
+    return pg if callable(getattr(pg, "foreach_reduce", None)) else None
+
+
 def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """After ``fully_shard`` and before the first forward: every rank's dtypes as FSDP
     resolved them (original / compute / reduce) must agree, or the first collective would
