@@ -121,8 +121,9 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     silent = _no_gradient(cell, plan, ref)
     if silent:
         records = [_as_finding(r, silent) for r in records] + [coverage.no_gradient_record(sorted(silent), base)]
-    owed = coverage.owed(cell, plan, token_input=fixture.token_input, quantizable=fixture.quantizable,
-                         no_gradient=silent)
+    # owed by the parent's own plan of the model, not by the plan the ranks reported
+    owed = coverage.owed(cell, plan_check.fresh_plan(cell, plan), token_input=fixture.token_input,
+                         quantizable=fixture.quantizable, no_gradient=silent)
     records.append(coverage.record(owed, records, base))
     return Judged(records, comps, run)
 
