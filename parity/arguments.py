@@ -70,3 +70,13 @@ def csv_list(value: str | None, what: str, valid: list, conv=str) -> list | None
             raise UsageError(f"{what}: {raw.strip()!r} is given twice; give each value once")
         items.append(item)
     return items
+
+
+def shard(value: str) -> str:
+    """``--shard I/N``, normalized (``"02/8"`` -> ``"2/8"``)."""
+    from parity.matrix.shard import parse_shard
+
+    try:
+        return str(parse_shard(value))
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,4 +1,4 @@
-"""``python -m parity``: ``plan``, ``run``, ``gate``, ``bench``, ``compare``, ``report``, ``fuzz``, ``fixtures``.
+"""``python -m parity``: ``plan``, ``run``, ``gate``, ``merge``, ``bench``, ``compare``, ``report``, ``fuzz``, ``fixtures``.
 
 Exit codes (README, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
 closed stdout does not change it); 1 a bad verdict (a cell FAIL/ERROR/TIMEOUT/INCONCLUSIVE, a
@@ -22,6 +22,7 @@ import sys
 from parity.arguments import csv_list as _csv
 from parity.arguments import positive as _positive
 from parity.arguments import seed as _seed
+from parity.arguments import shard as _shard
 from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import EXIT_OUTPUT, OutputError, UsageError
@@ -34,10 +35,11 @@ from parity.model.topology import MESHES
 #: Run options that set one axis for every cell (replacing the matrix's values).
 AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
-                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights")
+                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
+                "shard")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
-                "fault": [],
+                "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
 
@@ -73,12 +75,14 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--junit", metavar="FILE", help="also write JUnit XML (one test case per cell x check)")
     p.add_argument("--require-native", action="store_true", default=None,
                    help="a fallback the fixture does not declare (unsupported build included) is a FAIL")
+    p.add_argument("--shard", type=_shard, metavar="I/N",
+                   help="run part I of N of the selection (CI fan-out; join the parts with parity merge)")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                           metavar="{plan,run,gate,bench,compare,report,fuzz,fixtures}")
+                           metavar="{plan,run,gate,merge,bench,compare,report,fuzz,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
@@ -95,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
                       "(parity compare; --baseline names the baseline *path*)")
+    mrg = sub.add_parser("merge", help="join the parts of a sharded run (--shard I/N) into one results directory")
+    mrg.add_argument("parts", nargs="+", metavar="DIR", help="every part's --out directory")
+    mrg.add_argument("--out", required=True, help="the merged results directory")
+    mrg.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
+    mrg.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
+    mrg.add_argument("--gate", action="store_true", help="also decide GO / NO-GO (gate.json, gate.md) as gate --from does")
+    mrg.add_argument("--candidate", default="native", help="with --gate: the path whose enabling is decided (native)")
     add_fuzz_arguments(sub)
     rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
     rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
@@ -280,8 +291,11 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     from parity.report.identity import difference, identity
 
     device = resolve_device(opts["device"])
+    selection, shard = cells, {}
+    if opts["shard"]:
+        cells, shard = _part_of(cells, opts["shard"], matrix.name)
     manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": _torch_version(), "device": device,
-                "cells": [c.id for c in cells], **identity(matrix.path, cells)}
+                "cells": [c.id for c in cells], **shard, **identity(matrix.path, selection)}
     if args.resume:
         from parity.report.outdir import read_manifest
 
@@ -311,6 +325,24 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     return run_cells(cells, options, skip_reason=matrix.skip_reason)
 
 
+def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
+    """The cells of part ``text`` ("I/N") and what its ``run.json`` records of the whole selection
+    (:mod:`parity.report.merge` reads it)."""
+    from parity.matrix.shard import parse_shard, select_part, selection_digest
+    from parity.runner import order_cells, with_crossload
+
+    shard = parse_shard(text)
+    cells = with_crossload(cells)  # the whole selection's paths, as one run would give them
+    part = select_part(cells, shard)
+    if not part:  # a small selection over many parts: nothing owed here, the merge checks the whole
+        print(f"parity: --shard {shard}: this part holds none of the selection's {len(cells)} cells "
+              "(fewer pair groups than parts take); it records an empty part for parity merge", file=sys.stderr)
+    groups = list(dict.fromkeys(c.pair_id for c in order_cells(cells)))
+    return part, {"shard": {"index": shard.index, "count": shard.count, "digest": selection_digest(cells),
+                            "title": title, "selection": [c.id for c in cells], "groups": groups,
+                            "cell_groups": [c.pair_id for c in part]}}
+
+
 def _warn_rule_disagreements(cells) -> None:
     """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
     the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
@@ -328,6 +360,8 @@ def _warn_rule_disagreements(cells) -> None:
 def cmd_run(args) -> int:
     opts = _run_settings(args, RUN_DEFAULTS)
     matrix, cells = _select(opts)
+    if args.list and opts["shard"]:
+        cells = _part_of(cells, opts["shard"], matrix.name)[0]
     if args.list:
         for c in cells:
             reason = matrix.skip_reason(c)
@@ -339,8 +373,8 @@ def cmd_run(args) -> int:
 
 #: Run options whose value, when given, may make a run narrower than its matrix; cell ids
 #: show what ``-k``/``--ranks``/``--paths`` and the axis options left out, but not ``--steps``.
-NARROWING = ("filter", "ranks", "paths", "steps", *AXIS_OPTIONS)
-_FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "paths", "steps", *AXIS_OPTIONS)}}
+NARROWING = ("filter", "ranks", "paths", "steps", "shard", *AXIS_OPTIONS)
+_FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "paths", "steps", "shard", *AXIS_OPTIONS)}}
 
 
 _FAULT_TAG = re.compile(r"/fault-[^/]+$")
@@ -421,6 +455,10 @@ def cmd_gate(args) -> int:
         manifest = outdir.read_manifest(out)
         if manifest.get("status") != "complete":
             return code  # interrupted: the run already said so
+        if opts["shard"]:  # one part decides nothing: the merged parts do
+            print(f"gate: part {opts['shard']} recorded in {out}; decide on every part: "
+                  f"python -m parity merge PART_DIRS... --out DIR --gate")
+            return code
         return _decide(args, out, manifest, candidate, baseline, signals)
 
 
@@ -464,6 +502,26 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
               file=sys.stderr)
         return signals.code
     return 0 if gate.is_go(decisions) else 1
+
+
+def cmd_merge(args) -> int:
+    """Join a sharded run's parts (:mod:`parity.report.merge`); with ``--gate``, decide on them."""
+    from parity.report.merge import merge
+    from parity.runner import verdict_code
+
+    if args.junit:
+        from parity.report.outdir import writable_file
+
+        writable_file(args.junit, "--junit")
+    with Signals() as signals:
+        manifest, records = merge(args.parts, args.out, overwrite=args.overwrite, junit=args.junit or "")
+        print(f"merge: {manifest['merged']['parts']} parts, {len(manifest['cells'])} cells, {len(records)} records "
+              f"in {args.out}")
+        if args.gate:
+            from parity.paths import check_path
+
+            return _decide(args, args.out, manifest, check_path(args.candidate), None, signals)
+    return verdict_code(records)
 
 
 def cmd_report(args) -> int:
@@ -525,7 +583,8 @@ def _one_line(exc: Exception) -> str:
 
 
 def _command(args) -> int:
-    commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "bench": bench_command, "compare": cmd_compare,
+    commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "merge": cmd_merge, "bench": bench_command,
+                "compare": cmd_compare,
                 "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
     try:
         return commands[args.command](args)

@@ -8,6 +8,10 @@ whose allowance is as large as what it judges -- are not a false alarm of a bug 
 spot: the campaign counts the examples that have one and keeps going. A failing example is shrunk by hypothesis to a minimal model, saved as a
 reproducer file (``parity run --model FILE:parity_model`` replays it).
 
+``--shard I/N`` runs part I of a campaign fanned out over N CI jobs: its share of the examples
+(``examples / N``, the remainder to the first parts) drawn with a seed derived from ``--seed``
+and I/N (:func:`part_seed`), so the parts draw different models; ``fuzz.md`` names the part.
+
 With ``--fault NAME`` the property is not asserted: every example runs with the fault and the
 campaign counts the examples whose records flag it (sensitivity per 100 examples).
 
@@ -60,16 +64,28 @@ class _Pools:
             pool.stop(kill=True)
 
 
+def part_seed(seed: int, index: int, count: int) -> int:
+    """The hypothesis seed of part ``index`` of ``count`` (the campaign's own seed when unsplit)."""
+    if count == 1:
+        return seed
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}/{count}".encode()).digest()[:4], "big")
+
+
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
-             timeout: float = 120.0) -> int:
+             timeout: float = 120.0, shard: tuple[int, int] = (1, 1)) -> int:
     os.makedirs(out_dir, exist_ok=True)
+    index, count = shard
+    share = examples // count + (1 if index <= examples % count else 0)
     with Signals() as signals:
-        return _campaign(examples=examples, seed=seed, out_dir=out_dir, fault=fault, device=device, timeout=timeout,
-                         signals=signals)
+        return _campaign(examples=share, seed=part_seed(seed, index, count), out_dir=out_dir, fault=fault,
+                         device=device, timeout=timeout, signals=signals,
+                         part=f"part {index}/{count} of {examples} examples, seed {seed}" if count > 1 else "")
 
 
 def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str, timeout: float,
-              signals: Signals) -> int:
+              signals: Signals, part: str = "") -> int:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
 
@@ -132,7 +148,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
-             f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "")]
+             f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
     if fault:
         lines.append(f"fault {fault} flagged in {sum(caught)} of {len(caught)} examples "
                      f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)")
@@ -165,7 +181,7 @@ def _write_reproducer(out_dir: str, spec: dict, values: dict, reproducer, replay
 
 
 def add_fuzz_arguments(sub) -> None:
-    from parity.arguments import count, integer, positive
+    from parity.arguments import count, integer, positive, shard
 
     fz = sub.add_parser("fuzz", help="hypothesis-generated models on both paths (needs hypothesis)")
     fz.add_argument("--examples", type=count, default=25, help="generated examples (25)")
@@ -174,6 +190,7 @@ def add_fuzz_arguments(sub) -> None:
     fz.add_argument("--out", default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
     fz.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     fz.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
+    fz.add_argument("--shard", type=shard, metavar="I/N", help="run part I of N of the campaign (CI fan-out)")
 
 
 def fuzz_command(args) -> int:
@@ -187,6 +204,13 @@ def fuzz_command(args) -> int:
     except ImportError:
         raise UsageError("fuzz needs hypothesis: pip install 'parity[test]'") from None
     check_faults([args.fault] if args.fault else [])
+    from parity.matrix.shard import parse_shard
+
+    shard = parse_shard(args.shard) if args.shard else None
+    if shard and args.examples < shard.count:
+        raise UsageError(f"fuzz --shard {shard}: {args.examples} examples cannot fill {shard.count} parts; "
+                         "ask for at least as many examples as parts")
     usable(args.out)  # before the campaign: its results must have somewhere to go
     return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
-                    device=resolve_device(args.device), timeout=args.timeout)
+                    device=resolve_device(args.device), timeout=args.timeout,
+                    shard=(shard.index, shard.count) if shard else (1, 1))

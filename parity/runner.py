@@ -112,19 +112,19 @@ def order_cells(cells: list[Cell]) -> list[Cell]:
     return sorted(cells, key=lambda c: (c.ranks, first[c.pair_id], c.path != c.baseline))
 
 
-def _partner(cell: Cell, paths: list[str]) -> str:
-    """The paths a baseline cell's checkpoint is cross-loaded into: every other path of the run."""
-    return ",".join(p for p in paths if p != cell.baseline)
+def with_crossload(cells: list[Cell]) -> list[Cell]:
+    """Each baseline cell cross-loads its checkpoint into every other path of ``cells`` (a part
+    of a sharded run is given its whole selection's paths this way, before it is split)."""
+    paths = list(dict.fromkeys(c.path for c in cells))
+    return [replace(c, crossload=",".join(p for p in paths if p != c.baseline))
+            if c.path == c.baseline and not c.crossload else c for c in cells]
 
 
 def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, executor=None) -> int:
     """Run ``cells``; returns the exit code (0 all pass, 1 any FAIL/ERROR/TIMEOUT, 130/143
     interrupted)."""
     device = options.device
-    cells = order_cells([replace(c, device=device) for c in cells])
-    paths = list(dict.fromkeys(c.path for c in cells))
-    cells = [replace(c, crossload=_partner(c, paths)) if c.path == c.baseline and not c.crossload else c
-             for c in cells]
+    cells = with_crossload(order_cells([replace(c, device=device) for c in cells]))
     torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     if executor is not None and executor.rank != 0:  # torchrun peers observe; rank 0 judges and writes
         for cell in cells:
@@ -341,12 +341,17 @@ class _Run:
             return signals.code
         print(terminal_table(records))
         print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
-        verdicts = cell_verdicts(records)
-        if verdicts and set(verdicts.values()) == {Verdict.SKIP}:
-            first = next(r.detail for r in records if r.verdict == Verdict.SKIP)
-            print(f"parity: every cell was skipped ({first}); nothing was checked", file=sys.stderr)
-            return 1
-        return 1 if any(r.verdict in BAD for r in records) else 0
+        return verdict_code(records)
+
+
+def verdict_code(records: list[Record]) -> int:
+    """A finished run's exit code: 0 only when nothing is bad and not every cell was skipped."""
+    verdicts = cell_verdicts(records)
+    if verdicts and set(verdicts.values()) == {Verdict.SKIP}:
+        first = next(r.detail for r in records if r.verdict == Verdict.SKIP)
+        print(f"parity: every cell was skipped ({first}); nothing was checked", file=sys.stderr)
+        return 1
+    return 1 if any(r.verdict in BAD for r in records) else 0
 
 
 def _ref_device(device: str) -> str:

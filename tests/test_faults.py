@@ -34,12 +34,14 @@ def _run_faults(names: list[str], out: str) -> list[dict]:
     return read_records(out)
 
 
-@pytest.fixture(scope="module")
+# session scope: a module-scoped fixture is torn down (and its cells rerun) whenever xdist hands
+# this worker a test of another module in between
+@pytest.fixture(scope="session")
 def faults_a(tmp_path_factory):
     return _run_faults(HALVES["a"], str(tmp_path_factory.mktemp("faults") / "a"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def faults_b(tmp_path_factory):
     return _run_faults(HALVES["b"], str(tmp_path_factory.mktemp("faults") / "b"))
 

@@ -122,6 +122,16 @@ def md_text(text, *, cell: bool = False) -> str:
     return out.replace("|", "\\|") if cell else out
 
 
+#: How many records the summary lists as closest to their allowances.
+CLOSEST = 10
+
+
+def closest(records: list[Record], n: int = CLOSEST) -> list[Record]:
+    """The ``n`` judged records with the highest finite ratio (observed / allowed), highest first."""
+    judged = [r for r in records if isinstance(r.ratio, float) and math.isfinite(r.ratio) and r.allowed]
+    return sorted(judged, key=lambda r: -r.ratio)[:n]
+
+
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
                      not_run: list[str] = (), interrupted: str = "") -> str:
     verdicts = cell_verdicts(records)
@@ -137,6 +147,11 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     for check, r in worst_ratios(records).items():
         out.append(f"| {md_text(check, cell=True)} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | "
                    f"{md_text(r.dtype, cell=True)} | {md_text(r.cell, cell=True)} | {md_text(r.name, cell=True)} |")
+    out += ["", f"## Closest to the allowance (the {CLOSEST} highest ratios)", "",
+            "| ratio | check | name | step | observed | allowed | dtype | cell |", "|---|---|---|---|---|---|---|---|"]
+    for r in closest(records):
+        out.append(f"| {_ratio(r.ratio)} | {md_text(r.check, cell=True)} | {md_text(r.name, cell=True)} | {r.step} | "
+                   f"{r.observed:.3g} | {r.allowed:.3g} | {md_text(r.dtype, cell=True)} | {md_text(r.cell, cell=True)} |")
     out += ["", "## Ratio distribution per check", ""] + ratio_distribution(records)
     by_check = defaultdict(Counter)
     for r in records:

@@ -1,0 +1,92 @@
+"""``--shard I/N``: one part of a matrix, so N CI jobs each run a part and ``parity merge`` joins them.
+
+The unit of partition is the *pair group* (every path of one set of axis values): a group's
+cells are compared with each other, so they always run in the same part.
+
+Assignment is consistent hashing with bounded loads. Groups are taken in the order of a hash
+of their id (not the matrix's order), each with its own order of preference over the parts
+(rendezvous hashing: the parts sorted by a hash of group id and part number), and each goes to
+the first part it prefers whose load stays under ``(1 + SLACK) x total / N + max_cost``. A
+group's part therefore depends on its own id and only weakly on the rest of the matrix: adding
+or removing groups elsewhere moves few others (``tests/test_shard.py`` measures how few), and
+the loads stay within the bound. Loads are :func:`expected_cost`, a model of a cell's run time
+from its axes (ranks, steps, micro-batches, checkpoint lifecycle, mesh; a model's size is not
+known before it is built, so every model counts the same).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from parity.errors import UsageError
+from parity.matrix.cell import Cell
+
+#: How far above an even share a part's load may go before a group takes its next choice.
+SLACK = 0.10
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` (1-based) of ``count``."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def parse_shard(text: str) -> Shard:
+    """``"I/N"`` with 1 <= I <= N; anything else is a one-line usage error."""
+    index, sep, count = str(text).partition("/")
+    try:
+        shard = Shard(int(index), int(count))
+    except ValueError:
+        shard = None
+    if not sep or shard is None or not 1 <= shard.index <= shard.count:
+        raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")
+    return shard
+
+
+def expected_cost(cell: Cell) -> float:
+    """Relative run time of a cell: per optimizer step, each micro-batch's forward/backward on
+    ``ranks`` ranks sharing the machine's cores; the checkpoint lifecycle (save, load, resume
+    and cross-loads) costs about as much as the steps again; 2-D meshes add their collectives."""
+    work = cell.steps * cell.microbatches * (1.0 + 0.25 * cell.ranks)
+    if cell.lifecycle:
+        work *= 2.0
+    if cell.mesh != "fsdp":
+        work *= 1.5
+    return 1.0 + work
+
+
+def _hash(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("\0".join(map(str, parts)).encode()).digest()[:8], "big")
+
+
+def assign(cells: list[Cell], count: int) -> dict[str, int]:
+    """``{pair group id: part index (1-based)}`` for every group of ``cells``."""
+    costs: dict[str, float] = {}
+    for c in cells:
+        costs[c.pair_id] = costs.get(c.pair_id, 0.0) + expected_cost(c)
+    bound = (1.0 + SLACK) * sum(costs.values()) / count + max(costs.values(), default=0.0)
+    loads = [0.0] * count
+    parts: dict[str, int] = {}
+    for group in sorted(costs, key=lambda g: (_hash("order", g), g)):
+        prefs = sorted(range(count), key=lambda p: (_hash(group, p), p))
+        part = next((p for p in prefs if loads[p] + costs[group] <= bound), min(range(count), key=loads.__getitem__))
+        loads[part] += costs[group]
+        parts[group] = part + 1
+    return parts
+
+
+def select_part(cells: list[Cell], shard: Shard) -> list[Cell]:
+    """The cells of ``shard``'s part, in their order in ``cells``."""
+    parts = assign(cells, shard.count)
+    return [c for c in cells if parts[c.pair_id] == shard.index]
+
+
+def selection_digest(cells: list[Cell]) -> str:
+    """Names a matrix selection (its cell ids, in run order): parts of one selection share it."""
+    return hashlib.sha256("\n".join(c.id for c in cells).encode()).hexdigest()[:16]

@@ -1,0 +1,144 @@
+"""``python -m parity merge DIR... --out DIR``: the parts of a sharded run (``--shard I/N``) as one run.
+
+A part's ``run.json`` records ``shard``: its index and count, the digest of the whole
+selection, the selection's cell ids (in the order a single run lists them) and its pair groups
+in the order a single run executes them. Merging refuses, with one line and exit code 2, parts
+that are not of one run: another selection or split, another torch, parity, device or model
+file, an unfinished part, a part given twice, a part missing, or a cell held twice or by no part.
+
+The merged directory is what one run of the whole selection writes: its ``cells.csv`` holds
+the parts' records group by group in the single run's order (a pair group always runs whole in
+one part, so its rows are copied as they were written), and ``summary.md``, ``report.html``
+and JUnit are written from them by the same code a run uses. Only timings differ: ``timings.json``
+holds the parts' phases summed (``wall`` is the sum of the parts' walls, not the elapsed time).
+Its ``run.json`` is a complete run's without ``shard`` (``gate --from`` judges it like any run),
+plus ``merged``: the parts' directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+from parity.errors import UsageError, writing
+from parity.judge.record import Record
+from parity.report import outdir
+from parity.report.html import write_html
+from parity.report.junit import write_junit
+from parity.report.records import RecordWriter, read_records
+from parity.report.summary import summary_markdown
+
+#: run.json entries every part of one run shares (besides the shard's selection digest).
+SAME = ("torch", "device", "parity", "sources")
+
+
+def _part(directory: str) -> dict:
+    manifest = outdir.read_manifest(directory)
+    shard = manifest.get("shard")
+    if not isinstance(shard, dict) or not {"index", "count", "digest", "selection", "groups", "cell_groups"} <= set(shard):
+        raise UsageError(f"merge: {directory} is not a part of a sharded run (no shard in its run.json); "
+                         "give directories written by run --shard I/N")
+    if manifest.get("status") != "complete":
+        raise UsageError(f"merge: part {shard['index']}/{shard['count']} in {directory} is "
+                         f"{manifest.get('status', 'unfinished')}; finish it with python -m parity run --resume {directory}")
+    if not os.path.isfile(os.path.join(directory, outdir.CELLS)):
+        raise UsageError(f"merge: {directory} has no {outdir.CELLS}; rerun that part")
+    return manifest
+
+
+def check_parts(directories: list[str]) -> list[dict]:
+    """The parts' manifests, index order, after every check in the module docstring."""
+    if not directories:
+        raise UsageError("merge: give the directories of every part (run --shard I/N --out DIR)")
+    parts = [(d, _part(d)) for d in directories]
+    first_dir, first = parts[0]
+    count = first["shard"]["count"]
+    for d, m in parts[1:]:
+        if m["shard"]["count"] != count or m["shard"]["digest"] != first["shard"]["digest"]:
+            raise UsageError(f"merge: {d} is part {m['shard']['index']}/{m['shard']['count']} of selection "
+                             f"{m['shard']['digest']}, {first_dir} is part {first['shard']['index']}/{count} of "
+                             f"{first['shard']['digest']}; merge the parts of one run only")
+        for key in SAME:
+            if m.get(key) != first.get(key):
+                raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({_short(m.get(key))} vs "
+                                 f"{_short(first.get(key))}); run every part with the same torch, parity and models")
+    seen: dict[int, str] = {}
+    for d, m in parts:
+        i = m["shard"]["index"]
+        if i in seen:
+            raise UsageError(f"merge: part {i}/{count} given twice ({seen[i]} and {d}); give each part once")
+        seen[i] = d
+    missing = [i for i in range(1, count + 1) if i not in seen]
+    if missing:
+        raise UsageError(f"merge: part {missing[0]}/{count} is missing ({len(missing)} of {count} parts not given); "
+                         "give every part's directory")
+    held = Counter(c for _, m in parts for c in m.get("cells", []))
+    selection = first["shard"]["selection"]
+    twice = [c for c, n in held.items() if n > 1]
+    absent = [c for c in selection if c not in held]
+    extra = [c for c in held if c not in set(selection)]
+    for cells, what in ((twice, "is held by two parts"), (absent, "is held by no part"), (extra, "is not in the selection")):
+        if cells:
+            raise UsageError(f"merge: cell {cells[0]} {what} ({len(cells)} such); rerun the parts of one run")
+    return [m for _, m in sorted(parts, key=lambda p: p[1]["shard"]["index"])]
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True) if not isinstance(value, str) else value
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def merged_records(directories: list[str], manifests: list[dict]) -> list[Record]:
+    """Every part's records, pair group by pair group in the single run's order."""
+    blocks: dict[str, list[Record]] = {}
+    for directory, m in zip(directories, manifests):
+        group_of = dict(zip(m["cells"], m["shard"]["cell_groups"]))
+        for r in read_records(os.path.join(directory, outdir.CELLS), whole=True):
+            blocks.setdefault(group_of.get(r.cell, r.cell), []).append(r)
+    order = manifests[0]["shard"]["groups"]
+    unknown = [g for g in blocks if g not in set(order)]
+    if unknown:
+        raise UsageError(f"merge: records of {unknown[0]} belong to no pair group of the selection; rerun that part")
+    return [r for g in order for r in blocks.get(g, [])]
+
+
+def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: str = "") -> tuple[dict, list[Record]]:
+    """Write the merged results directory; returns its manifest and records."""
+    by_dir = {os.path.realpath(d): d for d in directories}
+    if os.path.realpath(out) in by_dir:
+        raise UsageError(f"merge: --out {out} is one of the parts; write the merged run elsewhere")
+    manifests = check_parts(directories)
+    ordered = [next(d for d in directories if outdir.read_manifest(d)["shard"]["index"] == m["shard"]["index"])
+               for m in manifests]
+    records = merged_records(ordered, manifests)
+    first = manifests[0]
+    shard = first["shard"]
+    options = {**first.get("options", {}), "shard": None}
+    manifest = {k: v for k, v in first.items() if k not in ("shard", "status", "cells", "options")}
+    manifest.update(options=options, cells=list(shard["selection"]),
+                    merged={"parts": len(manifests), "from": [os.path.abspath(d) for d in ordered]})
+    timings = Counter()
+    for d in ordered:
+        path = os.path.join(d, "timings.json")
+        data = outdir.read_json(path, "rerun that part") if os.path.isfile(path) else {}
+        timings.update({k: v for k, v in data.items() if isinstance(v, (int, float)) and k != "per_cell"})
+    timings["per_cell"] = timings["wall"] / max(1, timings["cells"])
+    with outdir.locked(out):
+        outdir.prepare(out, manifest, overwrite=overwrite)
+        writer = RecordWriter(os.path.join(out, outdir.CELLS))
+        with writing(writer.path):
+            writer.write(records)
+        writer.close()
+        title = str(shard.get("title") or options.get("matrix") or "run")
+        with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w") as fh:
+            fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"])))
+        with writing(os.path.join(out, "timings.json")), open(os.path.join(out, "timings.json"), "w") as fh:
+            json.dump(dict(timings), fh, indent=2)
+        with writing(os.path.join(out, "report.html")):
+            write_html(out, records)
+        if junit:
+            with writing(junit):
+                write_junit(junit, records, suite=title)
+        outdir.write_manifest(out, {**manifest, "status": "complete"})
+    return {**manifest, "status": "complete"}, records

@@ -1,0 +1,126 @@
+"""``run --shard I/N`` and ``parity merge``: parts that together hold every cell once, merged into
+what one run writes; parts of different runs, missing or doubled parts are refused."""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from parity.cli import main
+from parity.matrix import load
+from parity.matrix.shard import SLACK, Shard, assign, expected_cost, parse_shard, select_part
+from parity.errors import UsageError
+
+SLICE = ["--matrix", "smoke", "-k", "ranks == 2 and microbatches == 1"]
+
+
+def _loads(cells, parts, n):
+    loads = [0.0] * n
+    for c in cells:
+        loads[parts[c.pair_id] - 1] += expected_cost(c)
+    return loads
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_every_pair_group_lands_in_exactly_one_part_within_the_load_bound(n):
+    cells = list(load("full").cells)
+    held = [c.id for i in range(1, n + 1) for c in select_part(cells, Shard(i, n))]
+    assert sorted(held) == sorted(c.id for c in cells)
+    parts = assign(cells, n)
+    for c in cells:  # a group's paths are compared with each other: never split
+        assert parts[c.pair_id] == parts[dataclasses.replace(c, path="legacy").pair_id]
+    loads = _loads(cells, parts, n)
+    costs = {}
+    for c in cells:
+        costs[c.pair_id] = costs.get(c.pair_id, 0.0) + expected_cost(c)
+    assert max(loads) <= (1 + SLACK) * sum(loads) / n + max(costs.values())
+    assert assign(list(reversed(cells)), n) == parts  # the matrix's order does not matter
+
+
+def test_adding_or_removing_cells_elsewhere_moves_few_groups():
+    cells = list(load("full").cells)
+    before = assign(cells, 8)
+    fewer = assign([c for c in cells if c.fixture != "frozen"], 8)
+    more = assign(cells + [dataclasses.replace(c, seed=7) for c in cells if c.fixture == "kda"], 8)
+    moved = [g for g in fewer if fewer[g] != before[g]] + [g for g in before if more[g] != before[g]]
+    assert len(moved) <= 0.02 * len(before), moved[:5]
+
+
+@pytest.mark.parametrize("text", ["0/4", "5/4", "4", "a/b", "1/0", "-1/2", ""])
+def test_a_part_that_does_not_exist_is_a_usage_error(text):
+    with pytest.raises(UsageError, match="I/N"):
+        parse_shard(text)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """One run of a slice of smoke, the same slice in four parts, and the parts merged."""
+    root = tmp_path_factory.mktemp("shard")
+    whole = str(root / "whole")
+    assert main(["run", *SLICE, "--out", whole, "--junit", str(root / "whole.xml")]) == 0
+    parts = [str(root / f"part{i}") for i in range(1, 5)]
+    for i, part in enumerate(parts, 1):
+        assert main(["run", *SLICE, "--shard", f"{i}/4", "--out", part]) == 0
+    merged = str(root / "merged")
+    code = main(["merge", *reversed(parts), "--out", merged, "--gate", "--junit", str(root / "merged.xml")])
+    return root, whole, parts, merged, code
+
+
+def _read(path):
+    with open(path) as fh:
+        return fh.read()
+
+
+def _untimed(text: str) -> str:
+    return text.split("## Where the time went")[0]
+
+
+def test_merged_parts_are_the_single_run(sharded):
+    root, whole, parts, merged, code = sharded
+    assert _read(os.path.join(merged, "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
+    assert _untimed(_read(os.path.join(merged, "summary.md"))) == _untimed(_read(os.path.join(whole, "summary.md")))
+    assert re.sub(r'time="[^"]*"', "", _read(root / "merged.xml")) == re.sub(r'time="[^"]*"', "", _read(root / "whole.xml"))
+    run = json.loads(_read(os.path.join(merged, "run.json")))
+    assert run["status"] == "complete" and "shard" not in run and run["merged"]["parts"] == 4
+    assert run["cells"] == json.loads(_read(os.path.join(whole, "run.json")))["cells"]
+    assert "Gate: enable" in _read(os.path.join(merged, "report.html"))
+
+
+def test_a_gate_on_the_merged_parts_is_the_gate_on_one_run(sharded):
+    root, whole, parts, merged, code = sharded
+    assert main(["gate", "--from", whole]) == code == main(["gate", "--from", merged])
+    a, b = (json.loads(_read(os.path.join(d, "gate.json"))) for d in (whole, merged))
+    assert [(d["model"], d["decision"], d["reasons"]) for d in a["decisions"]] == \
+        [(d["model"], d["decision"], d["reasons"]) for d in b["decisions"]]
+    # the slice is narrowed by -k, so both gates are PARTIAL for the same reason
+    assert a["scope"] == b["scope"] and not b["scope"]["complete"] and b["scope"]["cells_run"] == 12
+
+
+def test_a_part_alone_is_not_the_whole_selection(sharded):
+    root, whole, parts, merged, code = sharded
+    run = json.loads(_read(os.path.join(parts[0], "run.json")))
+    assert run["shard"]["index"] == 1 and run["shard"]["count"] == 4
+    assert len(run["cells"]) < len(run["shard"]["selection"])
+    gate = str(root / "gate-part")
+    shutil.copytree(parts[0], gate)
+    assert main(["gate", "--from", gate]) == 1  # PARTIAL: most cells of the matrix are not there
+    assert json.loads(_read(os.path.join(gate, "gate.json")))["scope"]["complete"] is False
+
+
+def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys):
+    root, whole, parts, merged, code = sharded
+    assert main(["merge", *parts[:3], "--out", str(tmp_path / "m1")]) == 2
+    assert "part 4/4 is missing" in capsys.readouterr().err
+    assert main(["merge", *parts, parts[1], "--out", str(tmp_path / "m2")]) == 2
+    assert "part 2/4 given twice" in capsys.readouterr().err
+    foreign = str(tmp_path / "foreign")  # a part of another selection (another matrix slice, split 1 way)
+    assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                 "--shard", "1/1", "--out", foreign]) in (0, 1)
+    assert main(["merge", *parts, foreign, "--out", str(tmp_path / "m3")]) == 2
+    assert "merge the parts of one run only" in capsys.readouterr().err
+    assert main(["merge", whole, "--out", str(tmp_path / "m4")]) == 2
+    assert "not a part of a sharded run" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "m1" / "cells.csv")
