@@ -76,7 +76,7 @@ def _wait_for(predicate, seconds=300):
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test worker, even when xdist interleaves modules
 def uninterrupted(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole") / "run"
     proc = _run(out, None)

@@ -18,7 +18,7 @@ def _parity(*args, timeout=600):
     return subprocess.run([*PARITY, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test worker, even when xdist interleaves modules
 def gated(tmp_path_factory):
     """A small real gate run with a deliberate fault, so there are failing records."""
     out = str(tmp_path_factory.mktemp("report") / "run")

@@ -14,6 +14,8 @@ from parity.matrix import load
 from parity.matrix.shard import SLACK, Shard, assign, expected_cost, parse_shard, select_part
 from parity.errors import UsageError
 
+pytestmark = pytest.mark.xdist_group("shard")  # one worker runs the slice and its parts once
+
 SLICE = ["--matrix", "smoke", "-k", "ranks == 2 and microbatches == 1"]
 
 
@@ -55,7 +57,7 @@ def test_a_part_that_does_not_exist_is_a_usage_error(text):
         parse_shard(text)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once per test worker, even when xdist interleaves modules
 def sharded(tmp_path_factory):
     """One run of a slice of smoke, the same slice in four parts, and the parts merged."""
     root = tmp_path_factory.mktemp("shard")

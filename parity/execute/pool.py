@@ -8,10 +8,17 @@ Hangs are found by silence, not by a guess of how long a cell takes: workers sen
 heartbeat after building and after every micro-batch, and a cell is a TIMEOUT only when no
 rank has reported anything for ``timeout`` seconds.
 
+Starting a rank: on Linux ranks are forked from multiprocessing's fork server, which imported
+torch and the worker once for the whole process (a pool starts in well under a second instead
+of every rank importing torch for seconds; the server holds no threads or process group);
+elsewhere they are spawned.
+
 Workers never outlive or block on their parent: they ignore SIGINT (the parent handles a
-Ctrl-C for the whole run), ask the kernel to kill them when the parent dies -- before they
-import torch (:mod:`parity.execute.spawned`) --, stop taking cells once it is gone, and
-never wait on a result nobody reads (``cancel_join_thread``).
+Ctrl-C for the whole run; SIGINT stays blocked from before the fork server starts until the
+worker ignores it), ask the kernel to kill them when the process that started them dies --
+before a spawned rank imports torch (:mod:`parity.execute.spawned`); a forked rank's parent
+is the fork server, which exits when this process does --, stop taking cells once it is
+gone, and never wait on a result nobody reads (``cancel_join_thread``).
 Every file they create lives under the run's temporary folder, which the parent removes.
 """
 
@@ -22,6 +29,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -62,7 +70,8 @@ def _next_task(tasks, parent: int):
                 return None
 
 
-def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, parent: int, tmp: str) -> None:
+def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, tmp: str) -> None:
+    parent = os.getppid()  # this run's process, or the fork server that lives as long as it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent during spawn
     results.cancel_join_thread()  # exiting never waits for the parent to read
@@ -100,6 +109,20 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
         dist.destroy_process_group()
 
 
+#: Modules the fork server imports once, so forked ranks start with them (torch included).
+PRELOAD = ["parity.execute.worker"]
+
+
+def context():
+    """The multiprocessing context ranks start in: the fork server on Linux (``PARITY_START=spawn``
+    spawns instead, e.g. to rule the server out), spawn elsewhere."""
+    if not sys.platform.startswith("linux") or os.environ.get("PARITY_START") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class RankPool:
     """``world`` spawned ranks sharing one process group.
 
@@ -126,9 +149,9 @@ class RankPool:
         self.spawn_seconds += time.perf_counter() - t0
 
     def launch(self) -> None:
-        """Spawn the ranks without waiting for them, so a pool can warm up while another works."""
+        """Start the ranks without waiting for them, so a pool can warm up while another works."""
         t0 = time.perf_counter()
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self._generation += 1
         store = os.path.join(self.tmp, f"store-r{self.world}-{self._generation}")
         self.results = ctx.Queue()
@@ -136,14 +159,18 @@ class RankPool:
         self.procs = [
             ctx.Process(  # spawned.start: die-with-parent first, then import this module (and torch)
                 target=spawned.start,
-                args=(f"{__name__}:_worker", os.getpid(),
-                      r, self.world, store, self.device_type, self.tasks[r], self.results, os.getpid(), self.tmp),
+                args=(f"{__name__}:_worker", 0 if ctx.get_start_method() == "forkserver" else os.getpid(),
+                      r, self.world, store, self.device_type, self.tasks[r], self.results, self.tmp),
                 daemon=True,
             )
             for r in range(self.world)
         ]
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # children inherit the mask
         try:
+            if ctx.get_start_method() == "forkserver":  # started here, the server and its forks inherit it too
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
             for p in self.procs:
                 p.start()
         finally:

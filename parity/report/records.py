@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-from dataclasses import asdict
 
 from parity.errors import UsageError
 from parity.judge.record import COLUMNS, Record, Verdict
@@ -35,7 +34,7 @@ class RecordWriter:
 
     def write(self, records: list[Record]) -> None:
         for r in records:
-            self._csv.writerow({k: _fmt(v) for k, v in asdict(r).items()})
+            self._csv.writerow({k: _fmt(getattr(r, k)) for k in COLUMNS})  # not asdict: it deep-copies every row
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
