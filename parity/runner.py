@@ -6,7 +6,9 @@ with its baseline as soon as both finished (``path = baseline~path`` rows) and a
 complete before the next starts -- which is what makes ``--resume`` exact.
 
 Pools are started once per rank count and reused; cells that crash or hang become
-ERROR/TIMEOUT records and the pool restarts. SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
+ERROR/TIMEOUT records and the pool restarts. The next cell is handed to its ranks as soon as
+the current one's observations arrive, so the ranks train it while the parent judges (records
+are still judged and written in cell order; a traced re-run first waits for the cell ahead). SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
 the run cleanly: no new cell starts, workers are told to exit and killed after a grace
 period, the temporary folder is removed, a summary marked "interrupted" is written, and the
 exit code is 130 (SIGINT) or 143 (SIGTERM). A signal while the result files are written
@@ -173,6 +175,11 @@ class _Run:
         self.unpaired: dict[tuple[str, str], tuple[Unpaired, str]] = {}
         """(pair group, path) -> (code, words): why that cell has nothing to be compared with or from."""
         self.paired: set[tuple[str, str]] = set()
+        self.next_cell: Cell | None = None
+        self.ahead: dict[int, Cell] = {}
+        """rank count -> the cell submitted to that pool ahead of its turn (at most one per pool)."""
+        self.finished: dict[str, object] = {}
+        """cell id -> observations (or the CellFailure) of a cell ahead collected early."""
 
     def _skip(self, cell: Cell) -> str:
         return _skip_reason(cell, self.device, self.skip_reason)
@@ -188,10 +195,11 @@ class _Run:
         self.wall0 = time.perf_counter()
         try:
             self.tmp = tempfile.mkdtemp(prefix="parity-run-")  # pools' stores, workers' checkpoints
-            for cell in self.todo:
+            for i, cell in enumerate(self.todo):
                 if signals():
                     break
                 t0 = time.perf_counter()
+                self.next_cell = self.todo[i + 1] if i + 1 < len(self.todo) else None
                 try:
                     new = self._run_one(cell, signals)
                 except Interrupted:
@@ -227,6 +235,7 @@ class _Run:
             return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
+        self._submit_ahead(self.next_cell, signals)  # its ranks work while this cell is judged
         j0 = time.perf_counter()
         try:
             judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device),
@@ -291,16 +300,58 @@ class _Run:
         return rows
 
     def _observe(self, cell: Cell, signals):
+        """``cell``'s observations (raises :class:`CellFailure`): collected from its pool, where it
+        may already be running (:meth:`_submit_ahead`)."""
         if self.executor is not None:
             return self.executor.run(cell, self.options.timeout)
+        if cell.id in self.finished and not cell.trace:
+            return self._result(self.finished.pop(cell.id))
         if not self.pools:
             self._launch_pools(signals)
         pool = self.pools[cell.ranks]
+        ahead = self.ahead.pop(cell.ranks, None)
+        if ahead is not None and ahead is not cell:  # the pool works on a cell ahead: finish that first
+            self.finished[ahead.id] = self._collect(pool)
+            ahead = None
+        if ahead is None:
+            self._timed(pool, pool.submit, cell)
+        return self._result(self._collect(pool))
+
+    def _submit_ahead(self, cell: Cell | None, signals) -> None:
+        """Hand the next cell to its idle pool now; :meth:`_observe` collects it in its turn."""
+        if self.executor is not None or cell is None or self._skip(cell) or cell.ranks in self.ahead:
+            return
+        if not self.pools:
+            self._launch_pools(signals)
+        try:
+            self._timed(self.pools[cell.ranks], self.pools[cell.ranks].submit, cell)
+        except CellFailure as exc:
+            self.finished[cell.id] = exc
+            return
+        self.ahead[cell.ranks] = cell
+
+    def _collect(self, pool: RankPool):
+        """The submitted cell's observations, or the :class:`CellFailure` it ended with."""
+        t0 = time.perf_counter()
+        try:
+            return self._timed(pool, pool.collect, self.options.timeout)
+        except CellFailure as exc:
+            return exc
+        finally:
+            self.timings["waiting for ranks"] += time.perf_counter() - t0
+
+    def _timed(self, pool: RankPool, call, *args):
         spawn0 = pool.spawn_seconds
         try:
-            return pool.run(cell, self.options.timeout)
+            return call(*args)
         finally:
             self.timings["spawn"] += pool.spawn_seconds - spawn0
+
+    @staticmethod
+    def _result(got):
+        if isinstance(got, CellFailure):
+            raise got
+        return got
 
     def finish(self, manifest: dict, signals: Signals) -> int:
         """Write summary, timings, report (and JUnit), then ``run.json`` last: ``complete`` only
@@ -309,8 +360,9 @@ class _Run:
         stopped = signals.received  # before every cell ran
         t = self.timings
         t["wall"] = time.perf_counter() - self.wall0
+        # build, steps and checkpoint are rank 0's and overlap the parent's judging of the cell before
         t["other (parent, queues, skips)"] = t["wall"] - sum(
-            t[k] for k in ("spawn", "build", "steps", "checkpoint", "reference+compare"))
+            t[k] for k in ("spawn", "waiting for ranks", "reference+compare"))
         t["cells"] = len(self.todo)
         t["per_cell"] = t["wall"] / max(1, len(self.todo))
         records = read_records(os.path.join(out, outdir.CELLS))

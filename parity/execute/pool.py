@@ -218,12 +218,26 @@ class RankPool:
     def run(self, cell, timeout: float) -> list:
         """Run one cell (or a task with ``run_on_rank``, e.g. a benchmark) on every rank;
         returns each rank's observation (or measurement), rank order."""
+        self.submit(cell)
+        return self.collect(timeout)
+
+    def submit(self, cell) -> None:
+        """Hand ``cell`` to every rank without waiting for it (start the ranks first if needed);
+        :meth:`collect` waits for its results. One cell at a time per pool."""
         try:
             if not self.procs or not self.ready:
                 self.start()
                 self.ready = True
             for q in self.tasks:
                 q.put(cell)
+        except CellFailure:
+            self.stop(kill=True)
+            raise
+
+    def collect(self, timeout: float) -> list:
+        """The submitted cell's observation from every rank, rank order; a failure stops the pool
+        (the next :meth:`submit` restarts it) and raises :class:`CellFailure`."""
+        try:
             got = self._collect("ok", timeout)
         except CellFailure:
             self.stop(kill=True)

@@ -100,7 +100,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                               detail=detail))
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
-    truth = run_reference(cell, fixture, plan, report, device=device, mode="fp64")
+    truth = _fp64_reference(cell, fixture, plan, report, device)
     own = run_reference(cell, fixture, plan, report, device=device)  # its own trajectory, no resync
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
     topo = cell.topology()
@@ -126,6 +126,24 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                          quantizable=fixture.quantizable, no_gradient=silent)
     records.append(coverage.record(owed, records, base))
     return Judged(records, comps, run)
+
+
+#: FP64 references of the last few pair groups (see :func:`_fp64_reference`).
+_FP64: dict[tuple, object] = {}
+
+
+def _fp64_reference(cell: Cell, fixture, plan, report, device):
+    """The FP64 trajectory, computed once per pair group: it reads no unit boundary, no
+    tensor-parallel emulation and no compute dtype, only the model, the cell's axes besides its
+    path and which tensors train when, so every path of a group shares it (a path whose plan
+    differs there gets its own)."""
+    key = (cell.pair_id, cell.source, str(device),
+           tuple((t.fqn, t.requires_grad, t.trainable_from, t.tie_group) for t in plan.params))
+    if key not in _FP64:
+        if len(_FP64) >= 4:
+            _FP64.pop(next(iter(_FP64)))
+        _FP64[key] = run_reference(cell, fixture, plan, report, device=device, mode="fp64")
+    return _FP64[key]
 
 
 #: Checks that judge a parameter's gradient; for a parameter without any they say nothing.
