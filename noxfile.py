@@ -74,7 +74,7 @@ def bench(session):
     _install_torch(session, TORCH_VERSIONS[0])
     session.install("numpy", "pandas", "matplotlib")
     session.install("--no-deps", ".")
-    args = session.posargs or ["--plot"]
+    args = session.posargs or ["--plot", "--harness", "smoke"]  # and parity's own cost per cell
     session.run("python", "-m", "parity", "bench", *args)
 
 

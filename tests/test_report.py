@@ -100,7 +100,8 @@ def test_compare_passes_identical_results_and_flags_a_worsened_copy(gated, tmp_p
 @pytest.mark.xdist_group("bench")
 def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     out = str(tmp_path / "bench")
-    proc = _parity("bench", "--fixtures", "kda,unisolatable", "--steps", "2", "--warmup", "1", "--out", out)
+    proc = _parity("bench", "--fixtures", "kda,unisolatable", "--steps", "2", "--warmup", "1", "--out", out,
+                   "--harness", "smoke")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(os.path.join(out, "bench.csv")) as fh:
         rows = list(csv.DictReader(fh))
@@ -115,6 +116,10 @@ def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     md = open(os.path.join(out, "bench.md")).read()
     assert md.index("## Environment") < md.index("## kda") and "| collectives total | count/step | 15 | 9 | 0.60 |" in md
     assert "unisolatable / legacy: ERROR (declared isolation error" in md
+    # parity's own cost: smoke's cells of these models and paths, run as `run` would
+    assert "## parity's own cost per cell (matrix smoke, 16 cells" in md
+    harness = json.load(open(os.path.join(out, "bench.json")))["harness"]
+    assert harness["cells"] == 16 and 0 < harness["reference+compare"] < harness["wall"]
 
 
 def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():

@@ -23,7 +23,7 @@ from parity.report.outdir import usable
 
 
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
-              steps: int, out_dir: str, plots: bool, timeout: float) -> int:
+              steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
     measured (other than a declared isolation error, which is listed, not a failure)."""
     if plots:
@@ -69,8 +69,16 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             shutil.rmtree(tmp, ignore_errors=True)
         if signals():
             failures += [f"{n} / {p}: not run (interrupted by {signals.name})" for n, _, p in todo[ran:]]
+        cost = {}
+        if harness != "none" and not signals():
+            from parity.bench.harness import harness_cost
+
+            run_code, cost = harness_cost(harness, models, paths, device=device, out_dir=out_dir, timeout=timeout)
+            if run_code in (130, 143):
+                signals.received = signals.received or run_code - 128
+            code = code or (1 if run_code else 0)
         _write(out_dir, rows, failures, device=device, warmup=warmup, steps=steps, ranks=ranks,
-               plots=plots and not signals(), interrupted=signals.name)
+               plots=plots and not signals(), interrupted=signals.name, harness=cost)
         if signals():
             print(f"parity: interrupted by {signals.name} after {ran} of {len(todo)} model x path "
                   f"runs; what finished is in {out_dir}/bench.csv and bench.md", file=sys.stderr)
@@ -79,15 +87,21 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
 
 
 def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, warmup: int, steps: int,
-           ranks: int, plots: bool, interrupted: str) -> None:
+           ranks: int, plots: bool, interrupted: str, harness: dict | None = None) -> None:
     env = environment(device)
-    meta = {"environment": env, "warmup": warmup, "steps": steps, "ranks": ranks, "not_measured": failures}
+    meta = {"environment": env, "warmup": warmup, "steps": steps, "ranks": ranks, "not_measured": failures,
+            **({"harness": harness} if harness else {})}
     path = os.path.join(out_dir, "bench.csv")
     with writing(path):
         write_csv(path, rows)
     path = os.path.join(out_dir, "bench.md")
     with writing(path), open(path, "w") as fh:
-        fh.write(markdown(rows, env, warmup=warmup, steps=steps, failures=failures))
+        text = markdown(rows, env, warmup=warmup, steps=steps, failures=failures)
+        if harness:
+            from parity.bench.harness import markdown as harness_markdown
+
+            text += "\n" + "\n".join(harness_markdown(harness))
+        fh.write(text)
     path = os.path.join(out_dir, "bench.json")
     with writing(path), open(path, "w") as fh:
         json.dump({**meta, "interrupted": interrupted} if interrupted else meta, fh, indent=1)
@@ -110,6 +124,9 @@ def add_bench_arguments(sub) -> None:
     bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
     bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
     bench.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
+    bench.add_argument("--harness", default="none", metavar="MATRIX",
+                       help="also run MATRIX's cells of these models and paths and report parity's own cost per "
+                            "cell (none)")
 
 
 def bench_command(args) -> int:
@@ -124,6 +141,10 @@ def bench_command(args) -> int:
     known = dict(sourced) if sourced else {name: "" for name in registered()}
     names = csv_list(args.fixtures, "--fixtures", list(known)) or list(known)
     paths = csv_list(args.paths, "--paths", path_names())
+    if args.harness != "none":  # a wrong matrix is refused now, not after the measurements
+        from parity.matrix import load
+
+        load(args.harness, tuple(src for src in args.model))
     return run_bench(models=[(n, known[n]) for n in names], paths=paths, ranks=args.ranks,
                      device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
-                     plots=args.plot, timeout=args.timeout)
+                     plots=args.plot, timeout=args.timeout, harness=args.harness)

@@ -1,0 +1,53 @@
+"""``bench --harness MATRIX``: what parity itself costs per cell, so its own regressions show.
+
+The bench's models and paths select cells of ``MATRIX``; they run as ``run`` would run them
+(into ``OUT/harness/``), and the run's phases are reported per cell: starting the ranks, the
+parent waiting for them, rank 0's build / steps / checkpoint lifecycle (which overlap the
+parent's judging of the cell before), the parent's reference and comparisons, and the rest
+(records, reports, queues). ``bench.md`` gets the table, ``bench.json`` the figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+
+from parity.errors import UsageError
+
+#: The phases reported, in order, as ``timings.json`` names them.
+PHASES = ("spawn", "waiting for ranks", "build", "steps", "checkpoint", "reference+compare",
+          "other (parent, queues, skips)", "wall")
+
+
+def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *, device: str, out_dir: str,
+                 timeout: float) -> tuple[int, dict]:
+    """(the run's exit code, ``{"matrix", "cells", phase: seconds...}``)."""
+    from parity.matrix import load
+    from parity.runner import RunOptions, run_cells
+
+    sources = tuple(dict.fromkeys(s for _, s in models if s))
+    m = load(matrix, sources)
+    names = {n for n, _ in models}
+    cells = [c for c in m.cells if c.fixture in names and c.path in paths]
+    if not cells:
+        raise UsageError(f"--harness {matrix}: no cell of that matrix has these models and paths; "
+                         "choose a matrix with them or --harness none")
+    out = os.path.join(out_dir, "harness")
+    options = RunOptions(out_dir=out, device=device, timeout=timeout, progress=False, title=f"harness {m.name}",
+                         overwrite=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # the run's own table: the bench reports instead
+        code = run_cells(cells, options, skip_reason=m.skip_reason)
+    with open(os.path.join(out, "timings.json")) as fh:
+        timings = json.load(fh)
+    return code, {"matrix": m.name, "cells": len(cells), **{k: timings.get(k, 0.0) for k in PHASES}}
+
+
+def markdown(cost: dict) -> list[str]:
+    n = max(1, cost["cells"])
+    lines = [f"## parity's own cost per cell (matrix {cost['matrix']}, {cost['cells']} cells of these models "
+             "and paths)", "", "| phase | seconds | per cell |", "|---|---|---|"]
+    lines += [f"| {k} | {cost[k]:.2f} | {cost[k] / n:.3f} |" for k in PHASES]
+    return lines + ["", "Rank 0's build, steps and checkpoint overlap the parent's judging of the cell before; "
+                    "the wall is spawn + waiting for ranks + reference+compare + other.", ""]
