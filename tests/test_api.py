@@ -1,0 +1,42 @@
+"""``parity.run`` / ``parity.gate``: the command line's runs from Python, twice in one process."""
+
+import csv
+import os
+
+import pytest
+
+import parity
+from parity.errors import UsageError
+
+pytestmark = pytest.mark.xdist_group("api")
+
+FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
+
+
+def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path):
+    first = parity.run(matrix="smoke", filter=FEW, quiet=True)
+    assert first.ok and first.code == 0
+    with open(os.path.join(first.out, "cells.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(first.cells) == len(rows) and set(first.cells["verdict"]) <= {"PASS", "SKIP"}
+    assert first.failures().empty
+    # a second call in the same process, with a fault: failures come worst first
+    faulty = parity.run(matrix="smoke", filter=FEW, fault="drop_override", out=str(tmp_path / "f"), quiet=True)
+    assert faulty.code == 1 and faulty.out == str(tmp_path / "f")
+    bad = faulty.failures()
+    assert len(bad) and bad.iloc[0]["verdict"] in ("ERROR", "TIMEOUT", "FAIL")
+    assert list(bad["ratio"].dropna()) == sorted(bad["ratio"].dropna(), reverse=True) or \
+        bad["verdict"].nunique() > 1
+    # the CLI's gate reads the API's directory
+    decided = parity.gate(from_dir=first.out, quiet=True)
+    assert [d["model"] for d in decided.decisions] == ["kda"]
+    assert decided.decisions[0]["decision"] == "PARTIAL" and decided.code == 1  # -k narrowed the matrix
+
+
+def test_bad_input_raises_what_the_cli_prints():
+    with pytest.raises(UsageError, match="unknown matrix"):
+        parity.run(matrix="nosuch")
+    with pytest.raises(TypeError, match="from_dir"):
+        parity.run(from_dir="x")
+    with pytest.raises(TypeError, match="colour"):
+        parity.gate(colour="red")
