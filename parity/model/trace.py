@@ -34,6 +34,29 @@ def _first_float(obj):
     return None
 
 
+def _replace_first_float(obj, new):
+    """``obj`` with its first floating tensor (as :func:`_first_float` finds it) replaced by ``new``."""
+    done = [False]
+
+    def walk(o):
+        if done[0]:
+            return o
+        if isinstance(o, torch.Tensor):
+            if o.is_floating_point():
+                done[0] = True
+                return new
+            return o
+        if isinstance(o, tuple):
+            return tuple(walk(x) for x in o)
+        if isinstance(o, list):
+            return [walk(x) for x in o]
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        return o
+
+    return walk(obj)
+
+
 def install(model: nn.Module, trace: Trace, when=lambda: True) -> list:
     """Hooks filling ``trace`` while ``when()`` holds; returns the handles to remove."""
     handles = []
@@ -42,8 +65,14 @@ def install(model: nn.Module, trace: Trace, when=lambda: True) -> list:
 
         def pre(module, args, kwargs, fqn=fqn):
             x = _first_float((args, kwargs))
-            if when() and x is not None and x.requires_grad and fqn not in trace.input_grads:
-                x.register_hook(lambda g, fqn=fqn: trace.input_grads.setdefault(fqn, g.detach().cpu().clone()))
+            if not (when() and x is not None and x.requires_grad and fqn not in trace.input_grads):
+                return None
+            # a view of its own, so the hook sees this module's gradient only: a hook on the input
+            # itself would also sum the gradients of its other readers (a residual connection),
+            # and whether the input is a tensor of its own depends on the boundary casts before it
+            mine = x.view_as(x)
+            mine.register_hook(lambda g, fqn=fqn: trace.input_grads.setdefault(fqn, g.detach().cpu().clone()))
+            return _replace_first_float((args, kwargs), mine)
 
         def post(module, args, output, fqn=fqn):
             y = _first_float(output)
