@@ -28,6 +28,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import sys
 import tempfile
@@ -134,7 +135,10 @@ class RankPool:
     def __init__(self, world: int, device_type: str = "cpu", *, tmp: str | None = None,
                  start_timeout: float = 300.0, stop_requested=lambda: False):
         self.world, self.device_type, self.start_timeout = world, device_type, start_timeout
-        self.tmp = tmp or tempfile.gettempdir()
+        # a folder of its own unless given: a rendezvous file left in a shared folder by an earlier
+        # pool of the same size would send these ranks to dead peers
+        self._own_tmp = not tmp
+        self.tmp = tmp or tempfile.mkdtemp(prefix="parity-pool-")
         self.stop_requested = stop_requested
         self.procs: list = []
         self.ready = False
@@ -152,6 +156,7 @@ class RankPool:
         """Start the ranks without waiting for them, so a pool can warm up while another works."""
         t0 = time.perf_counter()
         ctx = context()
+        os.makedirs(self.tmp, exist_ok=True)
         self._generation += 1
         store = os.path.join(self.tmp, f"store-r{self.world}-{self._generation}")
         self.results = ctx.Queue()
@@ -263,3 +268,5 @@ class RankPool:
             q.close()
             q.cancel_join_thread()
         self.procs = []
+        if self._own_tmp:  # its stores and the ranks' files; a restart makes it again
+            shutil.rmtree(self.tmp, ignore_errors=True)

@@ -23,10 +23,15 @@ from parity.model.trace import Trace
 NUMERIC = ("output", "input_grad", "grad", "grad_norm", "param", "trajectory")
 
 
-def _first_over(actual: dict, expected: dict) -> tuple[str, float, float, float] | None:
+def _first_over(actual: dict, expected: dict, skipped: list[str]) -> tuple[str, float, float, float] | None:
+    """The first module over its allowance; modules whose tensor is not the reference's whole
+    tensor (a tensor-parallel shard of an activation) are listed in ``skipped``, not judged."""
     for fqn, got in actual.items():
         want = expected.get(fqn)
         if want is None:
+            continue
+        if got.shape != want.shape:
+            skipped.append(fqn)
             continue
         allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
         observed = max_abs(got, want)
@@ -41,15 +46,20 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     fixture = get_fixture(cell.fixture, cell.source)
     ref = Trace()
     run_reference(dataclasses.replace(cell, steps=1), fixture, first.plan, first.report, device=device, trace=ref)
-    fwd = _first_over(first.trace.outputs, ref.outputs)
-    bwd = _first_over(first.trace.input_grads, ref.input_grads)
+    skipped: list[str] = []
+    fwd = _first_over(first.trace.outputs, ref.outputs, skipped)
+    bwd = _first_over(first.trace.input_grads, ref.input_grads, skipped)
     where = fwd or bwd
+    unjudged = (f"; {len(skipped)} tensor(s) not judged: rank 0 holds a shard of them on this mesh "
+                f"(e.g. {skipped[0]})") if skipped else ""
     if where is None:
         return Record(**base, step=0, check="divergence", name="-", verdict=Verdict.PASS,
                       detail="no module's output or input gradient differs beyond its allowance in rank 0's first "
-                             "micro-batch: the difference arises after backward (reduction, optimizer) or later")
+                             "micro-batch: the difference arises after backward (reduction, optimizer) or later"
+                             + unjudged)
     parts = [f"first in forward order: {fwd[0]} (ratio {fwd[3]:.3g})" if fwd else "forward: no module over",
              f"first in backward order: {bwd[0]} (ratio {bwd[3]:.3g})" if bwd else "backward: no module over"]
+    parts[-1] += unjudged
     name, observed, allowed, ratio = where
     return Record(**base, step=0, check="divergence", name=name, observed=observed, allowed=allowed, ratio=ratio,
                   verdict=Verdict.FAIL, detail="; ".join(parts))
