@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
-def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
+def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/latest") -> None:
     """Options shared by ``run`` and ``gate`` (what to run and how)."""
     p.add_argument("--matrix", help=f"matrix name (fixtures/matrices) or .toml path (default: {matrix})")
     p.add_argument("--model", action="append", help="plugin model source; replaces the matrix's fixture axis")
@@ -57,7 +57,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str) -> None:
     p.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
     p.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
     p.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
-    p.add_argument("--out", help="output directory (default: results/latest)")
+    p.add_argument("--out", help=f"output directory (default: {out})")
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
     p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
     p.add_argument("--seed", type=_seed, help="run every cell with this seed instead of the matrix's")
@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     _run_arguments(run, "smoke")
     run.add_argument("--list", action="store_true", help="print the selected cells and exit")
     gate = sub.add_parser("gate", help="GO / NO-GO per model for enabling the native path")
-    _run_arguments(gate, "default")
+    _run_arguments(gate, "default", "results/gate")
     gate.add_argument("--from", dest="from_dir", metavar="DIR", help="judge an existing results directory instead")
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "

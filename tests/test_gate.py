@@ -34,6 +34,16 @@ def test_healthy_results_are_go():
     assert decide(healthy(), "m", "native").decision == GO
 
 
+def test_a_failing_third_path_is_not_ignored_by_a_gate_on_native():
+    rows = healthy() + [rec("m", "owner_split", 0), rec("m", "legacy~owner_split", 0, taken="")]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and d.notes == ["path owner_split also ran and passed; this gate decides on native only"]
+    rows += [rec("m", "owner_split", 1, verdict="FAIL")]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and d.reasons[0].startswith("path owner_split ran beside native and failed in 1 cells")
+    assert "gate --candidate owner_split" in d.reasons[0]
+
+
 def test_native_that_fell_back_for_an_unsupported_build_is_not_evidence():
     rows = healthy()
     rows = [r for r in rows if r.path != "native"]

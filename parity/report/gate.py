@@ -13,7 +13,9 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
     INCONCLUSIVE (each failing check is named with its worst ratio and cell);
   - a baseline cell failed (the comparison it should anchor is void);
   - a pair could not be compared (UNPAIRED) for any reason other than the baseline raising
-    the model's declared isolation error.
+    the model's declared isolation error;
+  - a third path that ran beside them failed (this gate decides on the candidate only, and
+    says how to decide on that path; a passing third path is a note).
 - **GO** otherwise. When the baseline cannot shard the model (declared isolation error),
   the note says that the candidate was judged against the reference alone.
 - **PARTIAL** replaces GO and NOT APPLICABLE when the evidence is narrower than the matrix
@@ -110,9 +112,25 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if accepted:
         d.notes.append(f"the baseline cannot shard this model (declared isolation error) in {len(accepted)} cells: "
                        f"{candidate} was judged against the reference alone there")
+    _other_paths(d, rows, own, candidate, baselines)
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: str, baselines: set[str]) -> None:
+    """Paths that ran beside the candidate and its baseline are not what this gate decides on,
+    but their evidence is not ignored: a failing one is a reason (the gate does not exit 0 beside
+    failing cells), a passing one a note naming it."""
+    for path in sorted({r.path for r in own} - {candidate} - baselines):
+        failing = sorted({r.cell for r in rows if r.verdict in BAD
+                          and (r.path == path or (is_pair(r) and r.path.endswith(f"~{path}")))})
+        if failing:
+            d.reasons.append(f"path {path} ran beside {candidate} and failed in {len(failing)} cells or pairs "
+                             f"(e.g. {failing[0]}); this gate decides on {candidate} only: "
+                             f"python -m parity gate --candidate {path} decides on {path}")
+        else:
+            d.notes.append(f"path {path} also ran and passed; this gate decides on {candidate} only")
 
 
 def apply_scope(decisions: list[Decision], scope: dict) -> None:
