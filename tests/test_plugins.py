@@ -174,3 +174,19 @@ def test_the_own_model_walkthrough_from_the_readme(tmp_path):
     assert gate.returncode == 0, gate.stdout + gate.stderr
     assert gate.stdout.splitlines()[0].split()[:2] == ["my_model", "GO"]
     assert (out / "gate.md").exists() and (out / "gate.json").exists()
+
+
+def test_integer_inputs_without_token_input_are_one_line_naming_the_field():
+    import dataclasses
+
+    from parity.errors import UsageError
+    from parity.model import Batch, Fixture
+    from parity.model.spec import validate
+
+    spec = Fixture(name="tok", description="", build=lambda: nn.Sequential(nn.Embedding(8, 4)), unit_roots=("",),
+                   blocks=(), loss=lambda out, target: ((out - target) ** 2).mean(),
+                   make_batch=lambda g: Batch(inputs=(torch.randint(0, 8, (2, 3), generator=g),),
+                                              target=torch.zeros(2, 3, 4)))
+    with pytest.raises(UsageError, match="inputs.0. is int64 but Fixture.token_input is False; set token_input=True"):
+        validate(spec, "tok")
+    assert validate(dataclasses.replace(spec, token_input=True), "tok").token_input

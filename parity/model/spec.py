@@ -223,4 +223,12 @@ def validate(spec: object, where: str) -> Fixture:
         raise UsageError(f"{where}: Fixture.make_batch failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(batch, Batch):
         raise UsageError(f"{where}: Fixture.make_batch returned {type(batch).__name__}, not parity.model.Batch")
+    first = batch.inputs[0] if batch.inputs else None
+    if not isinstance(first, torch.Tensor):
+        raise UsageError(f"{where}: Fixture.make_batch returned no input tensor (Batch.inputs[0]); return "
+                         "Batch(inputs=(x, ...), target=y)")
+    if first.is_floating_point() == spec.token_input:
+        raise UsageError(f"{where}: Batch.inputs[0] is {str(first.dtype).replace('torch.', '')} but Fixture.token_input "
+                         f"is {spec.token_input}; set token_input={not spec.token_input} (True: integer token ids, "
+                         "whose input has no gradient)")
     return spec
