@@ -72,3 +72,17 @@ def _own_pool(pids):
     pool.run(Cell(fixture="frozen", path="native", steps=2), timeout=60)
     pids.put([p.pid for p in pool.procs])
     time.sleep(600)
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_deep_temporary_folder_and_a_folder_named_like_the_matrix_change_nothing(tmp_path):
+    """The fork server's socket lives in TMPDIR: a path too long for a Unix socket address (107
+    bytes) starts ranks with spawn instead of failing; and a folder named ``smoke`` in the
+    working directory is not the matrix ``smoke``."""
+    deep = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    deep.mkdir()
+    (tmp_path / "smoke").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "smoke", "-k",
+                           "fixture == 'frozen' and ranks == 1 and microbatches == 1", "--out", str(tmp_path / "run")],
+                          cwd=tmp_path, env={**os.environ, "TMPDIR": str(deep)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-1500:]

@@ -114,10 +114,19 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
 PRELOAD = ["parity.execute.worker"]
 
 
+#: Linux's limit on a Unix socket's path (107 bytes), less the name the fork server adds.
+SOCKET_DIR_MAX = 107 - len("/listener-12345678")
+
+
 def context():
     """The multiprocessing context ranks start in: the fork server on Linux (``PARITY_START=spawn``
-    spawns instead, e.g. to rule the server out), spawn elsewhere."""
-    if not sys.platform.startswith("linux") or os.environ.get("PARITY_START") == "spawn":
+    spawns instead, e.g. to rule the server out), spawn elsewhere. The fork server listens on a
+    Unix socket in the temporary folder: where that folder's path is too long for a socket
+    address (a deep ``TMPDIR``), ranks are spawned."""
+    from multiprocessing import util
+
+    if (not sys.platform.startswith("linux") or os.environ.get("PARITY_START") == "spawn"
+            or len(util.get_temp_dir()) > SOCKET_DIR_MAX):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

@@ -198,7 +198,7 @@ def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
 def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     """Expand a matrix. ``models`` (``--model`` sources) replace its fixture axis."""
     path = name_or_path
-    if not os.path.exists(path):
+    if not os.path.isfile(path):  # a folder of that name where parity runs is not a matrix file
         path = os.path.join(_matrix_dir(), f"{name_or_path}.toml")
     if not os.path.exists(path):
         raise UsageError(f"unknown matrix {name_or_path!r}; valid: {', '.join(available())} or a .toml file path")

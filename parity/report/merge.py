@@ -47,8 +47,8 @@ def _part(directory: str) -> dict:
     return manifest
 
 
-def check_parts(directories: list[str]) -> list[dict]:
-    """The parts' manifests, index order, after every check in the module docstring."""
+def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
+    """(directory, manifest) of every part, index order, after every check in the module docstring."""
     if not directories:
         raise UsageError("merge: give the directories of every part (run --shard I/N --out DIR)")
     parts = [(d, _part(d)) for d in directories]
@@ -81,7 +81,7 @@ def check_parts(directories: list[str]) -> list[dict]:
     for cells, what in ((twice, "is held by two parts"), (absent, "is held by no part"), (extra, "is not in the selection")):
         if cells:
             raise UsageError(f"merge: cell {cells[0]} {what} ({len(cells)} such); rerun the parts of one run")
-    return [m for _, m in sorted(parts, key=lambda p: p[1]["shard"]["index"])]
+    return sorted(parts, key=lambda p: p[1]["shard"]["index"])
 
 
 def _short(value) -> str:
@@ -108,9 +108,8 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
     by_dir = {os.path.realpath(d): d for d in directories}
     if os.path.realpath(out) in by_dir:
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged run elsewhere")
-    manifests = check_parts(directories)
-    ordered = [next(d for d in directories if outdir.read_manifest(d)["shard"]["index"] == m["shard"]["index"])
-               for m in manifests]
+    parts = check_parts(directories)
+    ordered, manifests = [d for d, _ in parts], [m for _, m in parts]
     records = merged_records(ordered, manifests)
     first = manifests[0]
     shard = first["shard"]
