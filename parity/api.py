@@ -17,6 +17,7 @@ pools, so calls can follow each other in one process.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -24,17 +25,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-#: keyword -> command-line flag; a list value repeats (``model``, ``fault``) or joins (``paths``, ``ranks``).
-_FLAGS = {
-    "matrix": "--matrix", "model": "--model", "paths": "--paths", "baseline": "--baseline", "ranks": "--ranks",
-    "filter": "-k", "seed": "--seed", "steps": "--steps", "param_dtype": "--param-dtype",
-    "reduce_dtype": "--reduce-dtype", "optimizer": "--optimizer", "init": "--init", "mesh": "--mesh",
-    "weights": "--weights", "device": "--device", "timeout": "--timeout", "fault": "--fault", "junit": "--junit",
-    "shard": "--shard", "candidate": "--candidate", "compare_to": "--compare-to", "from_dir": "--from",
-}
-_REPEATED = ("model", "fault")
-_SWITCHES = {"fp64": "--fp64", "require_native": "--require-native", "overwrite": "--overwrite"}
-_GATE_ONLY = ("candidate", "compare_to", "from_dir")
+#: Parser entries that are not options a call passes: ``out`` is the call's own argument.
+_NOT_OPTIONS = ("help", "out")
 
 
 @dataclass(frozen=True)
@@ -80,28 +72,42 @@ class Result:
 def _numeric(df):
     import pandas as pd
 
-    for col in ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal"):
+    from parity.report.records import NUMERIC_COLUMNS
+
+    for col in NUMERIC_COLUMNS:
         df[col] = pd.to_numeric(df[col].replace({"": None}), errors="coerce")
     return df
 
 
+def _actions(command: str) -> dict:
+    """The command's options as the CLI's parser defines them: keyword (its ``dest``) -> action."""
+    from parity.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {a.dest: a for a in sub.choices[command]._actions if a.dest not in _NOT_OPTIONS}
+
+
 def _argv(command: str, options: dict) -> list[str]:
+    """``options`` as the command line: a switch when true, an appended option once per value
+    (``model``, ``fault``), a list joined by commas (``paths``, ``ranks``)."""
+    actions = _actions(command)
     argv = [command]
     for key, value in options.items():
-        if key in _SWITCHES:
-            argv += [_SWITCHES[key]] if value else []
-            continue
-        if key not in _FLAGS or (command == "run" and key in _GATE_ONLY):
+        action = actions.get(key)
+        if action is None:
             raise TypeError(f"parity.{command}() got an unexpected keyword argument {key!r}")
         if value is None:
             continue
-        if key in _REPEATED:
+        flag = action.option_strings[-1]
+        if action.nargs == 0:
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
             for v in [value] if isinstance(value, str) else value:
-                argv += [_FLAGS[key], str(v)]
+                argv += [flag, str(v)]
         elif isinstance(value, (list, tuple)):
-            argv += [_FLAGS[key], ",".join(map(str, value))]
+            argv += [flag, ",".join(map(str, value))]
         else:
-            argv += [_FLAGS[key], str(value)]
+            argv += [flag, str(value)]
     return argv
 
 

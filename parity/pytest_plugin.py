@@ -27,10 +27,12 @@ def explain(result) -> str:
     lines = [f"parity exit code {result.code}; results in {result.out}"]
     for d in result.decisions:
         lines.append(f"  {d['model']}: {d['decision']}" + (f" ({'; '.join(d['reasons'])[:300]})" if d["reasons"] else ""))
+    import pandas as pd
+
     bad = result.failures()
     located = bad[bad["check"] == "divergence"]
     for _, r in bad[bad["check"] != "divergence"].head(SHOWN).iterrows():
-        ratio = "" if r["ratio"] != r["ratio"] else f" observed {r['observed']:.3g} allowed {r['allowed']:.3g} ratio {r['ratio']:.3g}"
+        ratio = "" if pd.isna(r["ratio"]) else f" observed {r['observed']:.3g} allowed {r['allowed']:.3g} ratio {r['ratio']:.3g}"
         lines.append(f"  {r['verdict']} {r['check']} {r['name']}{ratio} [{r['cell']}] {str(r['detail'])[:200]}")
     for _, r in located.head(SHOWN).iterrows():
         lines.append(f"  first divergence in {r['cell']}: {r['name']} {str(r['detail'])[:200]}")

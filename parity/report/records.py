@@ -9,7 +9,7 @@ import os
 from parity.errors import UsageError
 from parity.judge.record import COLUMNS, Record, Verdict
 
-_NUMERIC = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
+NUMERIC_COLUMNS = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
 _INTS = ("ranks", "microbatches", "seed")
 
 
@@ -49,7 +49,7 @@ class RecordWriter:
 
 def _parse(row: dict[str, str]) -> Record:
     values: dict = dict(row)
-    for k in _NUMERIC:
+    for k in NUMERIC_COLUMNS:
         if values[k] != "":
             values[k] = float(values[k])
     for k in _INTS:
