@@ -326,21 +326,15 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
 
 def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
-    """The cells of part ``text`` ("I/N") and what its ``run.json`` records of the whole selection
-    (:mod:`parity.report.merge` reads it)."""
-    from parity.matrix.shard import parse_shard, select_part, selection_digest
-    from parity.runner import order_cells, with_crossload
+    """The cells of part ``text`` ("I/N") and its ``run.json`` entry (:func:`parity.matrix.shard.part_of`)."""
+    from parity.matrix.shard import parse_shard, part_of
 
     shard = parse_shard(text)
-    cells = with_crossload(cells)  # the whole selection's paths, as one run would give them
-    part = select_part(cells, shard)
+    part, record = part_of(cells, shard, title)
     if not part:  # a small selection over many parts: nothing owed here, the merge checks the whole
         print(f"parity: --shard {shard}: this part holds none of the selection's {len(cells)} cells "
               "(fewer pair groups than parts take); it records an empty part for parity merge", file=sys.stderr)
-    groups = list(dict.fromkeys(c.pair_id for c in order_cells(cells)))
-    return part, {"shard": {"index": shard.index, "count": shard.count, "digest": selection_digest(cells),
-                            "title": title, "selection": [c.id for c in cells], "groups": groups,
-                            "cell_groups": [c.pair_id for c in part]}}
+    return part, {"shard": record}
 
 
 def _warn_rule_disagreements(cells) -> None:

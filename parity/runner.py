@@ -42,6 +42,7 @@ from parity.judge.compare import cross_path
 from parity.judge.divergence import NUMERIC, locate
 from parity.judge.record import BAD, Record, Unpaired, Verdict
 from parity.matrix.cell import Cell
+from parity.matrix.order import order_cells, with_crossload
 from parity.report import outdir
 from parity.report.junit import write_junit
 from parity.report.environment import environment
@@ -104,22 +105,6 @@ def _skip_reason(cell: Cell, device: str, skip_reason) -> str:
     if not reason and device == "cuda" and cell.ranks > torch.cuda.device_count():
         reason = f"needs {cell.ranks} GPUs; {torch.cuda.device_count()} visible"
     return reason
-
-
-def order_cells(cells: list[Cell]) -> list[Cell]:
-    """By rank count, then pair group in first-appearance order, the baseline first."""
-    first: dict[str, int] = {}
-    for i, c in enumerate(cells):
-        first.setdefault(c.pair_id, i)
-    return sorted(cells, key=lambda c: (c.ranks, first[c.pair_id], c.path != c.baseline))
-
-
-def with_crossload(cells: list[Cell]) -> list[Cell]:
-    """Each baseline cell cross-loads its checkpoint into every other path of ``cells`` (a part
-    of a sharded run is given its whole selection's paths this way, before it is split)."""
-    paths = list(dict.fromkeys(c.path for c in cells))
-    return [replace(c, crossload=",".join(p for p in paths if p != c.baseline))
-            if c.path == c.baseline and not c.crossload else c for c in cells]
 
 
 def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, executor=None) -> int:

@@ -90,3 +90,16 @@ def select_part(cells: list[Cell], shard: Shard) -> list[Cell]:
 def selection_digest(cells: list[Cell]) -> str:
     """Names a matrix selection (its cell ids, in run order): parts of one selection share it."""
     return hashlib.sha256("\n".join(c.id for c in cells).encode()).hexdigest()[:16]
+
+
+def part_of(cells: list[Cell], shard: Shard, title: str) -> tuple[list[Cell], dict]:
+    """The cells of ``shard``'s part and the ``shard`` entry its ``run.json`` records of the whole
+    selection (:mod:`parity.report.merge` reads it): index, count, the selection's digest, cells and
+    pair groups in a single run's order, and each of the part's cells' pair group."""
+    from parity.matrix.order import order_cells, with_crossload
+
+    cells = with_crossload(cells)  # the whole selection's paths, as one run would give them
+    part = select_part(cells, shard)
+    groups = list(dict.fromkeys(c.pair_id for c in order_cells(cells)))
+    return part, {"index": shard.index, "count": shard.count, "digest": selection_digest(cells), "title": title,
+                  "selection": [c.id for c in cells], "groups": groups, "cell_groups": [c.pair_id for c in part]}
