@@ -25,6 +25,17 @@ def positive(value: str) -> float:
     return x
 
 
+def max_norm(value: str) -> float:
+    """A gradient clipping max-norm: finite and >= 0 (0: no clipping)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not (0.0 <= x < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a finite max-norm >= 0 (0: no clipping), got {value!r}")
+    return x
+
+
 def count(value: str) -> int:
     n = integer(value)
     if n < 1:

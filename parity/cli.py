@@ -20,6 +20,7 @@ import re
 import sys
 
 from parity.arguments import csv_list as _csv
+from parity.arguments import max_norm as _max_norm
 from parity.arguments import positive as _positive
 from parity.arguments import seed as _seed
 from parity.arguments import shard as _shard
@@ -33,13 +34,13 @@ from parity.model.topology import MESHES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
 #: Run options that set one axis for every cell (replacing the matrix's values).
-AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights")
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
                 "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
-                "shard")
+                "clip", "shard")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
-                "fault": [], "shard": None,
+                "clip": None, "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
 
@@ -68,6 +69,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--init", choices=INITS, help="every cell's initialization (meta: build on meta, to_empty, load)")
     p.add_argument("--mesh", choices=MESHES, help="every cell's composition (hsdp, fsdp+tp, ep need 4 ranks)")
     p.add_argument("--weights", choices=WEIGHTS, help="every cell's weight format of the quantizable layers")
+    p.add_argument("--clip", type=_max_norm, metavar="MAX_NORM",
+                   help="every cell clips its gradients to this global norm (0: no clipping)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

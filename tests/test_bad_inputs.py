@@ -156,6 +156,8 @@ CASES = [
     (["run", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
     (["run", "--steps", "1001", "--out", "{out}"], "--steps: must be at most 1000"),
     (["run", "--steps", "0", "--out", "{out}"], "--steps: must be a positive integer"),
+    (["run", "--clip", "-0.5", "--out", "{out}"], "--clip: must be a finite max-norm >= 0"),
+    (["run", "--clip", "inf", "--out", "{out}"], "--clip: must be a finite max-norm >= 0"),
     (["run", "-k", "fixture == 'kda' or " * 30 + "True", "--out", "{out}"], "more than 500"),
     (["run", "-k", "fixture == 'a' * 10**10", "--out", "{out}"], "Mult in"),
     (["run", "-k", "ranks == 9**9**9", "--out", "{out}"], "Pow in"),

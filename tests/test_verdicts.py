@@ -102,3 +102,32 @@ def test_an_unsupported_build_is_no_evidence_for_native(one_rank, monkeypatch):
     assert d.decision == NO_GO and d.reasons[0].startswith("native not exercised")  # ...but no evidence
     strict = judge_cell(cell, obs, require_native=True).records
     assert [r.verdict for r in strict if r.check == "fallback"] == ["FAIL"]
+
+
+def _clip_rows(records):
+    return [(r.step, r.verdict) for r in records if r.check == "clip"]
+
+
+def test_clipping_is_judged_after_the_clip_and_must_clip_something(one_rank):
+    clipping = Cell(fixture="kda", path="native", steps=2, clip=0.01)
+    obs = _observe(one_rank, clipping)
+    judged = judge_cell(clipping, obs).records
+    assert _clip_rows(judged) == [(0, "PASS"), (1, "PASS")]
+    assert all(r.signal > 0 for r in judged if r.check == "clip")  # it removed part of the norm
+    # the clipped gradients are what the grad check judges: unclipped ones are far from them
+    assert {r.verdict for r in judged if r.check == "grad"} == {"PASS"}
+    unclipped = _observe(one_rank, dataclasses.replace(clipping, clip=0.0))
+    for o, u in zip(obs, unclipped):
+        o.grads = u.grads
+    assert "FAIL" in {r.verdict for r in judge_cell(clipping, obs).records if r.check == "grad"}
+    # a max-norm above the norm clips nothing: its PASS would be vacuous
+    loose = dataclasses.replace(clipping, clip=1e6)
+    assert _clip_rows(judge_cell(loose, _observe(one_rank, loose)).records) == [(0, "INCONCLUSIVE"), (1, "INCONCLUSIVE")]
+
+
+def test_a_clipping_cell_without_its_clipped_norms_fails(one_rank):
+    cell = Cell(fixture="kda", path="native", steps=1, clip=0.01)
+    obs = _observe(one_rank, cell)
+    obs[0].clipped_norms = []
+    records = judge_cell(cell, obs).records
+    assert _clip_rows(records) == [(0, "FAIL")]

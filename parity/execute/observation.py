@@ -121,6 +121,9 @@ class Observation:
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step, fqn -> local parameter shard after the optimizer step."""
     grad_norms: list[float] = field(default_factory=list)
+    """Per step, the global gradient norm before clipping."""
+    clipped_norms: list[float] = field(default_factory=list)
+    """Per step of a clipping cell, the global gradient norm after clipping."""
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
     trace: Trace | None = None
     """Rank 0 of a traced run: per-module outputs and input gradients of the first micro-batch."""

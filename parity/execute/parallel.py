@@ -96,6 +96,19 @@ def global_grad_norm(params: list[nn.Parameter]) -> float:
     return math.sqrt(total)
 
 
+def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))`` with ``norm`` the global norm
+    (:func:`global_grad_norm`), as ``clip_grad_norm_`` would: one call per gradient mesh, each
+    given the global norm, since no one norm computation spans the meshes."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            key = _mesh_key(p.grad) if isinstance(p.grad, DTensor) else ()
+            groups.setdefault(key, []).append(p)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, torch.tensor(norm))
+
+
 def owner_reduce(p: nn.Parameter, *, world: int, reduction: str) -> tuple[str, str]:
     """Reduce an FSDP-ignored parameter's gradient the way its owner does; returns (group,
     dtype) as observed. An expert-parallel owner's experts already summed their tokens over

@@ -159,7 +159,11 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
     if s.scaler:
         s.scaler.unscale_(s.opt)
-    obs.grad_norms.append(parallel.global_grad_norm(s.params))
+    norm = parallel.global_grad_norm(s.params)
+    obs.grad_norms.append(norm)
+    if cell.clip:  # the recipe's clipping, then what it left: the global norm after it
+        parallel.clip_gradients(s.params, cell.clip, norm)
+        obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does

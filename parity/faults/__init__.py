@@ -152,6 +152,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
            {"grad", "grad_norm", "trajectory", "trajectory.emulation"}, {**_KDA2, "param_dtype": "float16"},
            quiet={"param_dtype": "bfloat16"}, patch=rp.scaler_skips_dtensor),
+    _fault("clip_local_norm", "clipping scales each rank's gradient shards by its own shards' norm, not the global "
+           "one (torch.nn.utils.clip_grads_with_norm_)",
+           {"clip", "grad", "trajectory", "trajectory.emulation"}, {**_KDA2, "clip": 0.01, "optimizer": "sgd"},
+           quiet={"clip": 0.0}, patch=rp.clip_local_norm),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},

@@ -1,5 +1,5 @@
 """Faults only one training configuration reveals (meta-device init, activation checkpointing
-around units, uneven shards, unused parameters, a freeze change, float16): each breaks FSDP,
+around units, uneven shards, unused parameters, a freeze change, float16, clipping): each breaks FSDP,
 DCP or the gradient scaler the way a real bug there would. Registered in
 :data:`parity.faults.FAULTS` with the axis values under which they must stay silent."""
 
@@ -136,3 +136,20 @@ def scaler_skips_dtensor():
                     p.grad = grad
         return _unscale_grads_
     return swap_attr(ShardedGradScaler, "_unscale_grads_", make)
+
+
+def clip_local_norm():
+    """Clipping scales each rank's gradient shards by a coefficient from that rank's own shards'
+    norm, not the global norm it was given (a DTensor norm left un-reduced): the shards of one
+    gradient are scaled differently. A max-norm above every norm clips nothing either way."""
+    from torch.distributed.tensor import DTensor
+
+    def make(orig):
+        def clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+            params = list(parameters)
+            local = [p.grad.to_local() for p in params if isinstance(p.grad, DTensor)]
+            if local:
+                total_norm = torch.nn.utils.get_total_norm(local)
+            return orig(params, max_norm, total_norm, foreach)
+        return clip_grads_with_norm_
+    return swap_attr(torch.nn.utils, "clip_grads_with_norm_", make)

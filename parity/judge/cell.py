@@ -99,7 +99,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         records.append(Record(**base, check="fallback", name=kind, verdict=Verdict.PASS if ok else Verdict.FAIL,
                               detail=detail))
     run = assemble(observations, plan)
-    ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params)
+    ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params, clip_norms=run.grad_norms)
     truth = _fp64_reference(cell, fixture, plan, report, device)
     own = run_reference(cell, fixture, plan, report, device=device)  # its own trajectory, no resync
     replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
@@ -137,7 +137,7 @@ def _fp64_reference(cell: Cell, fixture, plan, report, device):
     tensor-parallel emulation and no compute dtype, only the model, the cell's axes besides its
     path and which tensors train when, so every path of a group shares it (a path whose plan
     differs there gets its own)."""
-    key = (cell.pair_id, cell.source, str(device),
+    key = (cell.pair_id, cell.steps, cell.source, str(device),  # steps: not in the id
            tuple((t.fqn, t.requires_grad, t.trainable_from, t.tie_group) for t in plan.params))
     if key not in _FP64:
         if len(_FP64) >= 4:

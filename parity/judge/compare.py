@@ -25,6 +25,7 @@ class Assembled:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    clipped_norms: list[float] = field(default_factory=list)
 
 
 def replicated(plan: PrecisionPlan, fqn: str, value, whole: bool) -> bool:
@@ -52,7 +53,7 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     def full(key: str, per_rank: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         return gather_full(plan, key, per_rank, observations[0].whole)
 
-    run = Assembled(grad_norms=list(observations[0].grad_norms))
+    run = Assembled(grad_norms=list(observations[0].grad_norms), clipped_norms=list(observations[0].clipped_norms))
     world = len(observations)
     for k in range(len(observations[0].outputs)):
         run.outputs.append([observations[r].outputs[k] for r in range(world)])
@@ -189,12 +190,15 @@ def plan_comparisons(
             actual = g if g is not None else torch.zeros(0)
             out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", actual, eg, allow, t))
     for step, grads in enumerate(ref.grads):
-        spread = 0.0  # sum over gradients of numel x allowance^2
+        spread = clipped_spread = 0.0  # sum over gradients of numel x allowance^2
+        coef = ref.clip_coefs[step] if step < len(ref.clip_coefs) else 1.0
         for f, expected in grads.items():
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
             allow = tolerance.gradient(entry.grad_dtype, entry.storage, ref.grad_terms, scale)
             spread += expected.numel() * allow.allowed ** 2
+            allow = tolerance.clipped(allow, coef, entry.storage, scale)
+            clipped_spread += expected.numel() * allow.allowed ** 2
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None
             out.append(Comparison(step, "grad", f, actual, expected, allow, t))
@@ -206,6 +210,8 @@ def plan_comparisons(
         allow = tolerance.grad_norm(gdtype, largest, len(grads), world, ref.grad_norms[step], math.sqrt(spread))
         t = truth.grad_norms[step] if truth else None
         out.append(Comparison(step, "grad_norm", "global", run.grad_norms[step], ref.grad_norms[step], allow, t))
+        if step < len(ref.clipped_norms):
+            out.append(_clip_comparison(run, ref, step, gdtype, largest, len(grads), world, math.sqrt(clipped_spread)))
         before, after = replayed[step]
         for f, expected in after.items():
             update = expected - before[f]
@@ -214,6 +220,18 @@ def plan_comparisons(
             actual = run.params[step].get(f, torch.zeros(0))
             out.append(Comparison(step, "param", f, actual, expected, allow, t, signal=amax(update)))
     return out
+
+
+def _clip_comparison(run: Assembled, ref: ReferenceRun, step: int, gdtype: torch.dtype, largest: int,
+                     tensors: int, world: int, gradients: float) -> Comparison:
+    """``clip``: the global norm after clipping, judged as a norm of the clipped gradients. Its
+    signal is what clipping removed from the norm: a cell whose max-norm is above the norm
+    clipped nothing, and its PASS would be vacuous (INCONCLUSIVE). A run that recorded no
+    clipped norm is judged as NaN (missing)."""
+    expected = ref.clipped_norms[step]
+    actual = run.clipped_norms[step] if step < len(run.clipped_norms) else math.nan
+    allow = tolerance.grad_norm(gdtype, largest, tensors, world, expected, gradients)
+    return Comparison(step, "clip", "global", actual, expected, allow, signal=ref.grad_norms[step] - expected)
 
 
 def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtype:
@@ -238,6 +256,8 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             other = second.grads[step].get(c.name, torch.zeros(0))
         elif c.check == "param":
             other = second.params[step][c.name]
+        elif c.check == "clip":
+            other = second.clipped_norms[step] if step < len(second.clipped_norms) else math.nan
         else:
             other = second.grad_norms[step]
         out.append(Comparison(step, c.check, c.name, other, c.actual, c.allowance, signal=c.signal))

@@ -59,6 +59,11 @@ class ReferenceRun:
     grad_terms: int = 1
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    """Per step, the global gradient norm before clipping."""
+    clip_coefs: list[float] = field(default_factory=list)
+    """Per step of a clipping cell, the coefficient the gradients were scaled by."""
+    clipped_norms: list[float] = field(default_factory=list)
+    """Per step of a clipping cell, the global gradient norm after clipping."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """``initial`` / ``trained`` -> floating buffer FQN -> value (the unsharded model's)."""
@@ -105,6 +110,15 @@ def _unscaled(grad: torch.Tensor, reduce_dtype: torch.dtype, scale: float) -> to
     return grad if scale == 1.0 else grad.to(reduce_dtype) / scale
 
 
+def _clip(run: ReferenceRun, params: list[nn.Parameter], max_norm: float, norm: float, fp64: bool) -> None:
+    """The recipe's clipping, by the same function and the same FP32 coefficient as the ranks'
+    (:func:`parity.execute.parallel.clip_gradients`); FP64 keeps its own norm in FP64."""
+    total = torch.tensor(norm, dtype=torch.float64 if fp64 else torch.float32)
+    run.clip_coefs.append(min(1.0, float(max_norm / (total + 1e-6))))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    run.clipped_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
+
+
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
     """A leaf of its own for every alias of a tied weight (the same values as its canonical copy)."""
     return {a: copies[f].detach().clone().requires_grad_(copies[f].requires_grad)
@@ -115,10 +129,14 @@ def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
     resync: list[dict[str, torch.Tensor]] | None = None, trace: Trace | None = None,
+    clip_norms: list[float] | None = None,
 ) -> ReferenceRun:
     """``resync[k]``: the sharded run's parameters after step k. When given, step k+1 starts
     from them, so every step is compared from identical weights: an allowed difference
-    (e.g. a tied gradient) is not carried forward and amplified by Adam into later steps."""
+    (e.g. a tied gradient) is not carried forward and amplified by Adam into later steps.
+    ``clip_norms[k]``: the norm a clipping cell's step k clips with (the sharded run's, judged
+    by ``grad_norm`` on its own), so clipped gradients are compared under one coefficient;
+    None: the reference's own norm."""
     fp64 = mode == "fp64"
     model = fixture.make(cell.seed).to(device)
     masters: dict[str, nn.Parameter] = dict(model.named_parameters())
@@ -237,6 +255,9 @@ def run_reference(
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
         run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
+        if cell.clip and grads:
+            _clip(run, [masters[f] for f in trainable], cell.clip,
+                  clip_norms[step] if clip_norms is not None and step < len(clip_norms) else run.grad_norms[-1], fp64)
         run.grads.append({f: masters[f].grad.detach().cpu().clone() for f in trainable if masters[f].grad is not None})
         run.grad_scale.append(terms_scale)
         if not skip_step:

@@ -61,6 +61,19 @@ def gradient(reduce_dtype: torch.dtype, storage_dtype: torch.dtype, terms: int, 
     return Allowance(n * scale, dtype, basis)
 
 
+def clipped(before: Allowance, coef: float, storage_dtype: torch.dtype, scale: float) -> Allowance:
+    """A gradient allowance after clipping: both sides multiply by the same FP32 coefficient
+    ``coef`` <= 1 (the reference clips with the run's norm, judged by ``grad_norm`` on its own),
+    which scales the difference and rounds each product once in the storage dtype:
+    ``coef x A + 2 x u(storage) x coef x scale``."""
+    if coef >= 1.0:
+        return before
+    n = 2 * unit_roundoff(storage_dtype)
+    basis = f"{coef:.3g} x ({before.basis}) + {_fmt(2, storage_dtype, coef * scale)} (clipped)"
+    dtype = coarser(before.dtype, storage_dtype)
+    return Allowance(coef * before.allowed + n * coef * scale, dtype, basis)
+
+
 def summation_depth(numel: int) -> int:
     """Depth of the summation tree a reduction of ``numel`` terms uses (torch's reductions are
     cascaded/pairwise: ceil(log2 n) levels), plus one for the final combination."""

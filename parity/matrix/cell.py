@@ -22,7 +22,7 @@ WEIGHTS = (*FORMATS, "mixed")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
-               "weights": "w"}
+               "weights": "w", "clip": "clip"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +58,10 @@ class Cell:
     weights: str = "none"
     """Format of the fixture's quantizable layers (:mod:`parity.model.formats`): ``none``,
     ``fp8-tensorwise``, ``mxfp8``, or ``mixed`` (the two alternate, layer by layer)."""
+    clip: float = 0.0
+    """Gradient clipping's max-norm: after each step's reduction the gradients are scaled by
+    ``min(1, clip / (norm + 1e-6))`` (``clip_grads_with_norm_`` with the global norm), as
+    recipes do before the optimizer step; 0: not clipped (the norm is only measured)."""
     seed: int = 0
     steps: int = 2
     device: str = "cpu"
@@ -78,6 +82,8 @@ class Cell:
             object.__setattr__(self, "sync", "every")  # one micro-batch always synchronizes
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
+        if not (self.clip >= 0.0 and self.clip < float("inf")):
+            raise UsageError(f"clip {self.clip!r}: write a finite max-norm >= 0 (0: no clipping)")
         self.topology()  # a composition these ranks cannot form is a usage error
         if self.weights != "none" and self.mesh != "fsdp":
             raise UsageError(f"weights {self.weights!r} runs on mesh 'fsdp'; quantized all-gathers on "

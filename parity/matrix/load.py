@@ -22,6 +22,7 @@ A matrix file::
     reduce_dtype = ["float32", "natural"]       # natural: None
     optimizer = ["adamw", "sgd"]
     init = ["seeded", "meta"]
+    clip = [0.0, 0.01]                          # gradient clipping's max-norm; 0.0: none
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -240,6 +241,9 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     if outside:
         raise UsageError(f"{path}: axes.seed has {outside[0]}; seeds run from {SEEDS.start} to {SEEDS.stop - 1} "
                          "(torch.manual_seed)")
+    unclipped = [c for c in _validate(path, "clip", axes["clip"]) if not 0.0 <= c < float("inf")]
+    if unclipped:
+        raise UsageError(f"{path}: axes.clip has {unclipped[0]}; write finite max-norms >= 0.0 (0.0: no clipping)")
     for v in _validate(path, "accumulation", axes["accumulation"]):
         _accumulation(path, v)
     steps = _typed(path, "steps", data.get("steps", 2), int)
