@@ -156,6 +156,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "one (torch.nn.utils.clip_grads_with_norm_)",
            {"clip", "grad", "trajectory", "trajectory.emulation"}, {**_KDA2, "clip": 0.01, "optimizer": "sgd"},
            quiet={"clip": 0.0}, patch=rp.clip_local_norm),
+    _fault("decay_frozen", "AdamW decays parameters without a gradient (frozen ones) too (torch.optim.AdamW.step)",
+           {"param"}, {"fixture": "routed", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
+           patch=rp.decay_frozen),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},

@@ -153,3 +153,21 @@ def clip_local_norm():
             return orig(params, max_norm, total_norm, foreach)
         return clip_grads_with_norm_
     return swap_attr(torch.nn.utils, "clip_grads_with_norm_", make)
+
+
+def decay_frozen():
+    """AdamW applies its decoupled weight decay to every parameter of a group, those without a
+    gradient (frozen) included. A BF16 frozen weight rounds back to itself (lr x wd = 1e-5 is
+    below half its ulp); an FP32 one moves."""
+
+    def make(orig):
+        def step(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None:
+                            p.mul_(1 - group["lr"] * group["weight_decay"])
+            return out
+        return step
+    return swap_attr(torch.optim.AdamW, "step", make)
