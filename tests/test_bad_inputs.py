@@ -158,6 +158,8 @@ CASES = [
     (["run", "--steps", "0", "--out", "{out}"], "--steps: must be a positive integer"),
     (["run", "--clip", "-0.5", "--out", "{out}"], "--clip: must be a finite max-norm >= 0"),
     (["run", "--clip", "inf", "--out", "{out}"], "--clip: must be a finite max-norm >= 0"),
+    (["run", "--eval", "sometimes", "--out", "{out}"], "--eval: invalid choice: 'sometimes'"),
+    (["run", "--matrix", "fp8", "--eval", "between-steps", "--out", "{out}"], "eval 'between-steps' runs with weights 'none'"),
     (["run", "-k", "fixture == 'kda' or " * 30 + "True", "--out", "{out}"], "more than 500"),
     (["run", "-k", "fixture == 'a' * 10**10", "--out", "{out}"], "Mult in"),
     (["run", "-k", "ranks == 9**9**9", "--out", "{out}"], "Pow in"),

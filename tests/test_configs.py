@@ -17,7 +17,8 @@ def test_configs_matrix_covers_every_configuration():
     cells = m.cells
     assert {"uneven", "routed", "staged", "residual_fp32"} <= {c.fixture for c in cells}
     for axis, value in (("init", "meta"), ("checkpointing", "outer"), ("param_dtype", "float16"),
-                        ("optimizer", "sgd"), ("reduce_dtype", "natural"), ("clip", 0.01)):
+                        ("optimizer", "sgd"), ("reduce_dtype", "natural"), ("clip", 0.01),
+                        ("eval", "between-steps"), ("eval", "between-microbatches")):
         assert any(getattr(c, axis) == value for c in cells), axis
     assert {c.checkpointing for c in cells if c.fixture == "residual_fp32"} >= {"outer"}
     skipped = [c for c in cells if m.skip_reason(c)]
@@ -27,8 +28,10 @@ def test_configs_matrix_covers_every_configuration():
 def test_new_axes_keep_old_cell_ids_and_tag_new_values():
     assert Cell(fixture="kda", path="native").id == "kda/native/r1/mb1-every/ac-none/reshard-on/out-natural/s0"
     cell = Cell(fixture="kda", path="native", param_dtype="float16", optimizer="sgd", init="meta", reduce_dtype="natural",
-                clip=0.01)
-    assert cell.id.endswith("/s0/pd-float16/rd-natural/opt-sgd/init-meta/clip-0.01")
+                clip=0.01, eval="between-steps")
+    assert cell.id.endswith("/s0/pd-float16/rd-natural/opt-sgd/init-meta/clip-0.01/eval-between-steps")
+    # one micro-batch has nothing to evaluate between: the same cell as no evaluation
+    assert Cell(fixture="kda", path="native", eval="between-microbatches").id == Cell(fixture="kda", path="native").id
     assert cell.precision().reduce_dtype is None
 
 

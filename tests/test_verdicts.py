@@ -131,3 +131,18 @@ def test_a_clipping_cell_without_its_clipped_norms_fails(one_rank):
     obs[0].clipped_norms = []
     records = judge_cell(cell, obs).records
     assert _clip_rows(records) == [(0, "FAIL")]
+
+
+def test_evaluation_forwards_are_judged_and_owed(one_rank):
+    cell = Cell(fixture="kda", path="native", steps=2, microbatches=2, sync="last", eval="between-microbatches",
+                reshard=False)
+    obs = _observe(one_rank, cell)
+    records = judge_cell(cell, obs).records
+    rows = sorted((r.check, r.name, r.step, r.verdict) for r in records if r.check.startswith("eval"))
+    assert rows == [("eval", "rank0/mb0", 0, "PASS"), ("eval", "rank0/mb0", 1, "PASS"),
+                    ("eval.reshard", "mb0", 0, "PASS"), ("eval.reshard", "mb0", 1, "PASS")]
+    assert all("unsharded" in r.detail for r in records if r.check == "eval.reshard")  # reshard off
+    obs[0].evals = obs[0].evals[1:]  # the first evaluation forward is missing: a finding, never a pass
+    verdicts = {(r.check, r.step): r.verdict for r in judge_cell(cell, obs).records if r.check.startswith("eval")}
+    assert verdicts[("eval", 0)] == verdicts[("eval.reshard", 0)] == "FAIL"
+    assert verdicts[("eval", 1)] == verdicts[("eval.reshard", 1)] == "PASS"

@@ -106,6 +106,19 @@ class ContractsSeen:
 
 
 @dataclass(kw_only=True)
+class EvalSeen:
+    """One evaluation forward of this rank (:mod:`parity.execute.evaluation`)."""
+
+    step: int
+    label: str
+    """``mb{k}``: after micro-batch k's backward; ``after-step``: after the optimizer step."""
+    output: torch.Tensor
+    units: dict[str, str] = field(default_factory=dict)
+    """Unit root -> its parameters' sharded state right after the forward (``sharded``,
+    ``unsharded``, ``sharded_post_forward``; several, comma-joined, if they disagree)."""
+
+
+@dataclass(kw_only=True)
 class Observation:
     rank: int
     whole: bool = False
@@ -120,6 +133,8 @@ class Observation:
     """Per step, fqn -> local gradient shard (full tensor for ignored parameters)."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step, fqn -> local parameter shard after the optimizer step."""
+    evals: list[EvalSeen] = field(default_factory=list)
+    """Evaluation forwards, in the order they ran."""
     grad_norms: list[float] = field(default_factory=list)
     """Per step, the global gradient norm before clipping."""
     clipped_norms: list[float] = field(default_factory=list)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
-from parity.execute import parallel, probes
+from parity.execute import evaluation, parallel, probes
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -118,6 +118,15 @@ def _forward(cell: Cell, model: nn.Module, inputs: tuple[torch.Tensor, ...]):
     return model(*inputs)
 
 
+def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int, device, obs: Observation) -> None:
+    """An evaluation forward (:mod:`parity.execute.evaluation`) on this rank's own eval batch."""
+    index = cell.eval_labels(step).index(label)
+    batch = fixture.eval_batch(cell.seed, step, cell.topology().data_rank(rank), index).to(device)
+    seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label)
+    seen.output = _local(seen.output)
+    obs.evals.append(seen)
+
+
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
                recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None) -> None:
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
@@ -150,6 +159,8 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             recorder.after_backward(s.model, step, mb, last)
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
+        if not last and cell.eval == "between-microbatches":
+            _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs)
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
     # a set's order follows object addresses, which differ across ranks (same-shape
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
@@ -172,5 +183,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
+    if cell.eval == "between-steps":
+        _evaluate(cell, s, fixture, step, "after-step", rank, device, obs)
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step
         obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

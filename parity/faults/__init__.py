@@ -159,6 +159,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("decay_frozen", "AdamW decays parameters without a gradient (frozen ones) too (torch.optim.AdamW.step)",
            {"param"}, {"fixture": "routed", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
            patch=rp.decay_frozen),
+    _fault("eval_skips_reshard", "FSDP reshards after a forward only with gradients enabled: an evaluation forward "
+           "leaves every unit unsharded (FSDPParamGroup.post_forward)",
+           {"eval.reshard"}, {**_KDA2, "eval": "between-steps"}, quiet={"eval": "none"}, patch=rp.eval_skips_reshard),
+    _fault("eval_stale_after_step", "an evaluation forward reads the unsharded weights of the last training forward, "
+           "not the updated shards (FSDPParamGroup.pre_forward)",
+           {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},
+           patch=rp.eval_stale_after_step),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},

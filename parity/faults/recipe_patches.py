@@ -171,3 +171,55 @@ def decay_frozen():
             return out
         return step
     return swap_attr(torch.optim.AdamW, "step", make)
+
+
+def _param_group():
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return FSDPParamGroup
+
+
+def eval_skips_reshard():
+    """FSDP's post-forward reshards only when gradients are enabled: a no_grad (evaluation)
+    forward leaves every unit unsharded whatever ``reshard_after_forward`` says, so the memory
+    an evaluation loop frees is never freed (the next training forward is unaffected)."""
+
+    def make(orig):
+        def post_forward(self, module, input, output):
+            if torch.is_grad_enabled():
+                return orig(self, module, input, output)
+            self.reshard = lambda: None  # an instance attribute shadows the method
+            try:
+                return orig(self, module, input, output)
+            finally:
+                del self.reshard
+        return post_forward
+    return swap_attr(_param_group(), "post_forward", make)
+
+
+def eval_stale_after_step():
+    """A no_grad forward reads the unsharded parameters of the last training forward instead of
+    all-gathering the current shards (a stale unsharded cache): an evaluation right after the
+    optimizer step sees the weights before it; between micro-batches nothing has changed yet."""
+    last: dict[int, torch.Tensor] = {}
+
+    def make_post(orig):
+        def post_forward(self, module, input, output):
+            if torch.is_grad_enabled():
+                for fp in self.fsdp_params:
+                    last[id(fp)] = fp.unsharded_param.detach().clone()
+            return orig(self, module, input, output)
+        return post_forward
+
+    def make_pre(orig):
+        def pre_forward(self, module, args, kwargs):
+            out = orig(self, module, args, kwargs)
+            if not torch.is_grad_enabled():
+                with torch.no_grad():
+                    for fp in self.fsdp_params:
+                        if id(fp) in last:
+                            fp.unsharded_param.copy_(last[id(fp)])
+            return out
+        return pre_forward
+    undo = [swap_attr(_param_group(), "post_forward", make_post), swap_attr(_param_group(), "pre_forward", make_pre)]
+    return lambda: [u() for u in reversed(undo)]

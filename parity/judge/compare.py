@@ -26,6 +26,8 @@ class Assembled:
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     clipped_norms: list[float] = field(default_factory=list)
+    evals: dict[tuple[int, str], list[torch.Tensor | None]] = field(default_factory=dict)
+    """(step, label) -> each rank's evaluation output (None: that rank has none)."""
 
 
 def replicated(plan: PrecisionPlan, fqn: str, value, whole: bool) -> bool:
@@ -58,6 +60,9 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     for k in range(len(observations[0].outputs)):
         run.outputs.append([observations[r].outputs[k] for r in range(world)])
         run.input_grads.append([observations[r].input_grads[k] for r in range(world)])
+    for r, o in enumerate(observations):
+        for e in o.evals:
+            run.evals.setdefault((e.step, e.label), [None] * world)[r] = e.output
     for step in range(len(observations[0].grads)):
         run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
         run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
@@ -189,6 +194,7 @@ def plan_comparisons(
             # a sharded run whose input got no gradient (a path that detached it) is missing evidence
             actual = g if g is not None else torch.zeros(0)
             out.append(Comparison(step, "input_grad", f"rank{r}/mb{mb}", actual, eg, allow, t))
+    out += _eval_comparisons(run, ref, world, data_ranks)
     for step, grads in enumerate(ref.grads):
         spread = clipped_spread = 0.0  # sum over gradients of numel x allowance^2
         coef = ref.clip_coefs[step] if step < len(ref.clip_coefs) else 1.0
@@ -219,6 +225,20 @@ def plan_comparisons(
             t = truth.params[step][f] if truth else None
             actual = run.params[step].get(f, torch.zeros(0))
             out.append(Comparison(step, "param", f, actual, expected, allow, t, signal=amax(update)))
+    return out
+
+
+def _eval_comparisons(run: Assembled, ref: ReferenceRun, world: int, data_ranks: list[int] | None) -> list[Comparison]:
+    """``eval``: each rank's evaluation output against the reference's forward with the same
+    weights and no gradient (one final rounding, as outputs). A rank without one is missing."""
+    out = []
+    for (step, label), expected_per_rank in ref.evals.items():
+        got = run.evals.get((step, label), [None] * world)
+        for r in range(world):
+            expected = expected_per_rank[data_ranks[r] if data_ranks else r]
+            actual = got[r] if r < len(got) and got[r] is not None else torch.zeros(0)
+            allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
+            out.append(Comparison(step, "eval", f"rank{r}/{label}", actual, expected, allow))
     return out
 
 
@@ -256,6 +276,10 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             other = second.grads[step].get(c.name, torch.zeros(0))
         elif c.check == "param":
             other = second.params[step][c.name]
+        elif c.check == "eval":
+            r, label = c.name.split("/")
+            got = second.evals.get((step, label), [])
+            other = got[int(r[4:])] if int(r[4:]) < len(got) and got[int(r[4:])] is not None else torch.zeros(0)
         elif c.check == "clip":
             other = second.clipped_norms[step] if step < len(second.clipped_norms) else math.nan
         else:

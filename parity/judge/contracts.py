@@ -119,10 +119,11 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     natural = dtype_name(ref.outputs[0][0].dtype)
     expected = cell.axes()["output_dtype"]
     expected = natural if expected == "natural" else expected
-    got = ",".join(sorted({dtype_name(o.dtype) for o in obs.outputs})) or "<no output>"
+    outputs = [*obs.outputs, *(e.output for e in obs.evals)]
+    got = ",".join(sorted({dtype_name(o.dtype) for o in outputs})) or "<no output>"
     rows.append(_row(base, "dtype.output", "<root>", got == expected, expected, got,
-                     f"requested {cell.output_dtype}, every forward of this rank; parameter and reduction dtypes "
-                     "are checked per parameter"))
+                     f"requested {cell.output_dtype}, every forward of this rank (evaluation forwards included); "
+                     "parameter and reduction dtypes are checked per parameter"))
     return rows
 
 
@@ -326,12 +327,35 @@ def on_every_rank(per_rank: list[list[Record]]) -> list[Record]:
     return merged
 
 
+def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``eval.reshard``: right after each evaluation forward, every unit's parameters are in the
+    state ``reshard_after_forward`` gives any forward (torch 2.15, passed explicitly to every
+    unit, root included): sharded with reshard on, unsharded with it off -- a no_grad forward
+    has no backward to reshard after. A forward the cell owes and this rank did not run is missing."""
+    want = "sharded" if cell.reshard else "unsharded"
+    seen = {(e.step, e.label): e for e in obs.evals}
+    rows = []
+    for step in range(cell.steps):
+        for label in cell.eval_labels(step):
+            e = seen.get((step, label))
+            if e is None:
+                row = _row(base, "eval.reshard", label, False, f"every unit {want}", "no evaluation forward")
+            else:
+                wrong = {u: st for u, st in e.units.items() if st != want}
+                got = "; ".join(f"{u}: {st}" for u, st in wrong.items()) or f"every unit {want}"
+                row = _row(base, "eval.reshard", label, bool(e.units) and not wrong, f"every unit {want}",
+                           got if e.units else "no unit", f"reshard {'on' if cell.reshard else 'off'}")
+            rows.append(replace(row, step=step))
+    return rows
+
+
 def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
             + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
-            + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed)))
+            + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
+            + eval_checks(cell, obs, base))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

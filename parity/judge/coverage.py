@@ -46,6 +46,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
                 if not token_input:
                     out.append(("input_grad", f"rank{r}/mb{mb}", step))
         out.append(("grad_norm", "global", step))
+        for label in cell.eval_labels(step):
+            out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:
             out.append(("clip", "global", step))
         for t in trained:

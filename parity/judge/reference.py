@@ -64,6 +64,8 @@ class ReferenceRun:
     """Per step of a clipping cell, the coefficient the gradients were scaled by."""
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
+    evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
+    """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """``initial`` / ``trained`` -> floating buffer FQN -> value (the unsharded model's)."""
@@ -174,6 +176,23 @@ def run_reference(
         t = entries[f]
         return torch.float64 if fp64 else t.grad_dtype
 
+    def read(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a forward reads: each value in its compute dtype, a quantized weight quantized as a
+        whole tensor and dequantized (the same on every rank and micro-batch)."""
+        return {f: values[f].detach().to(device=device, dtype=compute_dtype(f)) if fp64 or t.format == "none"
+                else fake_quantize(values[f].detach(), t.format, compute_dtype(f)) for f, t in entries.items()}
+
+    def evaluate(step: int, label: str, weights: dict[str, torch.Tensor]) -> None:
+        """An evaluation forward per emulated rank, on the ranks' eval batches, with ``weights``."""
+        index = cell.eval_labels(step).index(label)
+        outs = []
+        with torch.no_grad():
+            for rank in range(world):
+                batch = fixture.eval_batch(cell.seed, step, rank, index).to(device)
+                inputs = tuple(_cast_floats(x, torch.float64) if fp64 else x for x in batch.inputs)
+                outs.append(fixture.output(functional_call(model, weights, inputs)).cpu())
+        run.evals[(step, label)] = outs
+
     for step in range(cell.steps):
         if resync is not None and step > 0:
             with torch.no_grad():
@@ -182,8 +201,7 @@ def run_reference(
                         masters[f].copy_(p.to(device=masters[f].device, dtype=masters[f].dtype))
         # what this step's forwards read: masters in their compute dtype, a quantized weight
         # quantized as a whole tensor and dequantized (the same on every rank and micro-batch)
-        seen = {f: masters[f].detach().to(compute_dtype(f)) if fp64 or t.format == "none"
-                else fake_quantize(masters[f].detach(), t.format, compute_dtype(f)) for f, t in entries.items()}
+        seen = read(masters)
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
         partial: dict[str, list] = {}  # per replica group, reduce dtype (``replicas-last``)
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
@@ -221,6 +239,8 @@ def run_reference(
                             per_rank[-1][f] = torch.zeros_like(copies[f], dtype=reduce_dtype(f))
             run.outputs.append(outs)
             run.input_grads.append(in_grads)
+            if cell.eval == "between-microbatches" and mb < micro - 1:
+                evaluate(step, f"mb{mb}", seen)
             for f in trainable:
                 grads = [g[f] for g in per_rank if f in g]
                 if not grads:
@@ -266,6 +286,9 @@ def run_reference(
             scale /= 2  # ShardedGradScaler.update() backs off after an overflow
         opt.zero_grad()
         run.params.append({f: masters[f].detach().cpu().clone() for f in entries})
+        if cell.eval == "between-steps":  # with the run's weights after this step, when following it
+            after = resync[step] if resync is not None and step < len(resync) else masters
+            evaluate(step, "after-step", read({f: after.get(f, masters[f]) for f in entries}))
     for h in handles:
         h.remove()
     run.buffers["trained"] = float_buffers(model)

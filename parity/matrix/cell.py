@@ -16,13 +16,15 @@ OUTPUT_DTYPES = ("natural", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "natural")
 OPTIMIZERS = ("adamw", "sgd")
+#: When a cell runs an evaluation forward (``torch.no_grad()``, ``model.eval()``) on its own batch.
+EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
-               "weights": "w", "clip": "clip"}
+               "weights": "w", "clip": "clip", "eval": "eval"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,11 @@ class Cell:
     """Gradient clipping's max-norm: after each step's reduction the gradients are scaled by
     ``min(1, clip / (norm + 1e-6))`` (``clip_grads_with_norm_`` with the global norm), as
     recipes do before the optimizer step; 0: not clipped (the norm is only measured)."""
+    eval: str = "none"
+    """An evaluation forward under ``torch.no_grad()`` in ``model.eval()``, on its own batch:
+    ``between-steps`` after every optimizer step, ``between-microbatches`` after every
+    micro-batch's backward but the last (with one micro-batch: ``none``). Training goes on
+    after it; its output and the units' sharding after it are checked."""
     seed: int = 0
     steps: int = 2
     device: str = "cpu"
@@ -80,6 +87,8 @@ class Cell:
     def __post_init__(self):
         if self.microbatches == 1 and self.sync != "every":
             object.__setattr__(self, "sync", "every")  # one micro-batch always synchronizes
+        if self.eval == "between-microbatches" and self.microbatches == 1:
+            object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
         if not (self.clip >= 0.0 and self.clip < float("inf")):
@@ -88,8 +97,21 @@ class Cell:
         if self.weights != "none" and self.mesh != "fsdp":
             raise UsageError(f"weights {self.weights!r} runs on mesh 'fsdp'; quantized all-gathers on "
                              f"{self.mesh!r} are not emulated yet (use mesh 'fsdp' or weights 'none')")
+        if self.eval != "none" and self.weights != "none":
+            raise UsageError(f"eval {self.eval!r} runs with weights 'none'; an evaluation forward's quantized "
+                             "all-gathers are not emulated yet (use eval 'none')")
         if self.init == "meta" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
+
+    def eval_labels(self, step: int) -> list[str]:
+        """The evaluation forwards of ``step``, in order: ``mb{k}`` after micro-batch k's backward
+        (every one but the last), or ``after-step`` after the optimizer step; the ranks and the
+        reference both follow this list."""
+        if self.eval == "between-microbatches":
+            return [f"mb{k}" for k in range(self.microbatches - 1)]
+        if self.eval == "between-steps":
+            return ["after-step"]
+        return []
 
     def topology(self) -> Topology:
         return Topology(name=self.mesh, world=self.ranks)

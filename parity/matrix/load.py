@@ -23,6 +23,7 @@ A matrix file::
     optimizer = ["adamw", "sgd"]
     init = ["seeded", "meta"]
     clip = [0.0, 0.01]                          # gradient clipping's max-norm; 0.0: none
+    eval = ["none", "between-steps", "between-microbatches"]   # no_grad evaluation forwards
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
-from parity.matrix.cell import (CHECKPOINTING, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
+from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
@@ -50,7 +51,7 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
-            "weights": WEIGHTS}
+            "weights": WEIGHTS, "eval": EVALS}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.

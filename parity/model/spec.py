@@ -147,6 +147,13 @@ class Fixture:
         gen = torch.Generator().manual_seed(zlib.crc32(key))
         return self.make_batch(gen)
 
+    def eval_batch(self, seed: int, step: int, rank: int, index: int) -> Batch:
+        """The batch of a cell's ``index``-th evaluation forward in ``step``: its own data, not a
+        training micro-batch's."""
+        key = f"{self.name}/{seed}/{step}/{rank}/eval{index}".encode()
+        gen = torch.Generator().manual_seed(zlib.crc32(key))
+        return self.make_batch(gen)
+
 
 TP_STYLES = ("colwise", "rowwise")
 #: The native path's fallback reason for a unit mixing quantized weight formats.

@@ -1,0 +1,44 @@
+"""Evaluation forwards between training steps or micro-batches, as a recipe's validation loop
+runs them: ``model.eval()``, ``torch.no_grad()``, a batch of its own, then back to training.
+
+FSDP2 keeps state across such a forward (unsharded parameters, the lazy-init state, pending
+reductions inside a no-sync window). A rank records the forward's output and, right after it,
+each unit's sharded state: torch 2.15 reshards a unit after any forward iff its
+``reshard_after_forward`` says so (parity passes it explicitly, root included), grad mode or
+not, so with reshard off an evaluation leaves the parameters unsharded until the next backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parity.execute.observation import EvalSeen
+from parity.paths.base import ShardReport
+from parity.paths.units import module_index
+
+
+def unit_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
+    """Unit root -> the sharded state FSDP holds for its parameters (units without any: none)."""
+    modules = module_index(model)
+    out = {}
+    for unit in report.units:
+        if not unit.params:
+            continue
+        state = modules[unit.modules[0]]._get_fsdp_state()
+        group = state._fsdp_param_group
+        names = sorted({p.sharded_state.name.lower() for p in group.fsdp_params}) if group else ["no parameter group"]
+        out[unit.modules[0] or "<root>"] = ",".join(names)
+    return out
+
+
+def evaluate(model: nn.Module, report: ShardReport, inputs: tuple[torch.Tensor, ...], output,
+             *, step: int, label: str) -> EvalSeen:
+    """One evaluation forward; ``output`` maps the model's return value to the judged tensor."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = output(model(*inputs))
+    finally:
+        model.train()
+    return EvalSeen(step=step, label=label, output=out, units=unit_states(model, report))
