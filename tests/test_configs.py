@@ -18,7 +18,7 @@ def test_configs_matrix_covers_every_configuration():
     assert {"uneven", "routed", "staged", "residual_fp32"} <= {c.fixture for c in cells}
     for axis, value in (("init", "meta"), ("checkpointing", "outer"), ("param_dtype", "float16"),
                         ("optimizer", "sgd"), ("reduce_dtype", "natural"), ("clip", 0.01),
-                        ("eval", "between-steps"), ("eval", "between-microbatches")):
+                        ("eval", "between-steps"), ("eval", "between-microbatches"), ("steps", 4)):
         assert any(getattr(c, axis) == value for c in cells), axis
     assert {c.checkpointing for c in cells if c.fixture == "residual_fp32"} >= {"outer"}
     skipped = [c for c in cells if m.skip_reason(c)]
@@ -94,3 +94,9 @@ def test_an_owner_that_sums_ignored_gradients_is_emulated_as_summing(tmp_path, r
     cells = [Cell(fixture="ignored_sum", path=p, ranks=2, source=source) for p in ("legacy", "native")]
     code, records = run_matrix(cells)
     assert code == 0, [r for r in records if r["verdict"] not in ("PASS", "SKIP")][:3]
+
+
+def test_longer_cells_resume_in_the_middle_and_keep_older_ids():
+    assert Cell(fixture="kda", path="native").resume_step == 1
+    four = Cell(fixture="kda", path="native", steps=4)
+    assert four.resume_step == 2 and four.lifecycle and four.id.endswith("/s0/st-4")

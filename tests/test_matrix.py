@@ -83,6 +83,7 @@ def test_filter_expressions():
         ("steps = 0\n", "steps must be a positive integer"),
         ("[axes]\nclip = [-1.0]\n", "axes.clip has -1.0; write finite max-norms >= 0.0"),
         ("[axes]\nclip = [0]\n", "axes.clip has 0, an integer; write floats"),
+        ("[axes]\nsteps = [0]\n", "axes.steps has 0; write positive integers up to 1000"),
         ("[[skip]]\nwhen = 'x == 1'\nreason = 'r'\n", "unknown name 'x'"),
     ],
 )
@@ -105,4 +106,4 @@ def test_skips_are_listed_not_dropped(tmp_path):
 
 def test_axes_constant_is_the_documented_set():
     assert AXES == ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed",
-                    "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval")
+                    "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "steps")

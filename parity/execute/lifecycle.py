@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from parity.errors import IsolationError
 from parity.execute.observation import MarkerSeen, Observation, Resumed
-from parity.execute.training import build, observed, train_step
+from parity.execute.training import build, freeze_schedule, observed, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -25,8 +25,6 @@ from parity.model.plan import canonical_fqn
 from parity.model.quantized import plain_state
 from parity.model.registry import get_fixture
 
-#: Steps 0..RESUME_STEP-1 run before the checkpoint; step RESUME_STEP runs after loading it.
-RESUME_STEP = 1
 #: What a failed save or load raises: DCP gathers every rank's error into a CheckpointException,
 #: which derives from BaseException, not Exception.
 _FAILURES = (Exception, CheckpointException)
@@ -68,7 +66,7 @@ def optimizer_state(cell: Cell, model: nn.Module, opt: torch.optim.Optimizer) ->
 
 def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
            heartbeat=lambda what: None) -> dict[str, Resumed]:
-    """Train ``RESUME_STEP`` steps, save (DCP); load into a fresh model on the same path and
+    """Train ``cell.resume_step`` steps, save (DCP); load into a fresh model on the same path and
     on the cell's cross-load target (the baseline, or for the baseline the path it is
     compared with); train one more step. What each resumed run saw is compared with the
     uninterrupted run's same step. ``inject`` is the cell's: what breaks its training breaks
@@ -101,9 +99,9 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
 
 
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat) -> None:
-    """Train ``RESUME_STEP`` steps on the cell's path and save model, optimizer (and scaler) with DCP."""
+    """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with DCP."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
-    for step in range(RESUME_STEP):
+    for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
     msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
@@ -118,6 +116,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
                    heartbeat) -> Resumed:
     """Load the checkpoint into a fresh model sharded by ``target`` and train one more step."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
+    freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
     state = {"model": plain_state(msd), "optim": osd}
     if s.scaler is not None:
@@ -128,6 +127,6 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     heartbeat(f"checkpoint loaded into {target}")
     obs = Observation(rank=rank)
-    train_step(cell, s, RESUME_STEP, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
+    train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
                    optim=optimizer_state(cell, s.model, s.opt))

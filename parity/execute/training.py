@@ -118,6 +118,17 @@ def _forward(cell: Cell, model: nn.Module, inputs: tuple[torch.Tensor, ...]):
     return model(*inputs)
 
 
+def freeze_schedule(s: Sharded, step: int) -> None:
+    """The recipe's freeze schedule at ``step``: a parameter the plan trains from a later step is
+    frozen until then. A resumed run applies the schedule of the step its checkpoint was saved
+    after before loading it, as a recipe restores its freeze state before its optimizer state
+    (DCP's optimizer state dict holds trainable parameters only)."""
+    for p in s.params:
+        t = s.plan.get(s.names[id(p)])
+        if t is not None and t.trainable_from:
+            p.requires_grad_(step >= t.trainable_from)
+
+
 def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int, device, obs: Observation) -> None:
     """An evaluation forward (:mod:`parity.execute.evaluation`) on this rank's own eval batch."""
     index = cell.eval_labels(step).index(label)
@@ -132,10 +143,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
     fixture = get_fixture(cell.fixture, cell.source)
     topo, keep = cell.topology(), observed(cell)
-    for p in s.params:  # the recipe's freeze schedule
-        t = s.plan.get(s.names[id(p)])
-        if t is not None and t.trainable_from:
-            p.requires_grad_(step >= t.trainable_from)
+    freeze_schedule(s, step)
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync != "last")

@@ -61,7 +61,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             for step in range(cell.steps):
                 train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
                            heartbeat=beat, tp=tp)
-                if cell.lifecycle and step == lifecycle.RESUME_STEP:  # what a resumed run must reproduce
+                if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
                     obs.contracts.resume_step = step
                     obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
         finally:

@@ -166,6 +166,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "not the updated shards (FSDPParamGroup.pre_forward)",
            {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},
            patch=rp.eval_stale_after_step),
+    _fault("step_counter_restarts", "loading optimizer state restarts AdamW's step counters at 1 (set_state_dict)",
+           {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
+           quiet={"steps": 2}, patch=rp.step_counter_restarts, scopes=("lifecycle",)),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},

@@ -24,7 +24,7 @@ WEIGHTS = (*FORMATS, "mixed")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
-               "weights": "w", "clip": "clip", "eval": "eval"}
+               "weights": "w", "clip": "clip", "eval": "eval", "steps": "st"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +71,7 @@ class Cell:
     after it; its output and the units' sharding after it are checked."""
     seed: int = 0
     steps: int = 2
+    """Optimizer steps; the checkpoint lifecycle resumes in the middle (:attr:`resume_step`)."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -144,6 +145,13 @@ class Cell:
         """Whether this cell also runs the checkpoint save/load/resume lifecycle (DCP):
         single micro-batch, no activation checkpointing, seed 0 (a fixed, documented slice)."""
         return self.microbatches == 1 and self.checkpointing == "none" and self.seed == 0 and self.steps >= 2
+
+    @property
+    def resume_step(self) -> int:
+        """The step the checkpoint lifecycle's resumed runs repeat: steps before it run, then the
+        checkpoint is saved and loaded. The middle of the cell's steps, so a longer cell saves
+        non-trivial optimizer state (step counters, moments after several updates)."""
+        return max(1, self.steps // 2)
 
     @property
     def pair_id(self) -> str:

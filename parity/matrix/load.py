@@ -4,7 +4,7 @@ A matrix file::
 
     description = "..."
     models = ["pkg.module:factory"] # plugin models (optional); their names join the fixture axis
-    steps = 2                       # optimizer steps per cell
+    steps = 2                       # optimizer steps per cell (the steps axis, when not given)
     design = "product"              # or "covering"
     exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
                                     # every other axis is covered pairwise per (fixture, path)
@@ -24,6 +24,7 @@ A matrix file::
     init = ["seeded", "meta"]
     clip = [0.0, 0.01]                          # gradient clipping's max-norm; 0.0: none
     eval = ["none", "between-steps", "between-microbatches"]   # no_grad evaluation forwards
+    steps = [2, 4]                              # optimizer steps (the lifecycle resumes in the middle)
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -226,11 +227,14 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     if models:
         sources = list(models)
         axes_in = {k: v for k, v in axes_in.items() if k != "fixture"}
+    steps = _typed(path, "steps", data.get("steps", 2), int)
+    if not 1 <= steps <= MAX_STEPS:
+        raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
     models = registry(tuple(sources))
     source_of = {m.name: m.source for m in models.values() if m.source}
     defaults = {"fixture": list(source_of) or list(models), "path": path_names(), "ranks": [1], "accumulation": ["1"],
                 "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0],
-                **{a: [getattr(Cell, a)] for a in RECIPE_AXES}}
+                **{a: [getattr(Cell, a)] for a in RECIPE_AXES}, "steps": [steps]}
     axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
     _validate(path, "fixture", axes["fixture"], list(models))
     _validate(path, "path", axes["path"], path_names())
@@ -242,14 +246,14 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     if outside:
         raise UsageError(f"{path}: axes.seed has {outside[0]}; seeds run from {SEEDS.start} to {SEEDS.stop - 1} "
                          "(torch.manual_seed)")
+    long = [n for n in _validate(path, "steps", axes["steps"]) if not 1 <= n <= MAX_STEPS]
+    if long:
+        raise UsageError(f"{path}: axes.steps has {long[0]}; write positive integers up to {MAX_STEPS}")
     unclipped = [c for c in _validate(path, "clip", axes["clip"]) if not 0.0 <= c < float("inf")]
     if unclipped:
         raise UsageError(f"{path}: axes.clip has {unclipped[0]}; write finite max-norms >= 0.0 (0.0: no clipping)")
     for v in _validate(path, "accumulation", axes["accumulation"]):
         _accumulation(path, v)
-    steps = _typed(path, "steps", data.get("steps", 2), int)
-    if not 1 <= steps <= MAX_STEPS:
-        raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
     design = _typed(path, "design", data.get("design", "product"), str)
     if design == "product":
         rows = [dict(zip(AXES, vals)) for vals in itertools.product(*(axes[a] for a in AXES))]
@@ -280,7 +284,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         cell = Cell(
             fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
             checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
-            seed=row["seed"], steps=steps, source=source_of.get(row["fixture"], ""), **{a: row[a] for a in RECIPE_AXES},
+            seed=row["seed"], source=source_of.get(row["fixture"], ""), **{a: row[a] for a in RECIPE_AXES},
         )
         if cell.id not in seen:
             seen.add(cell.id)
