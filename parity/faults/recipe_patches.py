@@ -240,3 +240,26 @@ def step_counter_restarts():
             return out
         return set_state_dict
     return swap_attr(sd, "set_state_dict", make)
+
+
+def frozen_unit_reduces_bf16():
+    """A unit whose parameters are all frozen at its first forward (lazy init) fixes its reduce
+    dtype to ``param_dtype``: after the recipe unfreezes it, its gradients are reduced in BF16
+    (FSDPParamGroup._init_mp_dtypes, as a reported FSDP2 bug did)."""
+
+    import dataclasses
+
+    def make(orig):
+        def _init_mp_dtypes(self):
+            if any(p.sharded_param.requires_grad for p in self.fsdp_params):
+                return orig(self)
+            policies = [p.mp_policy for p in self.fsdp_params]
+            for p in self.fsdp_params:  # resolved as if the policy reduced in param_dtype
+                p.mp_policy = dataclasses.replace(p.mp_policy, reduce_dtype=p.mp_policy.param_dtype)
+            try:
+                return orig(self)
+            finally:
+                for p, policy in zip(self.fsdp_params, policies):
+                    p.mp_policy = policy
+        return _init_mp_dtypes
+    return swap_attr(_param_group(), "_init_mp_dtypes", make)
