@@ -119,6 +119,30 @@ class EvalSeen:
 
 
 @dataclass(kw_only=True)
+class EntrySeen:
+    """One parameter as a state dict (or the model) holds it on this rank."""
+
+    kind: str
+    """``DTensor`` or ``Tensor``."""
+    placements: str
+    dtype: str
+    value: torch.Tensor
+
+
+@dataclass(kw_only=True)
+class StateDictSeen:
+    """The state dicts taken at one point of the training (:mod:`parity.execute.state_dicts`)."""
+
+    step: int
+    point: str
+    """``after-step``, ``after-forward`` (between a forward and its backward), ``after-eval``."""
+    masters: dict[str, EntrySeen] = field(default_factory=dict)
+    """Parameter FQN -> the sharded parameter the optimizer steps, at that moment."""
+    entries: dict[str, dict[str, EntrySeen]] = field(default_factory=dict)
+    """API (``state_dict``, ``get_model_state_dict``) -> parameter FQN -> its entry."""
+
+
+@dataclass(kw_only=True)
 class Observation:
     rank: int
     whole: bool = False
@@ -133,6 +157,8 @@ class Observation:
     """Per step, fqn -> local gradient shard (full tensor for ignored parameters)."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step, fqn -> local parameter shard after the optimizer step."""
+    state_dicts: list[StateDictSeen] = field(default_factory=list)
+    """State dicts taken during the cell's own training, in order."""
     evals: list[EvalSeen] = field(default_factory=list)
     """Evaluation forwards, in the order they ran."""
     grad_norms: list[float] = field(default_factory=list)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
-from parity.execute import evaluation, parallel, probes
+from parity.execute import evaluation, parallel, probes, state_dicts
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -129,13 +129,21 @@ def freeze_schedule(s: Sharded, step: int) -> None:
             p.requires_grad_(step >= t.trainable_from)
 
 
-def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int, device, obs: Observation) -> None:
-    """An evaluation forward (:mod:`parity.execute.evaluation`) on this rank's own eval batch."""
+def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int, device, obs: Observation, *,
+              state_dicts: bool) -> None:
+    """An evaluation forward (:mod:`parity.execute.evaluation`) on this rank's own eval batch;
+    the cell's own training (not the checkpoint lifecycle's) then takes a state dict."""
     index = cell.eval_labels(step).index(label)
     batch = fixture.eval_batch(cell.seed, step, cell.topology().data_rank(rank), index).to(device)
     seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label)
     seen.output = _local(seen.output)
     obs.evals.append(seen)
+    if state_dicts and f"after-eval-{label}" in cell.state_dict_points(step):
+        _state_dicts(cell, s, step, f"after-eval-{label}", obs)
+
+
+def _state_dicts(cell: Cell, s: Sharded, step: int, point: str, obs: Observation) -> None:
+    obs.state_dicts.append(state_dicts.take(s.model, s.params, s.names, observed(cell), step=step, point=point))
 
 
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
@@ -157,6 +165,8 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
                 out = fixture.output(_forward(cell, s.model, inputs))
             loss = fixture.loss(out, batch.target) / cell.microbatches
+            if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
+                _state_dicts(cell, s, step, "after-forward", obs)
             (s.scaler.scale(loss) if s.scaler else loss).backward()
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
@@ -168,7 +178,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
         if not last and cell.eval == "between-microbatches":
-            _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs)
+            _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=recorder is not None)
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
     # a set's order follows object addresses, which differ across ranks (same-shape
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
@@ -191,7 +201,9 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
+    if recorder and "after-step" in cell.state_dict_points(step):
+        _state_dicts(cell, s, step, "after-step", obs)
     if cell.eval == "between-steps":
-        _evaluate(cell, s, fixture, step, "after-step", rank, device, obs)
+        _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=recorder is not None)
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step
         obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

@@ -174,6 +174,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32
            {"dtype.reduce", "grad", "checkpoint.same", "checkpoint.cross"}, {"fixture": "staged", "path": "legacy", "ranks": 2},
            quiet={"fixture": "frozen"}, patch=rp.frozen_unit_reduces_bf16),
+    _fault("state_dict_skips_reshard", "FSDP registers no state-dict pre-save hook: a state dict taken while units are "
+           "unsharded holds compute-dtype tensors (FSDPParamGroup._register_state_dict_hooks)",
+           {"state_dict", "identity"}, {**_KDA2, "reshard": False}, quiet={"reshard": True}, patch=rp.state_dict_skips_reshard,
+           scopes=_MAIN),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},
@@ -188,7 +192,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("recast_foreign_params",
            "fully_shard casts ignored parameters on another parallelism's mesh (the experts) to param_dtype",
            {"ownership", "dtype.storage", "dtype.compute", "dtype.reduce", "optim.state", "input_grad", "grad",
-            "grad_norm", "param", "trajectory", "trajectory.emulation", "divergence"},
+            "grad_norm", "param", "trajectory", "trajectory.emulation", "divergence", "state_dict"},
            {**_COMPOSED, "path": "legacy", "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.recast_foreign_params),
     _fault("tp_shards_swapped_on_load",
            "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict)",

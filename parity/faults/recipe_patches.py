@@ -263,3 +263,16 @@ def frozen_unit_reduces_bf16():
                     p.mp_policy = policy
         return _init_mp_dtypes
     return swap_attr(_param_group(), "_init_mp_dtypes", make)
+
+
+def state_dict_skips_reshard():
+    """FSDP registers no state-dict pre-save hook (FSDPParamGroup._register_state_dict_hooks):
+    a state dict taken while a unit is unsharded -- between a forward and its backward with
+    reshard off, or after an evaluation forward -- holds the unsharded parameters in their
+    compute dtype instead of the sharded FP32 masters."""
+
+    def make(orig):
+        def _register_state_dict_hooks(self):
+            return None
+        return _register_state_dict_hooks
+    return swap_attr(_param_group(), "_register_state_dict_hooks", make)

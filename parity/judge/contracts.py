@@ -18,7 +18,7 @@ from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, gather_full
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
-from parity.matrix.cell import Cell
+from parity.matrix.cell import STATE_DICT_APIS, Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import optimizer_recipe
@@ -349,13 +349,50 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     return rows
 
 
+def state_dict_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+    """``state_dict``: at every point the cell takes one, each API's entry for every parameter is
+    the master parameter at that moment -- same type (DTensor / Tensor), placements and values
+    (bitwise), in the planned storage dtype. A point, an API or an entry that is missing fails."""
+    taken = {(sd.step, sd.point): sd for sd in obs.state_dicts}
+    rows = []
+    for step in range(cell.steps):
+        for point in cell.state_dict_points(step):
+            sd = taken.get((step, point))
+            for api in STATE_DICT_APIS:
+                problems = ["not taken"] if sd is None else _entry_problems(sd.masters, sd.entries.get(api), plan)
+                row = _row(base, "state_dict", f"{api}@{point}", not problems,
+                           "every parameter as its master (type, placements, storage dtype, bitwise values)",
+                           "; ".join(problems[:3]) + (f"; {len(problems) - 3} more" if len(problems) > 3 else "")
+                           if problems else f"{len(sd.masters)} parameters as their masters")
+                rows.append(replace(row, step=step))
+    return rows
+
+
+def _entry_problems(masters: dict, entries: dict | None, plan: PrecisionPlan) -> list[str]:
+    if entries is None:
+        return ["no state dict"]
+    problems = []
+    for fqn, m in masters.items():
+        e = entries.get(fqn)
+        want = dtype_name(plan.get(fqn).storage) if plan.get(fqn) is not None else m.dtype
+        if e is None:
+            problems.append(f"{fqn}: missing")
+        elif (e.kind, e.placements) != (m.kind, m.placements):
+            problems.append(f"{fqn}: {e.kind}({e.placements}), the parameter is {m.kind}({m.placements})")
+        elif e.dtype != want:
+            problems.append(f"{fqn}: {e.dtype}, planned storage {want}")
+        elif e.value.shape != m.value.shape or not torch.equal(e.value, m.value):
+            problems.append(f"{fqn}: values differ from the parameter's")
+    return problems
+
+
 def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
             + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
-            + eval_checks(cell, obs, base))
+            + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

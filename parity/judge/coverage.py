@@ -24,7 +24,7 @@ records; it is reported as a ``no-gradient`` finding instead.
 from __future__ import annotations
 
 from parity.judge.record import Record, Verdict
-from parity.matrix.cell import Cell
+from parity.matrix.cell import STATE_DICT_APIS, Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan
 
@@ -46,6 +46,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
                 if not token_input:
                     out.append(("input_grad", f"rank{r}/mb{mb}", step))
         out.append(("grad_norm", "global", step))
+        out += [("state_dict", f"{api}@{point}", step) for point in cell.state_dict_points(step)
+                for api in STATE_DICT_APIS]
         for label in cell.eval_labels(step):
             out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:

@@ -21,6 +21,8 @@ EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
+#: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`).
+STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
@@ -113,6 +115,16 @@ class Cell:
         if self.eval == "between-steps":
             return ["after-step"]
         return []
+
+    def state_dict_points(self, step: int) -> list[str]:
+        """Where the cell's own training takes state dicts in ``step`` (:mod:`parity.execute.state_dicts`),
+        each kind of point once, early enough that training follows it: after the first optimizer
+        step, after the first evaluation forward, between the forward and the backward of the last
+        step's first micro-batch."""
+        first_eval = next((label for k in range(self.steps) for label in self.eval_labels(k)), None)
+        return ((["after-step"] if step == 0 else [])
+                + ([f"after-eval-{first_eval}"] if step == 0 and first_eval else [])
+                + (["after-forward"] if step == self.steps - 1 else []))
 
     def topology(self) -> Topology:
         return Topology(name=self.mesh, world=self.ranks)
