@@ -29,17 +29,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parity.execute import collectives
 from parity.execute.observation import Observation
 from parity.execute.training import build, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 
-#: torch.distributed functions FSDP and the training step issue, and the kind each is.
-COLLECTIVES = {
-    "all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
-    "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
-    "all_reduce": "all-reduce", "broadcast": "broadcast",
-}
 #: Profiler op names that are FSDP's packing (copy into / out of the collective buffers).
 PACKING = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
 
@@ -76,32 +71,9 @@ def _phase() -> str:
 _in_forward = [False]
 
 
-def _nbytes(args, kwargs) -> int:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return max((t.numel() * t.element_size() for t in tensors), default=0)
-
-
-@contextlib.contextmanager
 def counting(into: dict):
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        kind = COLLECTIVES[name]
-
-        def counted(*args, **kwargs):
-            slot = into.setdefault((kind, _phase()), [0, 0])
-            slot[0] += 1
-            slot[1] += _nbytes(args, kwargs)
-            return fn(*args, **kwargs)
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+    """Collectives by (kind, phase) (:func:`parity.execute.collectives.counting`)."""
+    return collectives.counting(into, lambda kind: (kind, _phase()))
 
 
 def _sync(device) -> None:

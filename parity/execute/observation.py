@@ -100,6 +100,9 @@ class ContractsSeen:
     """``module@forward`` / ``module@backward`` -> dtypes of its tensor-parallel all-reduces."""
     quant: list[dict[str, object]] = field(default_factory=list)
     """Per step, quantized parameter FQN -> its :class:`~parity.model.quantized.GatherStats`."""
+    collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
+    """(step, segment, kind) -> [calls, bytes] over the cell's own training: segments ``mb{k}/forward``,
+    ``mb{k}/backward``, ``state-dict``, ``eval``, ``optimizer`` (:mod:`.collectives`)."""
     ownership: dict[str, dict[str, str]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
     (:func:`parity.execute.probes.ownership`)."""

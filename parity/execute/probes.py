@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from parity.execute import collectives
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.dtypes import dtype_name
@@ -108,6 +109,8 @@ class Recorder:
         self.lazy_init = None
         self.policies = applied_policies(model, report)
         self._handles = []
+        self.segments = collectives.Segments()
+        """Collectives per (step, segment of the training loop, kind) (:mod:`.collectives`)."""
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
         for name, mod in model.named_modules():
             self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))

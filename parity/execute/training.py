@@ -152,6 +152,9 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     fixture = get_fixture(cell.fixture, cell.source)
     topo, keep = cell.topology(), observed(cell)
     freeze_schedule(s, step)
+
+    def segment(label: str):
+        return recorder.segments.segment(step, label) if recorder else contextlib.nullcontext()
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync != "last")
@@ -162,12 +165,14 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         if not fixture.token_input:
             inputs = tuple(x.requires_grad_() for x in inputs)
         with tp.window(step == 0 and mb == 0) if tp else contextlib.nullcontext():
-            with recorder.phase(step, mb) if recorder else contextlib.nullcontext():
+            with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
                 out = fixture.output(_forward(cell, s.model, inputs))
             loss = fixture.loss(out, batch.target) / cell.microbatches
             if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
-                _state_dicts(cell, s, step, "after-forward", obs)
-            (s.scaler.scale(loss) if s.scaler else loss).backward()
+                with segment("state-dict"):
+                    _state_dicts(cell, s, step, "after-forward", obs)
+            with segment(f"mb{mb}/backward"):
+                (s.scaler.scale(loss) if s.scaler else loss).backward()
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
         if grad is not None and s.scaler:
@@ -178,7 +183,21 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
         if not last and cell.eval == "between-microbatches":
-            _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=recorder is not None)
+            with segment("eval"):
+                _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=recorder is not None)
+    with segment("optimizer"):
+        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture)
+    if recorder and "after-step" in cell.state_dict_points(step):
+        with segment("state-dict"):
+            _state_dicts(cell, s, step, "after-step", obs)
+    if cell.eval == "between-steps":
+        with segment("eval"):
+            _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=recorder is not None)
+
+
+def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture) -> None:
+    """After the last micro-batch: the ignored parameters' owner reduction, the gradient norm (and
+    clipping), the optimizer step; records gradients and parameters."""
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
     # a set's order follows object addresses, which differ across ranks (same-shape
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
@@ -201,9 +220,5 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
-    if recorder and "after-step" in cell.state_dict_points(step):
-        _state_dicts(cell, s, step, "after-step", obs)
-    if cell.eval == "between-steps":
-        _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=recorder is not None)
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step
         obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

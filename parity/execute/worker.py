@@ -13,7 +13,7 @@ import time
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import lifecycle, parallel, probes
+from parity.execute import collectives, lifecycle, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -58,12 +58,14 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         obs.timings["build"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            for step in range(cell.steps):
-                train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
-                           heartbeat=beat, tp=tp)
-                if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
-                    obs.contracts.resume_step = step
-                    obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
+            with collectives.counting(recorder.segments.counts, recorder.segments.key):
+                for step in range(cell.steps):
+                    train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
+                               heartbeat=beat, tp=tp)
+                    if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
+                        obs.contracts.resume_step = step
+                        obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
+            obs.contracts.collectives = recorder.segments.counts
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
             if tp is not None:

@@ -146,7 +146,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad", "grad_norm", "trajectory", "trajectory.emulation"}, {"fixture": "routed", "path": "native", "ranks": 2, **_ACCUM},
            quiet={"sync": "every"}, patch=rp.unused_drops_accumulated),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
-           {"grad", "grad_norm", "dtype.reduce", "optim.state", "checkpoint.same", "checkpoint.cross"},
+           {"grad", "grad_norm", "dtype.reduce", "optim.state", "checkpoint.same", "checkpoint.cross", "collectives"},
            {"fixture": "staged", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
            patch=rp.unfrozen_stays_frozen),
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
@@ -178,6 +178,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "unsharded holds compute-dtype tensors (FSDPParamGroup._register_state_dict_hooks)",
            {"state_dict", "identity"}, {**_KDA2, "reshard": False}, quiet={"reshard": True}, patch=rp.state_dict_skips_reshard,
            scopes=_MAIN),
+    _fault("early_reduce_scatter", "FSDP reduce-scatters (a zero buffer) inside a set_requires_gradient_sync(False) "
+           "window: numerically invisible (FSDPParamGroup.post_backward)",
+           {"collectives"}, {**_KDA2, **_ACCUM}, quiet={"sync": "every"}, patch=rp.early_reduce_scatter),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},
@@ -200,7 +203,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
     # quantized weight groups (FP8 all-gather)
     _fault("local_amax", "tensorwise FP8 scales from each shard's own amax (no all-reduce over the shard group)",
-           {"quant.scale", "quant.values", "grad"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
+           {"quant.scale", "quant.values", "grad", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
     _fault("stale_quantized_copy", "the FP8 copy is not refreshed after the optimizer step (QuantizedWeight._outdated)",
            {"quant.refresh", "quant.values", "quant.blocks", "output", "input_grad", "grad", "grad_norm",
             "trajectory", "trajectory.emulation", "checkpoint.same", "checkpoint.cross"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"}, patch=qp.stale_quantized_copy),

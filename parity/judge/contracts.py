@@ -21,7 +21,7 @@ from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import STATE_DICT_APIS, Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import optimizer_recipe
+from parity.model.recipe import loss_scale, optimizer_recipe
 from parity.paths import PER_PARAMETER
 
 
@@ -386,13 +386,84 @@ def _entry_problems(masters: dict, entries: dict | None, plan: PrecisionPlan) ->
     return problems
 
 
+def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int) -> int:
+    """Reduce-scatters one synchronizing backward issues: one per unit holding a parameter trained at
+    ``step`` (a unit's gradients travel in one collective, mixed dtypes packed; a unit with nothing
+    to train reduces nothing). None on one rank: FSDP issues no collective there."""
+    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
+    return sum(1 for u in obs.report.units if trained & set(u.params))
+
+
+def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+    """``collectives``: what the cell's own training issued, counted where ``torch.distributed`` issues
+    it, per step and segment of the loop, against the path's units and the cell's accumulation:
+
+    - a backward that synchronizes reduce-scatters once per unit with something to train
+      (:func:`expected_reductions`); one inside a ``set_requires_gradient_sync(False)`` window
+      reduce-scatters nothing (HSDP ``replicas-last``: every backward reduce-scatters, the replica
+      all-reduce waits for the last);
+    - forwards, evaluation forwards and state dicts reduce nothing; a forward or backward
+      all-gathers each unit at most once (evaluation: once per evaluation forward);
+    - the forwards of a step all-reduce once per tensorwise FP8 weight (its amax), nothing else;
+    - the optimizer segment all-reduces once per FSDP-ignored gradient (its owner) and, with a loss
+      scale, once for the gradient scaler's found-inf (on one rank too), nothing else;
+    - otherwise nothing is issued on one rank.
+
+    1-D FSDP meshes only: TP, EP and HSDP add their own collectives (SKIP with the reason)."""
+    if cell.mesh != "fsdp":
+        return [_skip(base, "collectives", "per step", f"mesh {cell.mesh!r}: its own collectives are not derived yet")]
+    counts = obs.contracts.collectives
+    units = sum(1 for u in obs.report.units if u.params)
+    ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
+    rows = []
+    for step in range(cell.steps):
+        got = {(label, kind): n[0] for (s, label, kind), n in counts.items() if s == step}
+        want: dict[tuple[str, str], int] = {}
+        bound: dict[tuple[str, str], int] = {}
+        if cell.ranks > 1:
+            reductions = expected_reductions(cell, obs, plan, step)
+            for mb in range(cell.microbatches):
+                syncs = mb == cell.microbatches - 1 or cell.sync == "every"
+                want[(f"mb{mb}/backward", "reduce-scatter")] = reductions if syncs else 0
+                bound[(f"mb{mb}/forward", "all-gather")] = bound[(f"mb{mb}/backward", "all-gather")] = units
+            evals = len(cell.eval_labels(step))
+            bound[("eval", "all-gather")] = units * evals
+        owners = sum(1 for f in ignored if plan[f].trainable_from <= step) if cell.ranks > 1 else 0
+        scaler = 1 if loss_scale(plan.config.param_dtype) != 1.0 else 0  # the scaler agrees on found-inf
+        if owners + scaler:
+            want[("optimizer", "all-reduce")] = owners + scaler
+        problems = []
+        # a tensorwise FP8 weight agrees on its amax once per step, at its first all-gather (a forward)
+        scales = sum(1 for t in plan.params if t.format == "fp8-tensorwise") if cell.ranks > 1 else 0
+        amax = sum(n for (label, kind), n in got.items() if kind == "all-reduce" and label.endswith("/forward"))
+        if amax != scales:
+            problems.append(f"forwards: {amax} all-reduce, expected {scales} (one per tensorwise FP8 weight)")
+        got = {k: n for k, n in got.items() if not (k[1] == "all-reduce" and k[0].endswith("/forward"))}
+        for (label, kind), n in sorted(got.items()):
+            if (label, kind) in want or (label, kind) in bound:
+                continue
+            problems.append(f"{label}: {n} {kind}, expected none")
+        for key, n in want.items():
+            if got.get(key, 0) != n:
+                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected {n}")
+        for key, n in bound.items():
+            if got.get(key, 0) > n:
+                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at most {n}")
+        expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward, "
+                    "none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
+        row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
+        rows.append(replace(row, step=step))
+    return rows
+
+
 def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
             + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
-            + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base))
+            + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
+            + collective_checks(cell, obs, plan, base))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

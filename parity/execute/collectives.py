@@ -1,0 +1,71 @@
+"""Collectives counted where ``torch.distributed`` issues them (worker side).
+
+FSDP2 and the training step call ``all_gather_single`` / ``all_gather_into_tensor``,
+``reduce_scatter_single`` / ``reduce_scatter_tensor``, ``all_reduce`` and ``broadcast``;
+wrapping those module functions sees every call with its buffers. DTensor's functional
+collectives (the gradient norm's all-reduce) bypass them and are not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+#: torch.distributed functions FSDP and the training step issue, and the kind each is.
+COLLECTIVES = {
+    "all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
+    "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
+    "all_reduce": "all-reduce", "broadcast": "broadcast",
+}
+
+
+def nbytes(args, kwargs) -> int:
+    """The larger buffer of a call (all-gather output, reduce-scatter input, all-reduce tensor)."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return max((t.numel() * t.element_size() for t in tensors), default=0)
+
+
+@contextlib.contextmanager
+def counting(into: dict, key: Callable[[str], object]) -> Iterator[None]:
+    """While open, every collective adds 1 call and its bytes to ``into[key(kind)]`` = [count, bytes]."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        kind = COLLECTIVES[name]
+
+        def counted(*args, **kwargs):
+            slot = into.setdefault(key(kind), [0, 0])
+            slot[0] += 1
+            slot[1] += nbytes(args, kwargs)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+class Segments:
+    """Counts per segment of the training loop (``step``, label such as ``mb0/forward``)."""
+
+    def __init__(self):
+        self.counts: dict[tuple[int, str, str], list[int]] = {}
+        self.current: tuple[int, str] = (-1, "outside")
+
+    @contextlib.contextmanager
+    def segment(self, step: int, label: str) -> Iterator[None]:
+        outer, self.current = self.current, (step, label)
+        try:
+            yield
+        finally:
+            self.current = outer
+
+    def key(self, kind: str) -> tuple[int, str, str]:
+        return (*self.current, kind)
