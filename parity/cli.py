@@ -86,7 +86,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parity", description="FSDP2 mixed-precision parity harness")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser,
-                           metavar="{plan,run,gate,merge,bench,compare,report,fuzz,fixtures}")
+                           metavar="{plan,run,gate,merge,repro,bench,compare,report,fuzz,fixtures}")
     plan = sub.add_parser("plan", help="print a model's precision plan and every path's units")
     plan.add_argument("--fixture", help="registered model name (parity fixtures)")
     plan.add_argument("--model", help="plugin model: pkg.module:factory or path/file.py:factory")
@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     mrg.add_argument("--gate", action="store_true", help="also decide GO / NO-GO (gate.json, gate.md) as gate --from does")
     mrg.add_argument("--candidate", default="native", help="with --gate: the path whose enabling is decided (native)")
     add_fuzz_arguments(sub)
+    rpr = sub.add_parser("repro", help="write a self-contained script re-running one cell of a results directory")
+    rpr.add_argument("cell", metavar="CELL_ID", help="a cell id as cells.csv names it")
+    rpr.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="the run's --out directory")
+    rpr.add_argument("--out", metavar="FILE", help="where to write the script (default: print it)")
     rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
     rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
     cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
@@ -580,9 +584,26 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+def cmd_repro(args) -> int:
+    """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
+    from parity.report.repro import find_cell, script
+
+    text = script(find_cell(args.cell, args.from_dir), args.from_dir)
+    if not args.out:
+        print(text, end="")
+        return 0
+    try:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot write ({exc.strerror}); choose a writable file") from None
+    print(f"wrote {args.out}: python {args.out} re-runs {args.cell}")
+    return 0
+
+
 def _command(args) -> int:
     commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "merge": cmd_merge, "bench": bench_command,
-                "compare": cmd_compare,
+                "compare": cmd_compare, "repro": cmd_repro,
                 "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
     try:
         return commands[args.command](args)

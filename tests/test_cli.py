@@ -29,7 +29,7 @@ from parity.cli import main
         (["run", "--timeout", "-5"], "must be a positive number of seconds"),
         (["run", "--out", "/proc/version/x"], "--out /proc/version/x: cannot write there"),
         (["run", "--bogus"], "unrecognized arguments: --bogus"),
-        ([], "required: {plan,run,gate,merge,bench,compare,report,fuzz,fixtures}"),
+        ([], "required: {plan,run,gate,merge,repro,bench,compare,report,fuzz,fixtures}"),
         (["run", "--resume", "/nonexistent-parity-dir"], "no run.json there"),
     ],
 )

@@ -1,0 +1,89 @@
+"""``parity repro CELL --from DIR``: one self-contained script that re-runs a failing cell.
+
+The script holds the cell as data (its every axis, the model source of a plugin, the faults that
+were injected), what the earlier run found, and one call: :func:`rerun` runs the cell alone on
+its own ranks (gloo on CPU, or the device it names), with the per-module trace of a failing cell,
+and prints the failing checks and the first divergence. It is small enough to attach to a bug
+report; it needs parity and the torch build the header names.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from parity.errors import UsageError
+from parity.judge.record import Verdict
+from parity.matrix.cell import Cell
+from parity.report.outdir import CELLS, read_manifest
+from parity.report.records import read_records
+
+_BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
+
+
+def find_cell(cell_id: str, out: str) -> Cell:
+    """The :class:`Cell` of ``cell_id`` in the run recorded in ``out`` (rebuilt from its options)."""
+    from parity.cli import RUN_DEFAULTS, _select
+
+    manifest = read_manifest(out)
+    if cell_id not in manifest.get("cells", []):
+        failing = _failing(out)
+        hint = f"; a failing one: {failing[0].cell}" if failing else ""
+        raise UsageError(f"repro: {cell_id!r} is not a cell of the run in {out}{hint}")
+    _, cells = _select({**RUN_DEFAULTS, **manifest.get("options", {})})
+    for cell in cells:
+        if cell.id == cell_id:
+            return cell
+    raise UsageError(f"repro: {cell_id!r} cannot be rebuilt from {out}'s options (was a model source moved?)")
+
+
+def _failing(out: str, cell_id: str | None = None) -> list:
+    path = os.path.join(out, CELLS)
+    if not os.path.isfile(path):
+        return []
+    return [r for r in read_records(path) if r.verdict in _BAD and (cell_id is None or r.cell == cell_id)]
+
+
+def _line(r) -> str:
+    """One record: verdict, check, name, step, observed / allowed (ratio) when numeric, detail."""
+    numbers = (f"observed {r.observed:.3g}, allowed {r.allowed:.3g} (ratio {r.ratio:.3g}); "
+               if isinstance(r.observed, float) and isinstance(r.allowed, float) else "")
+    return f"{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
+
+
+def script(cell: Cell, out: str) -> str:
+    """The reproducer's text."""
+    bad = _failing(out, cell.id)
+    found = [r for r in bad if r.check != "divergence"]
+    where = next((r for r in bad if r.check == "divergence"), None)
+    lines = [f"  {_line(r)[:200]}" for r in found[:5]]
+    if len(found) > 5:
+        lines.append(f"  ... {len(found) - 5} more")
+    header = "\n".join([
+        f"parity reproducer: {cell.id}",
+        "",
+        f"From {os.path.abspath(out)} (torch {torch.__version__}):",
+        *(lines or ["  nothing failed there"]),
+        f"First divergence: {where.detail[:300] if where else 'not located'}",
+        "",
+        f"Run: python <this file>  (parity and torch {torch.__version__}; {cell.ranks} rank(s), {cell.device})",
+    ])
+    return (f'"""{header}\n"""\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
+            f"CELL = {cell!r}\n\nif __name__ == \"__main__\":\n    raise SystemExit(rerun(CELL))\n")
+
+
+def rerun(cell: Cell) -> int:
+    """Run ``cell`` alone (traced where it fails), print what failed and where it diverged first;
+    the cell's verdict code (0: it passed now)."""
+    from parity.runner import RunOptions, run_cells
+
+    with tempfile.TemporaryDirectory(prefix="parity-repro-") as out:
+        code = run_cells([cell], RunOptions(out_dir=os.path.join(out, "run"), progress=False))
+        bad = _failing(os.path.join(out, "run"), cell.id)
+    for r in (r for r in bad if r.check != "divergence"):
+        print(_line(r)[:300])
+    where = next((r for r in bad if r.check == "divergence"), None)
+    print(f"first divergence: {where.detail if where else 'not located'}")
+    return code

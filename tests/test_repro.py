@@ -1,0 +1,45 @@
+"""Issue 22.3: a reproducer for a failing cell, run in a fresh process, finds what the run found."""
+
+import subprocess
+import sys
+
+import pytest
+
+from parity.cli import main
+from parity.matrix.cell import Cell
+
+CELL = Cell(fixture="kda", path="native", ranks=1, faults=("perturb_output",))
+
+
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("repro") / "run"
+    code = main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and path == 'native' and ranks == 1 and "
+                 "microbatches == 1", "--fault", "perturb_output", "--out", str(out)])
+    assert code == 1
+    return out
+
+
+def _divergence(path) -> str:
+    from parity.report.records import read_records
+
+    rows = [r for r in read_records(str(path / "cells.csv")) if r.check == "divergence"]
+    assert rows and rows[0].verdict == "FAIL"
+    return rows[0].detail
+
+
+@pytest.mark.slow
+def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(failing_run, tmp_path):
+    script = tmp_path / "repro.py"
+    assert main(["repro", CELL.id, "--from", str(failing_run), "--out", str(script)]) == 0
+    text = script.read_text()
+    assert "faults=('perturb_output',)" in text and _divergence(failing_run)[:80] in text
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"first divergence: {_divergence(failing_run)}" in done.stdout
+
+
+def test_a_cell_the_run_did_not_have_is_a_one_line_error(failing_run, capsys):
+    assert main(["repro", "kda/native/r9", "--from", str(failing_run)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a cell of the run" in err and CELL.id in err and err.count("\n") == 1
