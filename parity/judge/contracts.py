@@ -18,7 +18,7 @@ from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, gather_full
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
-from parity.matrix.cell import STATE_DICT_APIS, Cell
+from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import loss_scale, optimizer_recipe
@@ -358,7 +358,7 @@ def state_dict_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
     for step in range(cell.steps):
         for point in cell.state_dict_points(step):
             sd = taken.get((step, point))
-            for api in STATE_DICT_APIS:
+            for api in cell.state_dict_apis(point):
                 problems = ["not taken"] if sd is None else _entry_problems(sd.masters, sd.entries.get(api), plan)
                 row = _row(base, "state_dict", f"{api}@{point}", not problems,
                            "every parameter as its master (type, placements, storage dtype, bitwise values)",

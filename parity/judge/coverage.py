@@ -24,7 +24,7 @@ records; it is reported as a ``no-gradient`` finding instead.
 from __future__ import annotations
 
 from parity.judge.record import Record, Verdict
-from parity.matrix.cell import STATE_DICT_APIS, Cell
+from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan
 
@@ -49,7 +49,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         if cell.mesh == "fsdp":
             out.append(("collectives", "per step", step))
         out += [("state_dict", f"{api}@{point}", step) for point in cell.state_dict_points(step)
-                for api in STATE_DICT_APIS]
+                for api in cell.state_dict_apis(point)]
         for label in cell.eval_labels(step):
             out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:

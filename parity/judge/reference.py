@@ -183,7 +183,10 @@ def run_reference(
                 else fake_quantize(values[f].detach(), t.format, compute_dtype(f)) for f, t in entries.items()}
 
     def evaluate(step: int, label: str, weights: dict[str, torch.Tensor]) -> None:
-        """An evaluation forward per emulated rank, on the ranks' eval batches, with ``weights``."""
+        """An evaluation forward per emulated rank, on the ranks' eval batches, with ``weights``. Only
+        the run that follows the sharded one (``resync``) is compared on them: the others skip it."""
+        if resync is None:
+            return
         index = cell.eval_labels(step).index(label)
         outs = []
         with torch.no_grad():

@@ -21,7 +21,9 @@ EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
-#: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`).
+#: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
+#: ``get_model_state_dict`` (about 5x the cost) only between a forward and its backward, where
+#: FSDP's hooks matter most.
 STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
@@ -125,6 +127,11 @@ class Cell:
         return ((["after-step"] if step == 0 else [])
                 + ([f"after-eval-{first_eval}"] if step == 0 and first_eval else [])
                 + (["after-forward"] if step == self.steps - 1 else []))
+
+    @staticmethod
+    def state_dict_apis(point: str) -> tuple[str, ...]:
+        """The APIs read at ``point`` (:data:`STATE_DICT_APIS`)."""
+        return STATE_DICT_APIS if point == "after-forward" else STATE_DICT_APIS[:1]
 
     def topology(self) -> Topology:
         return Topology(name=self.mesh, world=self.ranks)
