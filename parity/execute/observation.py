@@ -77,7 +77,10 @@ class ContractsSeen:
     policies: dict[str, dict[str, object]] = field(default_factory=dict)
     """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
-    """Module FQN -> {"in": [...], "out": [...]} floating dtypes."""
+    """Module FQN -> {"in": [...], "out": [...]} floating dtypes (the first forward)."""
+    boundary_variants: dict[str, dict[str, list[list[str]]]] = field(default_factory=dict)
+    """Module FQN -> {"in": [...], "out": [...]}: every distinct dtype list seen in any forward of
+    the cell's own training (micro-batches, evaluations, activation-checkpoint recomputes)."""
     reduce: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> dtypes its gradient was reduced in."""
     reduce_observable: bool = True

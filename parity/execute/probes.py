@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
-from parity.model.boundaries import float_buffers, record_boundaries
+from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
 from parity.paths import apply
@@ -115,6 +115,8 @@ class Recorder:
         for name, mod in model.named_modules():
             self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
+        self.variants: dict[str, dict[str, set]] = {}
+        self._handles += record_boundary_variants(model, self.variants)
         self._patch_reduce()
 
     def _read_params(self, fqn: str):
@@ -213,6 +215,7 @@ class Recorder:
         seen.compute = {**self._via_parent, **self.compute}
         seen.policies = self.policies
         seen.boundaries = self.boundaries
+        seen.boundary_variants = {m: {d: sorted(map(list, v)) for d, v in dirs.items()} for m, dirs in self.variants.items()}
         seen.reduce = {k: sorted(v) for k, v in self.reduce.items()}
         seen.replicas = {k: sorted(v) for k, v in self.replicas.items()}
         seen.ownership = {"sharded": self.owned, "trained": ownership(model)}

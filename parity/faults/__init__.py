@@ -162,6 +162,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("eval_skips_reshard", "FSDP reshards after a forward only with gradients enabled: an evaluation forward "
            "leaves every unit unsharded (FSDPParamGroup.post_forward)",
            {"eval.reshard"}, {**_KDA2, "eval": "between-steps"}, quiet={"eval": "none"}, patch=rp.eval_skips_reshard),
+    _fault("eval_skips_output_cast", "under no_grad FSDP skips the outermost unit's output cast: evaluation outputs "
+           "keep the compute dtype (FSDPState._cast_output_dtype)",
+           {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32", "eval": "between-steps"},
+           quiet={"eval": "none"}, patch=rp.eval_skips_output_cast),
     _fault("eval_stale_after_step", "an evaluation forward reads the unsharded weights of the last training forward, "
            "not the updated shards (FSDPParamGroup.pre_forward)",
            {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},

@@ -294,3 +294,15 @@ def early_reduce_scatter():
             return out
         return post_backward
     return swap_attr(_param_group(), "post_backward", make)
+
+
+def eval_skips_output_cast():
+    """Under ``no_grad`` FSDP returns the outermost unit's output uncast (FSDPState._cast_output_dtype):
+    an evaluation forward's output keeps the compute dtype whatever ``output_dtype`` asks for."""
+    from parity.faults.patches import fsdp_classes
+
+    def make(orig):
+        def _cast_output_dtype(self, output):
+            return orig(self, output) if torch.is_grad_enabled() else output
+        return _cast_output_dtype
+    return swap_attr(fsdp_classes()[1], "_cast_output_dtype", make)

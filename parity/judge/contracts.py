@@ -111,11 +111,17 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     modules |= {t.fqn.rpartition(".")[0] for t in plan.params if t.compute != plan.config.param_dtype and t.kind == "param"}
     rows = []
     seen = obs.contracts.boundaries
+    variants = obs.contracts.boundary_variants
     for mod in sorted(modules):
         want, got = ref.boundaries.get(mod), seen.get(mod)
         if want is None and got is None:
             continue
-        rows.append(_row(base, "dtype.boundary", mod or "<root>", want == got, want, got))
+        # every later forward (micro-batches, evaluations, recomputes) sees the module the same way
+        other = [f"{d} {v}" for d in ("in", "out") for v in variants.get(mod, {}).get(d, [])
+                 if want is not None and v != want.get(d)]
+        observed = got if not other else f"{got}; in another forward: {', '.join(other)}"
+        rows.append(_row(base, "dtype.boundary", mod or "<root>", want == got and not other, want, observed,
+                         "every forward of this rank"))
     natural = dtype_name(ref.outputs[0][0].dtype)
     expected = cell.axes()["output_dtype"]
     expected = natural if expected == "natural" else expected

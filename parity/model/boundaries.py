@@ -47,3 +47,24 @@ def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post))
     return handles
+
+
+def record_boundary_variants(model: nn.Module, sink: dict) -> list:
+    """Hooks adding each module's floating input and output dtypes, in every forward (training
+    micro-batches, evaluation forwards, activation-checkpoint recomputes), to ``sink``: canonical
+    FQN -> {"in": set of dtype tuples, "out": set of dtype tuples}. A module seen the same way
+    every time has one of each. A checkpoint wrapper and the module it wraps share a canonical
+    name: the module inside is the one read (as :func:`record_boundaries` ends up reading it)."""
+    handles = []
+    inner = {canonical_fqn(name): mod for name, mod in model.named_modules()}  # children come later
+    for fqn, mod in inner.items():
+
+        def pre(module, args, kwargs, fqn=fqn):
+            sink.setdefault(fqn, {"in": set(), "out": set()})["in"].add(tuple(_float_dtypes((args, kwargs))))
+
+        def post(module, args, output, fqn=fqn):
+            sink.setdefault(fqn, {"in": set(), "out": set()})["out"].add(tuple(_float_dtypes(output)))
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post))
+    return handles
