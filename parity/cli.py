@@ -29,18 +29,18 @@ from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
 from parity.interrupt import Interrupted, Signals, exit_code, raising
-from parity.matrix.cell import EVALS, INITS, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
+from parity.matrix.cell import EVALS, INITS, MOVES, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
 from parity.model.topology import MESHES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
 #: Run options that set one axis for every cell (replacing the matrix's values).
-AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval")
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "move")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
                 "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
-                "clip", "eval", "shard")
+                "clip", "eval", "move", "shard")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
-                "clip": None, "eval": None, "fault": [], "shard": None,
+                "clip": None, "eval": None, "move": None, "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
 
@@ -72,6 +72,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--clip", type=_max_norm, metavar="MAX_NORM",
                    help="every cell clips its gradients to this global norm (0: no clipping)")
     p.add_argument("--eval", choices=EVALS, help="every cell's evaluation forwards (no_grad, model.eval())")
+    p.add_argument("--move", choices=MOVES, help="every cell's moving checkpoint (shrink 2->1, grow 1->2, mesh "
+                   "fsdp<->hsdp); none where the cell runs no checkpoint lifecycle")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

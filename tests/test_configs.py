@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from parity.matrix import load
+from parity.errors import UsageError
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionConfig, resolve_plan
 from parity.model.registry import get_fixture
@@ -33,6 +34,32 @@ def test_new_axes_keep_old_cell_ids_and_tag_new_values():
     # one micro-batch has nothing to evaluate between: the same cell as no evaluation
     assert Cell(fixture="kda", path="native", eval="between-microbatches").id == Cell(fixture="kda", path="native").id
     assert cell.precision().reduce_dtype is None
+
+
+def test_a_checkpoint_moves_only_where_the_cell_runs_its_lifecycle():
+    two = dict(fixture="kda", path="native", ranks=2)
+    assert Cell(**two, move="shrink").id.endswith("/s0/mv-shrink")
+    for cell in (Cell(fixture="kda", path="native", move="shrink"), Cell(**two, move="grow", microbatches=3),
+                 Cell(**two, move="shrink", checkpointing="full"), Cell(**two, move="grow", seed=1),
+                 Cell(**two, move="mesh"), Cell(fixture="composed", path="native", ranks=4, mesh="ep", move="mesh")):
+        assert cell.move == "none", cell  # nothing moves there: the cell does not claim it
+    save, load_on = Cell(**two, move="shrink").move_layouts()
+    assert (save.ranks, save.microbatches, load_on.ranks, load_on.microbatches) == (2, 1, 1, 2)
+    save, load_on = Cell(**two, move="grow").move_layouts()
+    assert (save.ranks, load_on.ranks) == (1, 2) and save.move == load_on.move == "none"
+    save, load_on = Cell(fixture="composed", path="native", ranks=4, mesh="hsdp", move="mesh").move_layouts()
+    assert (save.mesh, load_on.mesh) == ("hsdp", "fsdp")
+    with pytest.raises(UsageError, match="move: unknown value"):
+        Cell(**two, move="sideways")
+
+
+def test_matrices_place_moves_where_they_run():
+    for name, moves in (("default", {"shrink", "grow"}), ("configs", {"shrink", "grow"})):
+        cells = load(name).cells
+        moved = [c for c in cells if c.move != "none"]
+        assert {c.move for c in moved} == moves, name
+        assert all(c.lifecycle and c.ranks == 2 for c in moved)
+        assert {c.fixture for c in moved} == {c.fixture for c in cells}, name  # every fixture moves somewhere
 
 
 def test_a_recipe_unfreeze_plans_the_parameter_trainable_from_its_step():
@@ -62,6 +89,10 @@ def test_configs_matrix_passes_on_both_paths(tmp_path):
         assert {(fixture, "legacy"), (fixture, "native")} <= ran
     for column, value in (("init", "meta"), ("checkpointing", "outer"), ("param_dtype", "float16")):
         assert any(r[column] == value and r["check"] == "grad" and r["verdict"] == "PASS" for r in records), column
+    # checkpoints moved 2 -> 1 and 1 -> 2 ranks, read back entry by entry and trained a step after
+    moved = {(r["move"], r["name"].split(":")[1]) for r in records
+             if r["check"] == "checkpoint.moved" and r["verdict"] == "PASS"}
+    assert {(m, k) for m in ("shrink", "grow") for k in ("entry", "layout", "grad", "param")} <= moved
     # unused parameters were really unused somewhere: a zero gradient judged PASS
     assert any(r["fixture"] == "routed" and r["check"] == "grad" and "experts.3" in r["name"]
                and float(r["signal"]) == 0.0 for r in records)

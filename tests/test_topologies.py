@@ -69,6 +69,8 @@ def test_topologies_matrix_runs_every_composition_on_both_paths():
                                                  for p in ("legacy", "native")}
     assert {c.ranks for c in cells} == {4}
     assert any(c.sync == "replicas-last" for c in cells) and any(c.checkpointing == "full" for c in cells)
+    assert {(c.mesh, c.path) for c in cells if c.move == "mesh"} == {(m, p) for m in ("fsdp", "hsdp")
+                                                                    for p in ("legacy", "native")}
 
 
 @pytest.mark.slow
@@ -82,6 +84,10 @@ def test_topologies_matrix_passes_with_composition_checks(run_matrix):
             ("ep", "ownership"), ("fsdp+tp", "ownership")} <= seen
     for mesh in ("hsdp", "fsdp+tp", "ep"):  # DCP across paths on every 2-D mesh
         assert (mesh, "checkpoint.cross") in seen
+    # checkpoints that move between 1-D FSDP and HSDP, both ways, into both paths, with a step after
+    moved = {(r["mesh"], r["name"].split(":")[1]) for r in records
+             if r["check"] == "checkpoint.moved" and r["verdict"] == "PASS"}
+    assert {(m, kind) for m in ("fsdp", "hsdp") for kind in ("entry", "layout", "grad", "param")} <= moved
     replicas = [r for r in records if r["name"].endswith("@replicas")]
     owner = [r for r in records if r["name"].endswith("@owner") and r["mesh"] == "ep"]
     assert replicas and all(r["detail"].startswith("expected float32, observed float32") for r in replicas)

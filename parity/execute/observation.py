@@ -64,6 +64,32 @@ class Resumed:
 
 
 @dataclass(kw_only=True)
+class Moved:
+    """A checkpoint saved on one layout and loaded into one path on another (:mod:`.moves`)."""
+
+    save: str = ""
+    """The saving layout, e.g. ``legacy on fsdp x 2 ranks``."""
+    load: str = ""
+    taken: str = ""
+    skip: str = ""
+    error: str = ""
+    part: bool = True
+    """Whether this rank is one of the loading layout's ranks."""
+    before: dict[str, str] = field(default_factory=dict)
+    """Entry -> layout (type, placements) in the freshly built model, before loading."""
+    after: dict[str, str] = field(default_factory=dict)
+    saved: dict[str, object] = field(default_factory=dict)
+    """Rank 0, the cell's own path: every entry's whole value when it was saved."""
+    loaded: dict[str, object] = field(default_factory=dict)
+    """Rank 0: every entry's whole value after loading."""
+    straight: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Rank 0, the cell's own path: ``grad:``/``param:`` FQN and optimizer entries after the
+    saving layout's next step (whole)."""
+    resumed: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Rank 0: the same after the loading layout's step."""
+
+
+@dataclass(kw_only=True)
 class ContractsSeen:
     """Contract observations (:mod:`parity.execute.probes` and :mod:`.lifecycle`)."""
 
@@ -95,6 +121,8 @@ class ContractsSeen:
     """FQN -> optimizer state (local shards) at ``resume_step``."""
     resume: dict[str, Resumed] | None = None
     """Target path -> what the resumed run saw."""
+    moved: dict[str, Moved] | None = None
+    """Target path -> the moved checkpoint's evidence (:mod:`parity.execute.moves`); None: no move."""
     replicas: dict[str, list[str]] = field(default_factory=dict)
     """HSDP: parameter FQN -> dtypes of the all-reduce across replicas."""
     owner_reduce: dict[str, set[str]] = field(default_factory=dict)

@@ -109,16 +109,16 @@ def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: float) -> 
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, torch.tensor(norm))
 
 
-def owner_reduce(p: nn.Parameter, *, world: int, reduction: str) -> tuple[str, str]:
+def owner_reduce(p: nn.Parameter, *, world: int, reduction: str, group=None) -> tuple[str, str]:
     """Reduce an FSDP-ignored parameter's gradient the way its owner does; returns (group,
     dtype) as observed. An expert-parallel owner's experts already summed their tokens over
     ``ep`` (the combine's backward), so it all-reduces over ``dp``, its replicas; an emulated
-    owner of a replicated parameter all-reduces over every rank."""
+    owner of a replicated parameter all-reduces over every rank of ``group`` (default: all)."""
     grad = p.grad
     if isinstance(grad, DTensor):
         local, group, label = grad.to_local(), grad.device_mesh.get_group("dp"), "dp"
     else:
-        local, group, label = grad, None, "world"
+        local, label = grad, "world"
     dist.all_reduce(local, group=group)
     if reduction == "mean":
         local.div_(world)

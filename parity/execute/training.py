@@ -58,6 +58,8 @@ class Sharded:
     """float16: the sharded gradient scaler (found-inf agreed across ranks)."""
     owners: dict[str, str] = field(default_factory=dict)
     """Parameter FQN -> tensor/expert-parallel owner (:func:`parity.execute.parallel.parallelize`)."""
+    group: object | None = None
+    """The process group of a model trained on fewer ranks than the job's (None: every rank)."""
 
 
 def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
@@ -86,7 +88,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
-                   reshard_after_forward=cell.reshard, ignored=ignored)
+                   reshard_after_forward=cell.reshard, ignored=ignored, group=_subgroup(mesh))
     if meta:
         materialize(model, fixture.make(cell.seed), device)
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
@@ -101,12 +103,24 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     if scale != 1.0:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        scaler = ShardedGradScaler(device=torch.device(device).type, init_scale=scale)
+        group = _subgroup(mesh)  # found-inf is agreed over the model's ranks
+        scaler = ShardedGradScaler(device=torch.device(device).type, init_scale=scale,
+                                   **({"process_group": group} if group is not None else {}))
     return Sharded(
         model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
-        owners=owners,
+        owners=owners, group=_subgroup(mesh),
     )
+
+
+def _subgroup(mesh):
+    """The process group of a model trained on fewer ranks than the job has (a checkpoint that
+    moves, :mod:`parity.execute.moves`); None when it trains on all of them."""
+    import torch.distributed as dist
+
+    if mesh is None or not dist.is_initialized() or mesh.ndim != 1 or mesh.size() == dist.get_world_size():
+        return None
+    return mesh.get_group()
 
 
 def _forward(cell: Cell, model: nn.Module, inputs: tuple[torch.Tensor, ...]):
@@ -147,10 +161,14 @@ def _state_dicts(cell: Cell, s: Sharded, step: int, point: str, obs: Observation
 
 
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
-               recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None) -> None:
-    """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``."""
+               recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None,
+               data: Callable[[int, int], tuple[int, int]] | None = None, keep=None) -> None:
+    """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``.
+    ``data`` maps (rank, micro-batch) to the (data rank, micro-batch) whose batch it trains
+    (default: its own); ``keep`` how tensors are recorded (default: :func:`observed`)."""
     fixture = get_fixture(cell.fixture, cell.source)
-    topo, keep = cell.topology(), observed(cell)
+    topo, keep = cell.topology(), keep or observed(cell)
+    data = data or (lambda r, m: (topo.data_rank(r), m))
     freeze_schedule(s, step)
 
     def segment(label: str):
@@ -160,7 +178,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         s.model.set_requires_gradient_sync(last or cell.sync != "last")
         if cell.sync == "replicas-last":
             s.model.set_requires_all_reduce(last)
-        batch = fixture.batch(cell.seed, step, topo.data_rank(rank), mb).to(device)
+        batch = fixture.batch(cell.seed, step, *data(rank, mb)).to(device)
         inputs = batch.inputs
         if not fixture.token_input:
             inputs = tuple(x.requires_grad_() for x in inputs)
@@ -203,7 +221,7 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
     for p in (p for p in s.params if p in s.ignored):
         if p.grad is not None and world > 1:
-            group, dtype = parallel.owner_reduce(p, world=world, reduction=fixture.ignored_reduction)
+            group, dtype = parallel.owner_reduce(p, world=world, reduction=fixture.ignored_reduction, group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
     if s.scaler:
         s.scaler.unscale_(s.opt)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import collectives, lifecycle, parallel, probes
+from parity.execute import collectives, lifecycle, moves, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -76,6 +76,9 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         with inject.active("lifecycle"):
             obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
                                                     inject=inject, heartbeat=beat)
+            if cell.move != "none":
+                obs.contracts.moved = moves.moved(cell, rank=rank, world=world, mesh=mesh, device=device,
+                                                  inject=inject, heartbeat=beat)
         obs.timings["checkpoint"] = time.perf_counter() - t2
     with inject.active("main"):
         inject.site("trained", model=s.model)

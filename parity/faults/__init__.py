@@ -173,6 +173,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("step_counter_restarts", "loading optimizer state restarts AdamW's step counters at 1 (set_state_dict)",
            {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
            quiet={"steps": 2}, patch=rp.step_counter_restarts, scopes=("lifecycle",)),
+    _fault("resharded_read_at_zero", "DCP reads every chunk of a resharded load at offset 0 "
+           "(narrow_tensor_by_index without offsets): only a checkpoint loaded on another layout shows it",
+           {"checkpoint.moved"}, {**_KDA2, "move": "shrink"}, quiet={"move": "none"}, patch=rp.resharded_read_at_zero,
+           scopes=("lifecycle",)),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge import tolerance
+from parity.judge import moved, tolerance
 from parity.judge.compare import Comparison, amax, gather_full
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
@@ -480,4 +480,6 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     if obs.contracts.resume is not None:
         rows += optimizer_checks(cell, observations, plan, base)
         rows += resume_checks(cell, observations, plan, base)
+    if cell.move != "none":
+        rows += moved.checks(cell, observations, plan, base)
     return rows

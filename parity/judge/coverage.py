@@ -13,7 +13,7 @@ the observations) it derives the records the cell owes:
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
-  the checkpoint lifecycle.
+  the checkpoint lifecycle; ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
 A ``coverage`` record FAILs, naming what is missing, when any owed record is absent or is a
 SKIP without a stated reason. A parameter that gets no gradient in the reference either (a
@@ -69,6 +69,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         out.append(("checkpoint.same", None, None))
         if cell.crossload_targets:
             out.append(("checkpoint.cross", None, None))
+    if cell.move != "none":
+        out.append(("checkpoint.moved", None, None))
     return out
 
 

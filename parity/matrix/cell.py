@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from parity.errors import UsageError
 from parity.model.dtypes import dtype_name, parse_dtype
@@ -19,6 +19,8 @@ OPTIMIZERS = ("adamw", "sgd")
 #: When a cell runs an evaluation forward (``torch.no_grad()``, ``model.eval()``) on its own batch.
 EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
+#: Where the checkpoint lifecycle's second checkpoint is saved and loaded (:attr:`Cell.move`).
+MOVES = ("none", "shrink", "grow", "mesh")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -28,7 +30,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
-               "weights": "w", "clip": "clip", "eval": "eval", "steps": "st"}
+               "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,14 @@ class Cell:
     seed: int = 0
     steps: int = 2
     """Optimizer steps; the checkpoint lifecycle resumes in the middle (:attr:`resume_step`)."""
+    move: str = "none"
+    """A checkpoint that moves (:mod:`parity.execute.moves`): besides the lifecycle's same-layout
+    checkpoint, one saved on one layout and loaded on another, after :attr:`resume_step` steps.
+    ``shrink``: saved on every rank, loaded on half of them (2 -> 1); ``grow``: saved on half,
+    loaded on every rank (1 -> 2); ``mesh``: saved on the cell's mesh, loaded on the other of
+    1-D FSDP and HSDP (4 ranks). A layout with fewer ranks trains the others' batches as
+    micro-batches, so both layouts train on the same global batch. ``none`` where the cell runs
+    no lifecycle, has one rank (``shrink``/``grow``) or another mesh or size (``mesh``)."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -96,6 +106,10 @@ class Cell:
             object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
+        if self.move not in MOVES:
+            raise UsageError(f"move: unknown value {self.move!r}; valid: {', '.join(MOVES)}")
+        if not self._movable():
+            object.__setattr__(self, "move", "none")  # nothing to move: the cell does not claim it
         if not (self.clip >= 0.0 and self.clip < float("inf")):
             raise UsageError(f"clip {self.clip!r}: write a finite max-norm >= 0 (0: no clipping)")
         self.topology()  # a composition these ranks cannot form is a usage error
@@ -107,6 +121,23 @@ class Cell:
                              "all-gathers are not emulated yet (use eval 'none')")
         if self.init == "meta" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
+
+    def _movable(self) -> bool:
+        if self.move == "none" or not self.lifecycle or self.weights != "none" or self.init != "seeded":
+            return self.move == "none"
+        if self.move == "mesh":
+            return self.mesh in ("fsdp", "hsdp") and self.ranks >= 4
+        return self.mesh == "fsdp" and self.ranks % 2 == 0
+
+    def move_layouts(self) -> tuple["Cell", "Cell"]:
+        """The cells the moved checkpoint is saved from and loaded into: the same recipe on
+        another number of ranks (the rest train the missing ranks' batches as micro-batches) or
+        on another mesh; ``move`` none on both."""
+        same = replace(self, move="none", crossload="")
+        if self.move == "mesh":
+            return same, replace(same, mesh="hsdp" if self.mesh == "fsdp" else "fsdp")
+        half = replace(same, ranks=self.ranks // 2, microbatches=2 * self.microbatches)
+        return (same, half) if self.move == "shrink" else (half, same)
 
     def eval_labels(self, step: int) -> list[str]:
         """The evaluation forwards of ``step``, in order: ``mb{k}`` after micro-batch k's backward

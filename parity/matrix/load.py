@@ -25,6 +25,7 @@ A matrix file::
     clip = [0.0, 0.01]                          # gradient clipping's max-norm; 0.0: none
     eval = ["none", "between-steps", "between-microbatches"]   # no_grad evaluation forwards
     steps = [2, 4]                              # optimizer steps (the lifecycle resumes in the middle)
+    move = ["none", "shrink", "grow", "mesh"]   # a checkpoint saved on one layout, loaded on another
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
-from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
+from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
@@ -52,7 +53,7 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
-            "weights": WEIGHTS, "eval": EVALS}
+            "weights": WEIGHTS, "eval": EVALS, "move": MOVES}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
@@ -151,14 +152,19 @@ def _accumulation(source: str, value) -> tuple[int, str]:
     return micro, sync
 
 
-def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
+def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None) -> list[dict]:
     """Full product over ``exhaustive`` axes; the others are assigned greedily so every
-    pair of values of two axes (at least one of them free) appears in some row."""
+    pair of values of two axes (at least one of them free) appears in some row.
+    ``dishonest(row)`` (optional) names the axes whose value a row would not really run (a
+    cell normalizes values it cannot run, e.g. evaluations between micro-batches of a
+    one-micro-batch cell): free values go where they stay honest, a pair counts as covered
+    only by a row that runs both values, and a pair no row can run is not covered."""
+    dishonest = dishonest or (lambda row: set())
     free = [a for a in axes if a not in exhaustive]
     names = list(axes)
 
-    def pairs(row):
-        keys = [a for a in names if a in row]
+    def pairs(row, skip=frozenset()):
+        keys = [a for a in names if a in row and a not in skip]
         return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
 
     uncovered = {
@@ -170,12 +176,14 @@ def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
     used = {a: {v: 0 for v in axes[a]} for a in free}
 
     def fill(row):
-        # most new pairs first, then the least-used value, so free axes stay balanced
+        # values the row runs first, then the most new pairs, then the least-used value,
+        # so free axes stay balanced
         for a in free:
             if a not in row:
                 row[a] = max(
                     axes[a],
-                    key=lambda v: (len(pairs({**row, a: v}) & uncovered), -used[a][v], -axes[a].index(v)),
+                    key=lambda v: (-len(dishonest({**row, a: v})), len(pairs({**row, a: v}) & uncovered),
+                                   -used[a][v], -axes[a].index(v)),
                 )
         for a in free:
             used[a][row[a]] += 1
@@ -185,17 +193,36 @@ def covering(axes: dict[str, list], exhaustive: list[str]) -> list[dict]:
     for base in itertools.product(*(axes[a] for a in exhaustive)):
         row = fill(dict(zip(exhaustive, base)))
         rows.append(row)
-        uncovered -= pairs(row)
+        uncovered -= pairs(row, dishonest(row))
     while uncovered:
-        (a, va), (b, vb) = min(uncovered, key=repr)
+        pair = (a, va), (b, vb) = min(uncovered, key=repr)
         row = {**rows[0], a: va, b: vb}
         for x in free:
             if x not in (a, b):
                 row.pop(x)
         row = fill(row)
+        if {a, b} & dishonest(row):  # no row runs this pair
+            uncovered.discard(pair)
+            continue
         rows.append(row)
-        uncovered -= pairs(row)
+        uncovered -= pairs(row, dishonest(row))
     return rows
+
+
+def _dishonest(row: dict) -> set[str]:
+    """The axes whose value a cell made of ``row`` (other fields at their defaults) would not
+    keep; every axis when no cell can be made of it."""
+    fields = {k: v for k, v in row.items() if k in Cell.__dataclass_fields__}
+    if "accumulation" in row:
+        fields["microbatches"], fields["sync"] = _accumulation("<row>", row["accumulation"])
+    try:
+        cell = Cell(**{"fixture": "", "path": "", **fields})
+    except UsageError:
+        return set(row)
+    out = {k for k, v in fields.items() if getattr(cell, k) != v and k in row}
+    if "accumulation" in row and (cell.microbatches, cell.sync) != (fields["microbatches"], fields["sync"]):
+        out.add("accumulation")
+    return out
 
 
 def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
@@ -272,7 +299,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         if bad:
             raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
         rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)}
-        design = covering(rest, [a for a in AXES if a in exhaustive and a in rest])
+        design = covering(rest, [a for a in AXES if a in exhaustive and a in rest], _dishonest)
         for i, row in enumerate(design):  # rotated axes cycle through their values
             row.update({a: axes[a][i % len(axes[a])] for a in rotate})
         rows = [{**row, "fixture": f, "path": p} for f in axes["fixture"] for row in design for p in axes["path"]]

@@ -136,12 +136,14 @@ def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None
 def apply_sharding(
     model: nn.Module, report: ShardReport, plan: PrecisionPlan, *, mesh=None,
     reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Check the plan's rank consistency, let the taken path call ``fully_shard``, then check
-    what FSDP resolved, on every rank, before anything reaches a collective."""
-    check_rank_consistency(plan)
+    what FSDP resolved, on every rank of ``group`` (default: all), before anything reaches a
+    collective."""
+    check_rank_consistency(plan, group)
     get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()))
-    check_resolved_consistency(model)
+    check_resolved_consistency(model, group)
 
 
 def shard(

@@ -1,0 +1,222 @@
+"""Checkpoints that move (worker side): saved on one layout, loaded on another.
+
+Real jobs resume on another number of GPUs or another mesh. For a cell with ``move`` set
+(:meth:`parity.matrix.cell.Cell.move_layouts`), the saving layout trains
+:attr:`~parity.matrix.cell.Cell.resume_step` steps and saves (DCP); then it trains one more
+step itself (the uninterrupted run of that checkpoint) while the loading layout, sharded by
+each target path, loads the checkpoint and trains the same step. A layout with fewer ranks
+than the cell's trains the other ranks' batches as micro-batches, so both train on the same
+global batch.
+
+Each rank reports the layout (type, placements) of every state entry in the fresh model
+before loading and after; rank 0 also reports every entry's whole value at the save and
+after the load, and the step that followed on each side (whole tensors), for
+:mod:`parity.judge.moved` to compare.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict as dcp_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+
+from parity.errors import IsolationError
+from parity.execute import parallel
+from parity.execute.observation import Moved, Observation
+from parity.execute.training import Sharded, build, freeze_schedule, train_step
+from parity.faults import Injector
+from parity.matrix.cell import Cell
+from parity.model.plan import canonical_fqn
+from parity.model.quantized import plain_state
+
+_FAILURES = (Exception, CheckpointException)
+#: Subgroups of the first n ranks, made once per process (creating one is a collective).
+_SUBMESHES: dict[tuple[int, str], object] = {}
+
+
+def _mesh(layout: Cell, *, world: int, rank: int, world_mesh, device_type: str):
+    """The 1-D mesh (and process group) the layout's ranks train on; None on a rank outside
+    it. A layout on fewer ranks uses the first ones. Every rank must call this (new_group)."""
+    if layout.ranks == world:
+        return world_mesh, None
+    key = (layout.ranks, device_type)
+    if key not in _SUBMESHES:
+        group = dist.new_group(list(range(layout.ranks)))
+        mesh = None
+        if rank < layout.ranks:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(group, device_type, mesh=list(range(layout.ranks)))
+        _SUBMESHES[key] = (mesh, group)
+    mesh, group = _SUBMESHES[key]
+    return (mesh, group) if rank < layout.ranks else (None, None)
+
+
+def _data(cell: Cell, layout: Cell):
+    """(rank, micro-batch) of ``layout`` -> the cell's (data rank, micro-batch) it trains."""
+    if layout.ranks == cell.ranks:
+        return None
+    return lambda r, m: (r + (m // cell.microbatches) * layout.ranks, m % cell.microbatches)
+
+
+def describe(layout: Cell, path: str) -> str:
+    return f"{path} on {layout.mesh} x {layout.ranks} rank{'s' if layout.ranks > 1 else ''}"
+
+
+def _value(v):
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _flat(msd: dict, osd: dict, leaf) -> dict:
+    """Model and optimizer state as ``model/FQN``, ``optim/FQN/key`` and
+    ``optim/param_groups/i/key`` entries."""
+    out = {f"model/{canonical_fqn(k)}": leaf(v) for k, v in msd.items()}
+    for fqn, st in osd["state"].items():
+        out.update({f"optim/{canonical_fqn(fqn)}/{k}": leaf(v) for k, v in st.items()})
+    for i, group in enumerate(osd["param_groups"]):
+        out.update({f"optim/param_groups/{i}/{k}": sorted(map(canonical_fqn, v)) if k == "params" else v
+                    for k, v in group.items()})
+    return out
+
+
+def _whole(s: Sharded) -> dict:
+    """Every entry's whole value (a collective over the layout's ranks)."""
+    opts = dcp_state_dict.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt, options=opts)
+    return _flat(msd, osd, _value)
+
+
+def _layout(v) -> str:
+    if isinstance(v, DTensor):
+        return f"DTensor {tuple(map(str, v.placements))} over mesh {tuple(v.device_mesh.shape)}"
+    return "Tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def _layouts(s: Sharded) -> dict[str, str]:
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+    return {k: v for k, v in _flat(msd, osd, _layout).items() if not k.startswith("optim/param_groups/")}
+
+
+def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat) -> dict:
+    """Train :attr:`Cell.resume_step` on ``layout``; its gradients, parameters and optimizer
+    state, whole (collectives over the layout's ranks)."""
+    obs = Observation(rank=rank)
+    train_step(layout, s, cell.resume_step, rank=rank, world=layout.ranks, device=device, obs=obs,
+               heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full)
+    state = {k: v for k, v in _whole(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
+    return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
+            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state}
+
+
+def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,
+          heartbeat) -> tuple[dict, dict]:
+    s = build(layout, cell.path, mesh=mesh, device=device, inject=inject)
+    for step in range(cell.resume_step):
+        train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
+                   heartbeat=heartbeat, data=_data(cell, layout))
+    saved = _whole(s)
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+    state = {"model": plain_state(msd), "optim": osd}
+    if s.scaler is not None:
+        state["scaler"] = s.scaler.state_dict()
+    dcp.save(state, checkpoint_id=ckpt, process_group=group)
+    heartbeat("moved checkpoint saved")
+    return saved, _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
+
+
+def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,
+          heartbeat) -> Moved:
+    s = build(layout, target, mesh=mesh, device=device, inject=inject)
+    freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
+    before = _layouts(s)
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+    state = {"model": plain_state(msd), "optim": osd}
+    if s.scaler is not None:
+        state["scaler"] = s.scaler.state_dict()
+    dcp.load(state, checkpoint_id=ckpt, process_group=group)
+    if s.scaler is not None:
+        s.scaler.load_state_dict(state["scaler"])
+    dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    heartbeat(f"moved checkpoint loaded into {target}")
+    after, loaded = _layouts(s), _whole(s)
+    resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
+    keep = rank == 0
+    return Moved(taken=s.report.taken, before=before, after=after, loaded=loaded if keep else {},
+                 resumed=resumed if keep else {})
+
+
+def _agree(error: str, world: int) -> str:
+    """Every rank's error (the first), so that all ranks stop together."""
+    if world == 1:
+        return error
+    seen: list = [None] * world
+    dist.all_gather_object(seen, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(seen) if e), "")
+
+
+def _unsupported(cell: Cell) -> str:
+    """Why this cell's checkpoint cannot move (empty: it can)."""
+    from parity.model.registry import get_fixture
+
+    fixture = get_fixture(cell.fixture, cell.source)
+    if cell.move in ("shrink", "grow") and fixture.ignored_reduction == "sum" \
+            and fixture.ignored(fixture.make(cell.seed, "meta")):
+        return ("the fixture's FSDP-ignored parameters are summed over the ranks by their owner (ignored_reduction "
+                "'sum') while micro-batches average: on another number of ranks that is another recipe")
+    return ""
+
+
+def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
+          heartbeat=lambda what: None) -> dict[str, Moved]:
+    """Save on the cell's saving layout, load into each target path on its loading layout,
+    train one step on both; what each rank saw, per target path."""
+    save_l, load_l = cell.move_layouts()
+    device_type = torch.device(device).type
+    save_mesh, save_group = _mesh(save_l, world=world, rank=rank, world_mesh=mesh, device_type=device_type)
+    load_mesh, load_group = _mesh(load_l, world=world, rank=rank, world_mesh=mesh, device_type=device_type)
+    targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
+    label = {t: dict(save=describe(save_l, cell.path), load=describe(load_l, t)) for t in targets}
+    ckpt = [tempfile.mkdtemp(prefix="parity-moved-") if rank == 0 else None]
+    if world > 1:
+        dist.broadcast_object_list(ckpt, src=0)
+    saved, straight, error, skip = {}, {}, "", ""
+    try:
+        if save_mesh is not None:
+            try:
+                skip = _unsupported(cell)
+                if not skip:
+                    saved, straight = _save(cell, save_l, save_mesh, save_group, ckpt[0], rank=rank, device=device,
+                                            inject=inject, heartbeat=heartbeat)
+            except _FAILURES as exc:
+                error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
+        error = _agree(error, world)
+        skip = _agree(skip, world)
+        if error or skip:
+            return {t: Moved(**label[t], error=error, skip=skip) for t in targets}
+        out = {}
+        for t in targets:
+            if load_mesh is None:
+                out[t] = Moved(**label[t], part=False)
+                continue
+            try:
+                out[t] = _load(cell, load_l, t, load_mesh, load_group, ckpt[0], rank=rank, device=device,
+                               inject=inject, heartbeat=heartbeat)
+            except IsolationError as exc:
+                out[t] = Moved(skip=f"{t} cannot shard this fixture: {exc}")
+            except _FAILURES as exc:
+                out[t] = Moved(error=f"loading into {describe(load_l, t)} failed: {type(exc).__name__}: {exc}")
+            out[t].save, out[t].load = label[t]["save"], label[t]["load"]
+        if rank == 0:
+            out[cell.path].saved, out[cell.path].straight = saved, straight
+        return out
+    finally:
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt[0], ignore_errors=True)

@@ -1,0 +1,169 @@
+"""``checkpoint.moved``: a checkpoint saved on one layout and loaded on another
+(:mod:`parity.execute.moves`), judged entry by entry and by the step that follows.
+
+Per target path:
+
+- ``entry:KEY`` -- every model and optimizer entry (``model/FQN``, ``optim/FQN/step``, the
+  moments, the parameter groups' settings) read back whole after the load is bitwise the
+  entry saved, in the same dtype: resharding moves bytes, never changes them;
+- ``layout:KEY`` -- on every loading rank, the entry's type and placements after the load are
+  those of the freshly built model (loading fills the target's sharding, never replaces it);
+- ``grad:FQN``, ``param:FQN``, ``optim:FQN.MOMENT`` -- the loading layout's next step against
+  the saving layout's next step from the same state and the same global batch: the gradient
+  allowance of a reduction over the cell's ranks x micro-batches (the two layouts sum in
+  another order; float16 compute on another number of ranks: float16's, see
+  :func:`_summed_in`), the one-step parameter and moment allowances; optimizer step
+  counters exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from parity.execute.observation import Moved, Observation
+from parity.judge import tolerance
+from parity.judge.compare import Comparison, amax, max_abs
+from parity.judge.record import Record, Verdict
+from parity.matrix.cell import Cell
+from parity.model.dtypes import dtype_name
+from parity.model.plan import PrecisionPlan
+from parity.model.recipe import optimizer_recipe
+
+CHECK = "checkpoint.moved"
+
+
+def _exact(base: dict, name: str, saved, loaded, note: str) -> Record:
+    """One entry: same dtype and shape, bitwise the same values (or the same plain value)."""
+    if isinstance(saved, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        same_kind = saved.dtype == loaded.dtype and saved.shape == loaded.shape
+        observed = max_abs(loaded, saved) if same_kind else float("inf")
+        if observed != observed:  # NaN in both at the same place counts as equal only bitwise
+            observed = 0.0 if torch.equal(loaded.view(-1).view(torch.uint8), saved.view(-1).view(torch.uint8)) \
+                else float("inf")
+        got = f"{dtype_name(loaded.dtype)} {list(loaded.shape)}"
+        want = f"{dtype_name(saved.dtype)} {list(saved.shape)}"
+        dtype = dtype_name(saved.dtype)
+    else:
+        observed = 0.0 if saved == loaded and type(saved) is type(loaded) else float("inf")
+        got, want, dtype = repr(loaded)[:80], repr(saved)[:80], ""
+    ok = observed == 0.0
+    detail = f"saved {want}, loaded {got}; max |loaded - saved| {observed:.3g}; {note}"
+    return Record(**base, check=CHECK, name=name, observed=observed, allowed=0.0, ratio=0.0 if ok else float("inf"),
+                  dtype=dtype, verdict=Verdict.PASS if ok else Verdict.FAIL, detail=detail)
+
+
+def _missing(base: dict, name: str, what: str) -> Record:
+    return Record(**base, check=CHECK, name=name, observed=float("inf"), allowed=0.0, ratio=float("inf"),
+                  verdict=Verdict.FAIL, detail=f"missing: {what}")
+
+
+def _entries(base: dict, target: str, saved: dict, loaded: dict, note: str) -> list[Record]:
+    rows = []
+    for key in dict.fromkeys([*saved, *loaded]):
+        name = f"{target}:entry:{key}"
+        if key not in loaded:
+            rows.append(_missing(base, name, f"saved, not in the state read back after loading ({note})"))
+        elif key not in saved:
+            rows.append(_missing(base, name, f"loaded, but no such entry was saved ({note})"))
+        else:
+            rows.append(_exact(base, name, saved[key], loaded[key], note))
+    return rows
+
+
+def _layouts(base: dict, target: str, per_rank: list[tuple[int, Moved]]) -> list[Record]:
+    keys = dict.fromkeys(k for _, m in per_rank for k in (*m.before, *m.after))
+    rows = []
+    for key in keys:
+        broken = [f"rank {r}: {m.before.get(key, '<absent>')} -> {m.after.get(key, '<absent>')}"
+                  for r, m in per_rank if m.before.get(key) != m.after.get(key) or key not in m.after]
+        first = per_rank[0][1].after.get(key, "<absent>")
+        ok = not broken
+        rows.append(Record(**base, check=CHECK, name=f"{target}:layout:{key}", observed=0.0 if ok else 1.0,
+                           allowed=0.0, ratio=0.0 if ok else float("inf"), verdict=Verdict.PASS if ok else Verdict.FAIL,
+                           detail=(f"{first} before and after loading on {len(per_rank)} rank(s)" if ok
+                                   else "loading changed the entry's layout: " + "; ".join(broken)[:600])))
+    return rows
+
+
+def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict, straight: dict,
+          resumed: dict, note: str) -> list[Record]:
+    recipe = optimizer_recipe(cell.optimizer)
+    rows = []
+    for key in dict.fromkeys([*straight, *resumed]):
+        name = f"{target}:{key}"
+        if key not in resumed or key not in straight:
+            where = "the resumed step" if key not in resumed else "the uninterrupted step"
+            rows.append(_missing(base, name, f"{key} after {where} ({note})"))
+            continue
+        want, got = straight[key], resumed[key]
+        kind, _, rest = key.partition(":") if ":" in key else ("optim", "", key)
+        if kind == "optim":
+            fqn, _, state_key = rest[len("optim/"):].rpartition("/") if rest.startswith("optim/") else ("", "", rest)
+            t = plan.get(fqn)
+            if state_key not in recipe.moments or t is None:  # counters and other state: exact
+                rows.append(replace(_exact(base, name, want, got, note), check=CHECK))
+                continue
+            allow = tolerance.moment(t.storage, amax(want))
+            comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
+        else:
+            t = plan.get(rest)
+            if t is None:
+                rows.append(_exact(base, name, want, got, note))
+                continue
+            if kind == "grad":
+                allow = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, amax(want))
+                comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
+            else:
+                before = saved.get(f"model/{rest}")
+                update = want - before if isinstance(before, torch.Tensor) and before.shape == want.shape \
+                    else torch.zeros_like(want)
+                allow = tolerance.parameter(t.storage, want, update, cell.optimizer)
+                comp = Comparison(cell.resume_step, CHECK, name, got, want, allow, signal=amax(update))
+        row = comp.record(dict(base))
+        row.check, row.name, row.step = CHECK, name, cell.resume_step
+        row.detail = "; ".join(x for x in (row.detail, note) if x)
+        rows.append(row)
+    return rows
+
+
+def _summed_in(cell: Cell, t) -> torch.dtype:
+    """The dtype the two layouts' gradients can differ in. On another number of ranks the
+    missing ranks' batches are micro-batches, whose loss is divided by their count: in
+    float16 compute, halving a gradient that is already subnormal rounds it (float16 has a
+    narrow exponent range; bfloat16 has float32's), and every gradient downstream of a
+    float16 activation carries that (FP32-computed parameters too), so the allowance is
+    float16's. Otherwise the reduction's dtype: the layouts sum the same terms in another order."""
+    if cell.move in ("shrink", "grow") and cell.param_dtype == "float16":
+        return torch.float16
+    return t.grad_dtype
+
+
+def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+    moved = observations[0].contracts.moved or {}
+    rows = []
+    own = moved.get(cell.path, Moved())
+    for target, m0 in moved.items():
+        per_rank = [(o.rank, o.contracts.moved.get(target, Moved(error="no report from this rank")))
+                    if o.contracts.moved is not None else (o.rank, Moved(error="no moved-checkpoint report"))
+                    for o in observations]
+        at = base if target == cell.path else {
+            **base, "cell": replace(cell, path=target, crossload="").id, "path": target, "path_taken": target}
+        note = f"saved by {m0.save}, loaded by {m0.load}"
+        errors = [f"rank {r}: {m.error}" for r, m in per_rank if m.error]
+        if errors:
+            rows.append(Record(**at, check=CHECK, name=target, verdict=Verdict.ERROR,
+                               detail=f"{note}: " + "; ".join(errors)[:1000]))
+            continue
+        if m0.skip:
+            rows.append(Record(**at, check=CHECK, name=target, verdict=Verdict.SKIP, detail=m0.skip))
+            continue
+        if not own.saved or not m0.loaded:
+            rows.append(_missing(at, target, f"rank 0 reported no {'saved' if not own.saved else 'loaded'} entries "
+                                             f"({note})"))
+            continue
+        rows += _entries(at, target, own.saved, m0.loaded, note)
+        rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
+        rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note)
+    return rows
