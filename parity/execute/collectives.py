@@ -29,8 +29,9 @@ def nbytes(args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def counting(into: dict, key: Callable[[str], object]) -> Iterator[None]:
-    """While open, every collective adds 1 call and its bytes to ``into[key(kind)]`` = [count, bytes]."""
+def counting(into: dict, key: Callable[[str], object], calls: dict | None = None) -> Iterator[None]:
+    """While open, every collective adds 1 call and its bytes to ``into[key(kind)]`` = [count, bytes]
+    and, when ``calls`` is given, appends its bytes to ``calls[key(kind)]`` (one entry per call)."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
@@ -38,8 +39,11 @@ def counting(into: dict, key: Callable[[str], object]) -> Iterator[None]:
 
         def counted(*args, **kwargs):
             slot = into.setdefault(key(kind), [0, 0])
+            size = nbytes(args, kwargs)
             slot[0] += 1
-            slot[1] += nbytes(args, kwargs)
+            slot[1] += size
+            if calls is not None:
+                calls.setdefault(key(kind), []).append(size)
             return fn(*args, **kwargs)
         return counted
 
@@ -57,6 +61,8 @@ class Segments:
 
     def __init__(self):
         self.counts: dict[tuple[int, str, str], list[int]] = {}
+        self.calls: dict[tuple[int, str, str], list[int]] = {}
+        """The same keys -> each call's bytes, in order."""
         self.current: tuple[int, str] = (-1, "outside")
 
     @contextlib.contextmanager

@@ -68,13 +68,13 @@ _FP8 = {"fixture": "fp8", "path": "native", "ranks": 2}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "trajectory", "trajectory.emulation", "dtype.compute", "divergence"}, _KDA2, patch=p.drop_override),
+           {"grad", "grad_norm", "trajectory", "trajectory.emulation", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.drop_override),
     _fault("holder_dt_bias_bf16", "FSDP all-gathers one holder's FP32 dt_bias (blocks.1.holder) in BF16",
-           {"grad", "grad_norm", "dtype.compute", "divergence"}, _KDA2, patch=p.holder_dt_bias_bf16),
+           {"grad", "grad_norm", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.holder_dt_bias_bf16),
     _fault("bf16_reduce", "FSDP reduces every gradient in BF16 (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "dtype.reduce", "dtype.accum"}, {**_KDA2, **_ACCUM}, patch=p.bf16_reduce),
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "collectives"}, {**_KDA2, **_ACCUM}, patch=p.bf16_reduce),
     _fault("bf16_reduce_tied", "FSDP reduces the tied embedding/head gradient in BF16 (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "dtype.reduce", "dtype.accum"}, {"fixture": "lm", "path": "native", "ranks": 2, **_ACCUM},
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "collectives"}, {"fixture": "lm", "path": "native", "ranks": 2, **_ACCUM},
            patch=p.bf16_reduce_tied),
     _fault("drop_output_dtype", "FSDP skips the outermost unit's output cast (FSDPState._cast_output_dtype)",
            {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32"}, patch=p.drop_output_dtype),
@@ -180,7 +180,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32
-           {"dtype.reduce", "grad", "checkpoint.same", "checkpoint.cross"}, {"fixture": "staged", "path": "legacy", "ranks": 2},
+           {"dtype.reduce", "grad", "checkpoint.same", "checkpoint.cross", "collectives"}, {"fixture": "staged", "path": "legacy", "ranks": 2},
            quiet={"fixture": "frozen"}, patch=rp.frozen_unit_reduces_bf16),
     _fault("state_dict_skips_reshard", "FSDP registers no state-dict pre-save hook: a state dict taken while units are "
            "unsharded holds compute-dtype tensors (FSDPParamGroup._register_state_dict_hooks)",

@@ -400,7 +400,54 @@ def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step:
     return sum(1 for u in obs.report.units if trained & set(u.params))
 
 
-def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int) -> tuple[dict, dict]:
+    """What each unit's collectives carry, from the plan, the path's units and the parameters'
+    shapes (FSDP pads dim 0 to ``ranks x ceil(dim0 / ranks)`` rows): unit -> bytes of its
+    all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
+    (each parameter trained then, in its reduce dtype)."""
+    gather, reduce = {}, {}
+    for u in obs.report.units:
+        g = r = 0
+        for f in u.params:
+            t = plan.get(f)
+            if t is None or t.ownership != "managed" or f not in shapes:
+                continue
+            shape = shapes[f]
+            rows = -(-shape[0] // cell.ranks) * cell.ranks if len(shape) else 1
+            padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
+            g += padded * t.compute.itemsize
+            if t.requires_grad and t.trainable_from <= step and t.reduce is not None:
+                r += padded * t.reduce.itemsize
+        gather[u.root], reduce[u.root] = g, r
+    return gather, reduce
+
+
+def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int) -> list[str]:
+    """Bytes per call against the units' (:func:`unit_bytes`): each all-gather carries one unit in
+    its compute dtypes, a synchronizing backward reduce-scatters each unit with something to
+    train once, in its reduce dtypes."""
+    gather, reduce = unit_bytes(cell, obs, plan, shapes, step)
+    calls = {(label, kind): sizes for (s, label, kind), sizes in obs.contracts.collective_calls.items() if s == step}
+    problems = []
+    for (label, kind), sizes in sorted(calls.items()):
+        if kind == "all-gather":
+            odd = [b for b in sizes if b not in gather.values()]
+            if odd:
+                problems.append(f"{label}: all-gather of {odd[0]} bytes, no unit's size in its compute dtypes "
+                                f"({sorted(set(gather.values()))})")
+    for mb in range(cell.microbatches):
+        if not (mb == cell.microbatches - 1 or cell.sync == "every"):
+            continue
+        got = sorted(calls.get((f"mb{mb}/backward", "reduce-scatter"), []))
+        want = sorted(b for b in reduce.values() if b)
+        if got != want:
+            problems.append(f"mb{mb}/backward: reduce-scatters of {got} bytes, expected {want} "
+                            "(each unit's trained parameters, padded, in their reduce dtypes)")
+    return problems
+
+
+def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict,
+                      shapes: dict | None = None) -> list[Record]:
     """``collectives``: what the cell's own training issued, counted where ``torch.distributed`` issues
     it, per step and segment of the loop, against the path's units and the cell's accumulation:
 
@@ -413,7 +460,10 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
     - the forwards of a step all-reduce once per tensorwise FP8 weight (its amax), nothing else;
     - the optimizer segment all-reduces once per FSDP-ignored gradient (its owner) and, with a loss
       scale, once for the gradient scaler's found-inf (on one rank too), nothing else;
-    - otherwise nothing is issued on one rank.
+    - otherwise nothing is issued on one rank;
+    - what travels (bytes per call, :func:`_wire`): each all-gather one unit's parameters in their
+      compute dtypes, each synchronizing reduce-scatter one unit's trained parameters in their
+      reduce dtypes (unquantized weights; a reduction in BF16 carries half the bytes).
 
     1-D FSDP meshes only: TP, EP and HSDP add their own collectives (SKIP with the reason)."""
     if cell.mesh != "fsdp":
@@ -455,8 +505,11 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         for key, n in bound.items():
             if got.get(key, 0) > n:
                 problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at most {n}")
-        expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward, "
-                    "none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
+        if cell.ranks > 1 and cell.weights == "none" and shapes:
+            problems += _wire(cell, obs, plan, shapes, step)
+        expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
+                    "(its trained parameters in their reduce dtypes), all-gathers of one unit each (in its compute "
+                    "dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
         row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
         rows.append(replace(row, step=step))
     return rows
@@ -469,7 +522,8 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
-            + collective_checks(cell, obs, plan, base))
+            + collective_checks(cell, obs, plan, base, {f: tuple(p.shape) for f, p in ref.params[0].items()}
+                                if ref.params else None))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
