@@ -194,7 +194,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"}, patch=cp.tp_partial_reduce_bf16),
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
-           {"dtype.reduce", "grad", "grad_norm"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
+           {"dtype.reduce", "grad", "grad_norm", "collectives"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
            patch=cp.hsdp_replica_reduce_bf16),
     _fault("hsdp_partial_bf16",
            "HSDP holds reduce-scattered partial sums in BF16 until the replica all-reduce (foreach_reduce)",

@@ -400,9 +400,23 @@ def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step:
     return sum(1 for u in obs.report.units if trained & set(u.params))
 
 
+def _shard_size(cell: Cell) -> int:
+    """How many ranks FSDP shards over: every rank on a 1-D mesh, the ``shard`` dimension of HSDP."""
+    return cell.topology().shape[-1]
+
+
+def _syncs(cell: Cell, mb: int) -> tuple[bool, bool]:
+    """Whether micro-batch ``mb``'s backward reduce-scatters, and whether it all-reduces across
+    HSDP replicas: both after every micro-batch (``every``) or only the last (``last``); with
+    ``replicas-last`` every backward reduce-scatters and only the last all-reduces."""
+    last = mb == cell.microbatches - 1
+    return (last or cell.sync in ("every", "replicas-last"),
+            cell.mesh == "hsdp" and (last or cell.sync == "every"))
+
+
 def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int) -> tuple[dict, dict]:
     """What each unit's collectives carry, from the plan, the path's units and the parameters'
-    shapes (FSDP pads dim 0 to ``ranks x ceil(dim0 / ranks)`` rows): unit -> bytes of its
+    shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
     all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
     (each parameter trained then, in its reduce dtype)."""
     gather, reduce = {}, {}
@@ -413,7 +427,8 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             if t is None or t.ownership != "managed" or f not in shapes:
                 continue
             shape = shapes[f]
-            rows = -(-shape[0] // cell.ranks) * cell.ranks if len(shape) else 1
+            shard = _shard_size(cell)
+            rows = -(-shape[0] // shard) * shard if len(shape) else 1
             padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
             g += padded * t.compute.itemsize
             if t.requires_grad and t.trainable_from <= step and t.reduce is not None:
@@ -436,13 +451,19 @@ def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step:
                 problems.append(f"{label}: all-gather of {odd[0]} bytes, no unit's size in its compute dtypes "
                                 f"({sorted(set(gather.values()))})")
     for mb in range(cell.microbatches):
-        if not (mb == cell.microbatches - 1 or cell.sync == "every"):
-            continue
-        got = sorted(calls.get((f"mb{mb}/backward", "reduce-scatter"), []))
-        want = sorted(b for b in reduce.values() if b)
-        if got != want:
-            problems.append(f"mb{mb}/backward: reduce-scatters of {got} bytes, expected {want} "
-                            "(each unit's trained parameters, padded, in their reduce dtypes)")
+        scatters, replicas = _syncs(cell, mb)
+        if scatters:
+            got = sorted(calls.get((f"mb{mb}/backward", "reduce-scatter"), []))
+            want = sorted(b for b in reduce.values() if b)
+            if got != want:
+                problems.append(f"mb{mb}/backward: reduce-scatters of {got} bytes, expected {want} "
+                                "(each unit's trained parameters, padded, in their reduce dtypes)")
+        if replicas:
+            got = sorted(calls.get((f"mb{mb}/backward", "all-reduce"), []))
+            want = sorted(b // _shard_size(cell) for b in reduce.values() if b)
+            if got != want:
+                problems.append(f"mb{mb}/backward: replica all-reduces of {got} bytes, expected {want} "
+                                "(each unit's reduce-scattered shard)")
     return problems
 
 
@@ -465,8 +486,10 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
       compute dtypes, each synchronizing reduce-scatter one unit's trained parameters in their
       reduce dtypes (unquantized weights; a reduction in BF16 carries half the bytes).
 
-    1-D FSDP meshes only: TP, EP and HSDP add their own collectives (SKIP with the reason)."""
-    if cell.mesh != "fsdp":
+    HSDP: the same over the ``shard`` dimension, plus one all-reduce per unit across replicas in each
+    backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. TP and EP add
+    their own collectives (SKIP with the reason)."""
+    if cell.mesh not in ("fsdp", "hsdp"):
         return [_skip(base, "collectives", "per step", f"mesh {cell.mesh!r}: its own collectives are not derived yet")]
     counts = obs.contracts.collectives
     units = sum(1 for u in obs.report.units if u.params)
@@ -479,8 +502,10 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         if cell.ranks > 1:
             reductions = expected_reductions(cell, obs, plan, step)
             for mb in range(cell.microbatches):
-                syncs = mb == cell.microbatches - 1 or cell.sync == "every"
-                want[(f"mb{mb}/backward", "reduce-scatter")] = reductions if syncs else 0
+                scatters, replicas = _syncs(cell, mb)
+                want[(f"mb{mb}/backward", "reduce-scatter")] = reductions if scatters else 0
+                if replicas:
+                    want[(f"mb{mb}/backward", "all-reduce")] = reductions
                 bound[(f"mb{mb}/forward", "all-gather")] = bound[(f"mb{mb}/backward", "all-gather")] = units
             evals = len(cell.eval_labels(step))
             bound[("eval", "all-gather")] = units * evals
@@ -508,8 +533,9 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         if cell.ranks > 1 and cell.weights == "none" and shapes:
             problems += _wire(cell, obs, plan, shapes, step)
         expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
-                    "(its trained parameters in their reduce dtypes), all-gathers of one unit each (in its compute "
-                    "dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
+                    "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
+                    "replicas synchronize" if cell.mesh == "hsdp" else "") + ", all-gathers of one unit each (in its "
+                    "compute dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
         row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
         rows.append(replace(row, step=step))
     return rows
