@@ -126,6 +126,17 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     return Result(out=out, code=max(0, code))
 
 
+def select(*, matrix: str = "smoke", **options):
+    """What ``run`` with these options would run, without running it: (the matrix, its selected
+    cells as :class:`~parity.matrix.cell.Cell` objects, the effective options)."""
+    from parity.cli import RUN_DEFAULTS, _parser, _run_settings, _select
+
+    args = _parser().parse_args(_argv("run", {"matrix": matrix, **options}) + ["--list"])
+    opts = _run_settings(args, RUN_DEFAULTS)
+    found, cells = _select(opts)
+    return found, cells, opts
+
+
 def run(*, matrix: str = "smoke", out: str | None = None, quiet: bool = False, **options) -> Result:
     """Run a matrix (``python -m parity run``). ``out``: the results directory (default: a new
     temporary one); ``options``: the command's options as keywords (``model``, ``paths``,

@@ -64,3 +64,133 @@ def parity_run(tmp_path):
 def parity_gate(tmp_path):
     """``parity_gate(model=..., matrix="default", **options)``: the test fails unless every model is GO."""
     return _fixture("gate", tmp_path)
+
+
+# --- one pytest test per cell: @pytest.mark.parity(...) and the parity_cell fixture --------------
+
+MARKER = ("parity(matrix='smoke', model=..., **options): one test per cell that parity.run with these "
+          "options selects; parity's verdict for the cell is the test's outcome (fixture parity_cell)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", MARKER)
+
+
+def _marked(node):
+    marker = node.get_closest_marker("parity")
+    if marker is not None and marker.args:
+        raise pytest.UsageError("@pytest.mark.parity takes keywords only, e.g. "
+                                "@pytest.mark.parity(model='my_pkg.models:parity_model', matrix='smoke')")
+    return marker
+
+
+def pytest_generate_tests(metafunc):
+    """A test marked ``parity`` becomes one test per selected cell, its id the cell's id (``-k``
+    selects cells; ``--junitxml`` carries one case per cell)."""
+    marker = _marked(metafunc.definition)
+    if marker is None:
+        return
+    from parity import api
+    from parity.errors import UsageError
+
+    try:
+        _, cells, _ = api.select(**marker.kwargs)
+    except (UsageError, TypeError) as exc:
+        raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}") from None
+    if "parity_cell" not in metafunc.fixturenames:
+        metafunc.fixturenames.append("parity_cell")
+    metafunc.parametrize("parity_cell", cells, ids=[c.id for c in cells], indirect=True)
+
+
+def _number(value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return number if number == number else 0.0
+
+
+class CellOutcome:
+    """One cell's records (and its cross-path comparison's, for the compared path) after its pair
+    group ran; :meth:`check` turns the verdict into the test's outcome."""
+
+    def __init__(self, cell, records, out: str, skip_reason: str = ""):
+        self.cell, self.records, self.out, self.skip_reason = cell, records, out, skip_reason
+
+    @property
+    def verdict(self) -> str:
+        from parity.judge.record import SEVERITY
+
+        if not self.records:
+            return "ERROR"
+        return str(max((r.verdict for r in self.records), key=lambda v: SEVERITY[v]))
+
+    def check(self) -> None:
+        verdict = self.verdict
+        if verdict == "SKIP":
+            reasons = {r.detail for r in self.records if r.detail}
+            pytest.skip("; ".join(sorted(reasons))[:300] or "skipped")
+        if verdict != "PASS":
+            pytest.fail(self.explain(), pytrace=False)
+
+    def explain(self) -> str:
+        from parity.judge.record import SEVERITY, Verdict
+
+        if not self.records:
+            return f"{self.cell.id}: no records were written (results in {self.out})"
+        bad = sorted((r for r in self.records if SEVERITY[r.verdict] > SEVERITY[Verdict.PASS]),
+                     key=lambda r: (-SEVERITY[r.verdict], -_number(r.ratio)))
+        lines = [f"{self.cell.id}: {self.verdict}; results in {self.out}"]
+        for r in [r for r in bad if r.check != "divergence"][:SHOWN]:
+            ratio = (f" observed {_number(r.observed):.3g} allowed {_number(r.allowed):.3g} ratio {_number(r.ratio):.3g}"
+                     if r.ratio != "" else "")
+            lines.append(f"  {r.verdict} {r.check} {r.name}{ratio} {r.detail[:200]}")
+        lines += [f"  first divergence: {r.name} {r.detail[:200]}" for r in bad if r.check == "divergence"][:SHOWN]
+        return "\n".join(lines)
+
+
+#: (marker options, pair group) -> CellOutcome per cell id, for this pytest process.
+_GROUPS: dict[tuple, dict] = {}
+
+
+def _run_group(options: dict, cell, tmp_path_factory) -> dict:
+    """Run the cell's pair group (every path of its axis values: the cross-path comparison needs
+    them) once per pytest process; every cell of the group reads its records from it."""
+    key = (repr(sorted(options.items())), cell.pair_id)
+    if key not in _GROUPS:
+        from parity import api
+        from parity.report.records import read_records
+        from parity.runner import RunOptions, resolve_device, run_cells
+
+        matrix, cells, opts = api.select(**options)
+        group = [c for c in cells if c.pair_id == cell.pair_id]
+        out = str(tmp_path_factory.mktemp("parity-cell"))
+        run_cells(group, RunOptions(out_dir=out, device=resolve_device(opts["device"]), timeout=opts["timeout"],
+                                    fp64=bool(opts["fp64"]), progress=False, overwrite=True,
+                                    require_native=bool(opts["require_native"])),
+                  skip_reason=matrix.skip_reason)
+        records = read_records(f"{out}/cells.csv")
+        _GROUPS[key] = {c.id: CellOutcome(c, [r for r in records if r.cell == c.id
+                                               or (r.cell == c.pair_id and c.path != c.baseline)], out)
+                        for c in group}
+    return _GROUPS[key]
+
+
+@pytest.fixture
+def parity_cell(request, tmp_path_factory):
+    """The outcome of one cell of a ``@pytest.mark.parity`` test (its pair group runs once per
+    pytest process); the test fails with the worst records unless the cell passed."""
+    marker = _marked(request.node)
+    if marker is None or not hasattr(request, "param"):
+        raise pytest.UsageError("parity_cell is for tests marked @pytest.mark.parity(...)")
+    return _run_group(dict(marker.kwargs), request.param, tmp_path_factory)[request.param.id]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """After a marked test's own body: the cell's verdict decides its outcome."""
+    result = yield
+    outcome = pyfuncitem.funcargs.get("parity_cell")
+    if isinstance(outcome, CellOutcome):
+        outcome.check()
+    return result

@@ -25,3 +25,48 @@ def test_the_fixtures_turn_verdicts_into_test_outcomes(pytester):
     assert "parity exit code 1; results in" in text
     assert "ratio" in text and "kda/native/r1" in text  # the failing records, with observed / allowed / ratio
     assert "Traceback" not in text.split("test_a_fault_fails_with_the_worst_records")[-1]
+
+
+MARKED = '''
+import pytest
+
+FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
+
+
+@pytest.mark.parity(matrix="smoke", filter=FEW)
+def test_kda(parity_cell):
+    assert parity_cell.cell.fixture == "kda" and parity_cell.records
+
+
+@pytest.mark.parity(matrix="smoke", filter=FEW + " and path == 'native'", fault="drop_override")
+def test_faulty(parity_cell):
+    pass
+'''
+
+
+def test_the_marker_makes_one_test_per_cell_with_the_cells_verdict(pytester):
+    pytester.makepyfile(test_cells=MARKED)
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", f"--junitxml={junit}")
+    # two cells, and the native one again with a fault that breaks it
+    result.assert_outcomes(passed=2, failed=1)
+    text = result.stdout.str()
+    assert "test_kda[kda/legacy/r1/mb1-every/ac-none/reshard-on/out-natural/s0] PASSED" in text
+    assert "test_faulty[kda/native/r1/mb1-every/ac-none/reshard-on/out-natural/s0" in text
+    failure = text.split("test_faulty[kda/native", 2)[-1]
+    assert "ratio" in failure and "FAIL grad" in failure  # the worst records, observed / allowed / ratio
+    assert junit.read_text().count("<testcase") == 3  # one case per cell
+    only = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "test_kda and native")
+    only.assert_outcomes(passed=1)
+
+
+def test_the_example_test_file_runs_as_written(pytester):
+    import pathlib
+    import shutil
+
+    own = pathlib.Path(__file__).parents[1] / "examples" / "own_model"
+    (pytester.path / "examples" / "own_model").mkdir(parents=True)
+    for name in ("my_model.py", "test_my_model.py"):
+        shutil.copy(own / name, pytester.path / "examples" / "own_model" / name)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "examples/own_model/test_my_model.py")
+    result.assert_outcomes(passed=3)  # two cells (legacy, native) and the run fixture's test

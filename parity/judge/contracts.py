@@ -414,11 +414,13 @@ def _syncs(cell: Cell, mb: int) -> tuple[bool, bool]:
             cell.mesh == "hsdp" and (last or cell.sync == "every"))
 
 
-def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int) -> tuple[dict, dict]:
+def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int,
+               graded: set | None = None) -> tuple[dict, dict]:
     """What each unit's collectives carry, from the plan, the path's units and the parameters'
     shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
     all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
-    (each parameter trained then, in its reduce dtype)."""
+    (each parameter trained then, in its reduce dtype; of those, only the ones in ``graded`` when
+    given: a parameter that gets no gradient, e.g. behind an ``argmax``, is not reduced)."""
     gather, reduce = {}, {}
     for u in obs.report.units:
         g = r = 0
@@ -431,17 +433,19 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             rows = -(-shape[0] // shard) * shard if len(shape) else 1
             padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
             g += padded * t.compute.itemsize
-            if t.requires_grad and t.trainable_from <= step and t.reduce is not None:
+            if t.requires_grad and t.trainable_from <= step and t.reduce is not None and (graded is None or f in graded):
                 r += padded * t.reduce.itemsize
         gather[u.root], reduce[u.root] = g, r
     return gather, reduce
 
 
-def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int) -> list[str]:
+def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, step: int) -> list[str]:
     """Bytes per call against the units' (:func:`unit_bytes`): each all-gather carries one unit in
     its compute dtypes, a synchronizing backward reduce-scatters each unit with something to
     train once, in its reduce dtypes."""
-    gather, reduce = unit_bytes(cell, obs, plan, shapes, step)
+    shapes = {f: tuple(p.shape) for f, p in ref.params[0].items()}
+    graded = set(ref.grads[step]) if step < len(ref.grads) else None
+    gather, reduce = unit_bytes(cell, obs, plan, shapes, step, graded)
     calls = {(label, kind): sizes for (s, label, kind), sizes in obs.contracts.collective_calls.items() if s == step}
     problems = []
     for (label, kind), sizes in sorted(calls.items()):
@@ -468,7 +472,7 @@ def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step:
 
 
 def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict,
-                      shapes: dict | None = None) -> list[Record]:
+                      ref: ReferenceRun | None = None) -> list[Record]:
     """``collectives``: what the cell's own training issued, counted where ``torch.distributed`` issues
     it, per step and segment of the loop, against the path's units and the cell's accumulation:
 
@@ -530,8 +534,8 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         for key, n in bound.items():
             if got.get(key, 0) > n:
                 problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at most {n}")
-        if cell.ranks > 1 and cell.weights == "none" and shapes:
-            problems += _wire(cell, obs, plan, shapes, step)
+        if cell.ranks > 1 and cell.weights == "none" and ref is not None and ref.params:
+            problems += _wire(cell, obs, plan, ref, step)
         expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
                     "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
                     "replicas synchronize" if cell.mesh == "hsdp" else "") + ", all-gathers of one unit each (in its "
@@ -548,8 +552,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
-            + collective_checks(cell, obs, plan, base, {f: tuple(p.shape) for f, p in ref.params[0].items()}
-                                if ref.params else None))
+            + collective_checks(cell, obs, plan, base, ref))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
