@@ -27,7 +27,7 @@ from parity.model.registry import get_fixture
 
 #: What a failed save or load raises: DCP gathers every rank's error into a CheckpointException,
 #: which derives from BaseException, not Exception.
-_FAILURES = (Exception, CheckpointException)
+FAILURES = (Exception, CheckpointException)
 
 
 def _move(model: nn.Module, device) -> None:
@@ -80,7 +80,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
         try:
             _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
                   heartbeat=heartbeat)
-        except _FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
+        except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
             return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
         for target in targets:
             try:
@@ -88,7 +88,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                                              device=device, inject=inject, heartbeat=heartbeat)
             except IsolationError as exc:
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
-            except _FAILURES as exc:  # recorded against the path that failed
+            except FAILURES as exc:  # recorded against the path that failed
                 out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
     finally:
         if world > 1:
@@ -98,17 +98,37 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     return out
 
 
+def _state(s) -> dict:
+    """What a checkpoint holds: model and optimizer state (DCP's sharded state dicts) and, in
+    float16, the gradient scaler's (the loss scale is training state too)."""
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
+    state = {"model": plain_state(msd), "optim": osd}
+    if s.scaler is not None:
+        state["scaler"] = s.scaler.state_dict()
+    return state
+
+
+def save(s, ckpt: str, group=None) -> None:
+    """Save ``s`` (a :class:`~parity.execute.training.Sharded`) with DCP over ``group`` (default: all ranks)."""
+    dcp.save(_state(s), checkpoint_id=ckpt, process_group=group)
+
+
+def load(s, ckpt: str, group=None) -> None:
+    """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler."""
+    state = _state(s)
+    dcp.load(state, checkpoint_id=ckpt, process_group=group)
+    if s.scaler is not None:
+        s.scaler.load_state_dict(state["scaler"])
+    dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat) -> None:
     """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with DCP."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
-    msd, osd = dcp_state_dict.get_state_dict(first.model, first.opt)
-    saved = {"model": plain_state(msd), "optim": osd}
-    if first.scaler is not None:  # float16: the loss scale is training state too
-        saved["scaler"] = first.scaler.state_dict()
-    dcp.save(saved, checkpoint_id=ckpt)
+    save(first, ckpt)
     heartbeat("checkpoint saved")
 
 
@@ -117,14 +137,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     """Load the checkpoint into a fresh model sharded by ``target`` and train one more step."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
-    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-    state = {"model": plain_state(msd), "optim": osd}
-    if s.scaler is not None:
-        state["scaler"] = s.scaler.state_dict()
-    dcp.load(state, checkpoint_id=ckpt)
-    if s.scaler is not None:
-        s.scaler.load_state_dict(state["scaler"])
-    dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    load(s, ckpt)
     heartbeat(f"checkpoint loaded into {target}")
     obs = Observation(rank=rank)
     train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)

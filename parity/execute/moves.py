@@ -21,21 +21,18 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
-from parity.execute import parallel
+from parity.execute import lifecycle, parallel
 from parity.execute.observation import Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.plan import canonical_fqn
-from parity.model.quantized import plain_state
 
-_FAILURES = (Exception, CheckpointException)
+FAILURES = lifecycle.FAILURES
 #: Subgroups of the first n ranks, made once per process (creating one is a collective).
 _SUBMESHES: dict[tuple[int, str], object] = {}
 
@@ -121,11 +118,7 @@ def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device
         train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat, data=_data(cell, layout))
     saved = _whole(s)
-    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-    state = {"model": plain_state(msd), "optim": osd}
-    if s.scaler is not None:
-        state["scaler"] = s.scaler.state_dict()
-    dcp.save(state, checkpoint_id=ckpt, process_group=group)
+    lifecycle.save(s, ckpt, group)
     heartbeat("moved checkpoint saved")
     return saved, _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
 
@@ -135,14 +128,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     s = build(layout, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     before = _layouts(s)
-    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-    state = {"model": plain_state(msd), "optim": osd}
-    if s.scaler is not None:
-        state["scaler"] = s.scaler.state_dict()
-    dcp.load(state, checkpoint_id=ckpt, process_group=group)
-    if s.scaler is not None:
-        s.scaler.load_state_dict(state["scaler"])
-    dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
     after, loaded = _layouts(s), _whole(s)
     resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
@@ -193,7 +179,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 if not skip:
                     saved, straight = _save(cell, save_l, save_mesh, save_group, ckpt[0], rank=rank, device=device,
                                             inject=inject, heartbeat=heartbeat)
-            except _FAILURES as exc:
+            except FAILURES as exc:
                 error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
         error = _agree(error, world)
         skip = _agree(skip, world)
@@ -209,7 +195,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                                inject=inject, heartbeat=heartbeat)
             except IsolationError as exc:
                 out[t] = Moved(skip=f"{t} cannot shard this fixture: {exc}")
-            except _FAILURES as exc:
+            except FAILURES as exc:
                 out[t] = Moved(error=f"loading into {describe(load_l, t)} failed: {type(exc).__name__}: {exc}")
             out[t].save, out[t].load = label[t]["save"], label[t]["load"]
         if rank == 0:
