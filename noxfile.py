@@ -105,7 +105,7 @@ def merge(session):
 
 @nox.session
 def device(session):
-    """The prepared GPU check (README, "The GPU check"): the smoke matrix on CUDA with every visible
+    """The prepared GPU check (docs/ci.md, "The GPU check"): the smoke matrix on CUDA with every visible
     GPU as a rank (cells needing more GPUs are SKIP), bench on CUDA, and the records closest to
     their allowances (CUDA's kernels in the sharded run against the CPU reference), printed from
     results/device/smoke/summary.md; the bench in results/device/bench/."""

@@ -1,6 +1,6 @@
 """Output directories: one run per directory, resumable, never two runs' files side by side.
 
-Rules (``README.md``, "Results"):
+Rules (``docs/ci.md``, "Results"):
 
 - ``--out DIR`` must be a directory parity can create and write; anything else exits 2.
 - A directory that already holds parity results (any of :data:`RUN_FILES`) is refused
