@@ -1,0 +1,73 @@
+"""Every command the README and docs/ show is one parity accepts: each ``python -m parity ...``
+(and ``torchrun ... -m parity ...``) parses with the CLI's own parser, each ``run`` / ``gate``
+over a matrix selects cells (its matrix, models and options resolve), and each ``nox -s``
+session exists. Templates (``OLD NEW [--factor 2]``, ``DIR...``, ``<name>``) are skipped."""
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+
+from parity import api
+from parity.cli import _parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+TEMPLATE = re.compile(r"\[|\.\.\.|<|\bOLD\b|\bNEW\b")
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for path in DOCS:
+        text = open(path, encoding="utf-8").read()
+        inline = re.findall(r"`((?:python -m parity|torchrun|nox -s) [^`]+)`", text)
+        blocks = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
+        for line in inline + blocks:
+            for part in line.split("&&"):
+                command = part.split("  #")[0].split(" # ")[0].strip()
+                if re.match(r"(python -m parity|torchrun .*-m parity|nox -s) ", command) and not TEMPLATE.search(command):
+                    found.append((os.path.relpath(path, ROOT), command))
+    return sorted(set(found))
+
+
+COMMANDS = _commands()
+
+
+def _parity_argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    return words[words.index("parity") + 1:]
+
+
+def test_the_docs_show_commands():
+    assert len([c for _, c in COMMANDS if not c.startswith("nox")]) > 30 and any(c.startswith("nox") for _, c in COMMANDS)
+
+
+@pytest.mark.parametrize("where, command", [c for c in COMMANDS if not c[1].startswith("nox")], ids=lambda v: v[:80])
+def test_each_parity_command_parses_and_selects(where, command, monkeypatch):
+    from parity.paths import path_names
+
+    if "owner_split" in command and "owner_split" not in path_names():
+        pytest.skip("the example path is not installed here (pip install ./examples/external_path, as the docs say)")
+    monkeypatch.chdir(ROOT)
+    argv = _parity_argv(command)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:  # pragma: no cover - the failure message is the point
+        pytest.fail(f"{where}: `{command}` does not parse (exit {exc.code})")
+    if args.command in ("run", "gate") and not getattr(args, "resume", None) and not getattr(args, "from_dir", None):
+        options = {k: v for k, v in vars(args).items()
+                   if k not in ("command", "list", "out", "overwrite", "resume", "from_dir", "candidate", "compare_to",
+                                "junit", "timeout", "fp64", "require_native", "device", "baseline", "shard")
+                   and v not in (None, [], False)}
+        _, cells, _ = api.select(**options)
+        assert cells, f"{where}: `{command}` selects no cells"
+
+
+def test_each_nox_session_exists():
+    noxfile = open(os.path.join(ROOT, "noxfile.py"), encoding="utf-8").read()
+    sessions = set(re.findall(r"@nox\.session[^\n]*\n(?:@[^\n]*\n)*def (\w+)\(", noxfile))
+    for where, command in (c for c in COMMANDS if c[1].startswith("nox -s")):
+        name = shlex.split(command)[2].split("(")[0]
+        assert name in sessions, f"{where}: `{command}`: no nox session {name!r} ({sorted(sessions)})"
