@@ -99,7 +99,10 @@ def pytest_generate_tests(metafunc):
         raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}") from None
     if "parity_cell" not in metafunc.fixturenames:
         metafunc.fixturenames.append("parity_cell")
-    metafunc.parametrize("parity_cell", cells, ids=[c.id for c in cells], indirect=True)
+    # a pair group's cells share an xdist group: with --dist loadgroup they run on one worker,
+    # which runs the group once
+    params = [pytest.param(c, marks=pytest.mark.xdist_group(c.pair_id)) for c in cells]
+    metafunc.parametrize("parity_cell", params, ids=[c.id for c in cells], indirect=True)
 
 
 def _number(value) -> float:

@@ -70,3 +70,9 @@ def test_the_example_test_file_runs_as_written(pytester):
         shutil.copy(own / name, pytester.path / "examples" / "own_model" / name)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "examples/own_model/test_my_model.py")
     result.assert_outcomes(passed=3)  # two cells (legacy, native) and the run fixture's test
+
+
+def test_under_xdist_loadgroup_a_pair_runs_on_one_worker(pytester):
+    pytester.makepyfile(test_cells=MARKED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-k", "test_kda")
+    result.assert_outcomes(passed=2)
