@@ -590,7 +590,8 @@ def cmd_repro(args) -> int:
     """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
     from parity.report.repro import find_cell, script
 
-    text = script(find_cell(args.cell, args.from_dir), args.from_dir)
+    text = script(find_cell(args.cell, args.from_dir, lambda options: _select({**RUN_DEFAULTS, **options})[1]),
+                  args.from_dir)
     if not args.out:
         print(text, end="")
         return 0

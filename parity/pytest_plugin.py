@@ -90,11 +90,10 @@ def pytest_generate_tests(metafunc):
     marker = _marked(metafunc.definition)
     if marker is None:
         return
-    from parity import api
     from parity.errors import UsageError
 
     try:
-        _, cells, _ = api.select(**marker.kwargs)
+        _, cells, _ = _selection(dict(marker.kwargs))
     except (UsageError, TypeError) as exc:
         raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}") from None
     if "parity_cell" not in metafunc.fixturenames:
@@ -154,6 +153,17 @@ class CellOutcome:
 
 #: (marker options, pair group) -> CellOutcome per cell id, for this pytest process.
 _GROUPS: dict[tuple, dict] = {}
+#: Marker options -> what they select (:func:`parity.api.select`), once per pytest process.
+_SELECTIONS: dict[str, tuple] = {}
+
+
+def _selection(options: dict) -> tuple:
+    key = repr(sorted(options.items()))
+    if key not in _SELECTIONS:
+        from parity import api
+
+        _SELECTIONS[key] = api.select(**options)
+    return _SELECTIONS[key]
 
 
 def _run_group(options: dict, cell, tmp_path_factory) -> dict:
@@ -161,11 +171,10 @@ def _run_group(options: dict, cell, tmp_path_factory) -> dict:
     them) once per pytest process; every cell of the group reads its records from it."""
     key = (repr(sorted(options.items())), cell.pair_id)
     if key not in _GROUPS:
-        from parity import api
         from parity.report.records import read_records
         from parity.runner import RunOptions, resolve_device, run_cells
 
-        matrix, cells, opts = api.select(**options)
+        matrix, cells, opts = _selection(options)
         group = [c for c in cells if c.pair_id == cell.pair_id]
         out = str(tmp_path_factory.mktemp("parity-cell"))
         run_cells(group, RunOptions(out_dir=out, device=resolve_device(opts["device"]), timeout=opts["timeout"],

@@ -71,9 +71,9 @@ def _phase() -> str:
 _in_forward = [False]
 
 
-def counting(into: dict):
-    """Collectives by (kind, phase) (:func:`parity.execute.collectives.counting`)."""
-    return collectives.counting(into, lambda kind: (kind, _phase()))
+def counting(calls: dict):
+    """Collectives by (kind, phase), each call's bytes (:func:`parity.execute.collectives.counting`)."""
+    return collectives.counting(calls, lambda kind: (kind, _phase()))
 
 
 def _sync(device) -> None:
@@ -123,8 +123,10 @@ def measure_rank(task: BenchTask, *, rank: int, world: int, mesh, device, heartb
         torch.cuda.reset_peak_memory_stats()
     from torch.profiler import ProfilerActivity, profile
 
-    with counting(out.collectives), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    calls: dict = {}
+    with counting(calls), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step(task.warmup + task.steps)
+    out.collectives = collectives.totals(calls)
     marker.remove()
     for ev in prof.key_averages():
         if ev.key.startswith(PACKING):

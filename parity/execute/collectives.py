@@ -29,21 +29,15 @@ def nbytes(args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def counting(into: dict, key: Callable[[str], object], calls: dict | None = None) -> Iterator[None]:
-    """While open, every collective adds 1 call and its bytes to ``into[key(kind)]`` = [count, bytes]
-    and, when ``calls`` is given, appends its bytes to ``calls[key(kind)]`` (one entry per call)."""
+def counting(calls: dict, key: Callable[[str], object]) -> Iterator[None]:
+    """While open, every collective appends its bytes to ``calls[key(kind)]`` (one entry per call)."""
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
         kind = COLLECTIVES[name]
 
         def counted(*args, **kwargs):
-            slot = into.setdefault(key(kind), [0, 0])
-            size = nbytes(args, kwargs)
-            slot[0] += 1
-            slot[1] += size
-            if calls is not None:
-                calls.setdefault(key(kind), []).append(size)
+            calls.setdefault(key(kind), []).append(nbytes(args, kwargs))
             return fn(*args, **kwargs)
         return counted
 
@@ -56,13 +50,17 @@ def counting(into: dict, key: Callable[[str], object], calls: dict | None = None
             setattr(dist, name, fn)
 
 
+def totals(calls: dict) -> dict:
+    """``calls`` as key -> [count, bytes]."""
+    return {k: [len(sizes), sum(sizes)] for k, sizes in calls.items()}
+
+
 class Segments:
-    """Counts per segment of the training loop (``step``, label such as ``mb0/forward``)."""
+    """Each call's bytes per segment of the training loop (``step``, label such as ``mb0/forward``)
+    and kind: ``calls[(step, label, kind)]`` (how many: its length)."""
 
     def __init__(self):
-        self.counts: dict[tuple[int, str, str], list[int]] = {}
         self.calls: dict[tuple[int, str, str], list[int]] = {}
-        """The same keys -> each call's bytes, in order."""
         self.current: tuple[int, str] = (-1, "outside")
 
     @contextlib.contextmanager

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
-from parity.execute import lifecycle, parallel
+from parity.execute import lifecycle, parallel, state_dicts
 from parity.execute.observation import Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step
 from parity.faults import Injector
@@ -90,9 +90,10 @@ def _whole(s: Sharded) -> dict:
 
 
 def _layout(v) -> str:
-    if isinstance(v, DTensor):
-        return f"DTensor {tuple(map(str, v.placements))} over mesh {tuple(v.device_mesh.shape)}"
-    return "Tensor" if isinstance(v, torch.Tensor) else type(v).__name__
+    if not isinstance(v, torch.Tensor):
+        return type(v).__name__
+    kind, placements = state_dicts.layout(v)
+    return f"{kind}({placements}) over mesh {tuple(v.device_mesh.shape)}" if isinstance(v, DTensor) else kind
 
 
 def _layouts(s: Sharded) -> dict[str, str]:
@@ -137,13 +138,14 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
                  resumed=resumed if keep else {})
 
 
-def _agree(error: str, world: int) -> str:
-    """Every rank's error (the first), so that all ranks stop together."""
+def _agree(error: str, skip: str, world: int) -> tuple[str, str]:
+    """The first rank's error and skip reason, on every rank (one collective), so that all ranks
+    stop together."""
     if world == 1:
-        return error
+        return error, skip
     seen: list = [None] * world
-    dist.all_gather_object(seen, error)
-    return next((f"rank {r}: {e}" for r, e in enumerate(seen) if e), "")
+    dist.all_gather_object(seen, (error, skip))
+    return tuple(next((f"rank {r}: {pair[i]}" for r, pair in enumerate(seen) if pair[i]), "") for i in (0, 1))
 
 
 def _unsupported(cell: Cell) -> str:
@@ -181,8 +183,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                                             inject=inject, heartbeat=heartbeat)
             except FAILURES as exc:
                 error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
-        error = _agree(error, world)
-        skip = _agree(skip, world)
+        error, skip = _agree(error, skip, world)
         if error or skip:
             return {t: Moved(**label[t], error=error, skip=skip) for t in targets}
         out = {}

@@ -132,11 +132,10 @@ class ContractsSeen:
     quant: list[dict[str, object]] = field(default_factory=list)
     """Per step, quantized parameter FQN -> its :class:`~parity.model.quantized.GatherStats`."""
     collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
-    """(step, segment, kind) -> [calls, bytes] over the cell's own training: segments ``mb{k}/forward``,
-    ``mb{k}/backward``, ``state-dict``, ``eval``, ``optimizer`` (:mod:`.collectives`)."""
-    collective_calls: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
-    """The same keys -> the bytes of each call, in order (what travels: a reduction in BF16 has half
-    the bytes of one in FP32)."""
+    """(step, segment, kind) -> the bytes of each call, in order, over the cell's own training
+    (how many calls: its length): segments ``mb{k}/forward``, ``mb{k}/backward``, ``state-dict``,
+    ``eval``, ``optimizer`` (:mod:`.collectives`). What travels: a reduction in BF16 has half the
+    bytes of one in FP32."""
     ownership: dict[str, dict[str, str]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
     (:func:`parity.execute.probes.ownership`)."""

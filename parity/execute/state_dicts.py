@@ -24,10 +24,15 @@ from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
 
 
+def layout(t: torch.Tensor) -> tuple[str, str]:
+    """(``DTensor`` or ``Tensor``, its placements): how an entry or a parameter is held."""
+    if isinstance(t, DTensor):
+        return "DTensor", ",".join(map(str, t.placements))
+    return "Tensor", ""  # a Parameter is a Tensor here
+
 
 def _entry(t: torch.Tensor, keep: Callable) -> EntrySeen:
-    placements = ",".join(map(str, t.placements)) if isinstance(t, DTensor) else ""
-    kind = "DTensor" if isinstance(t, DTensor) else "Tensor"  # a Parameter is a Tensor here
+    kind, placements = layout(t)
     return EntrySeen(kind=kind, placements=placements, dtype=dtype_name(t.dtype), value=keep(t))
 
 

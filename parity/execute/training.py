@@ -70,6 +70,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     meta = cell.init == "meta"
     topo = cell.topology()
     composed = parallel.device_mesh(topo, mesh, torch.device(device).type)
+    group = _subgroup(mesh)  # rank agreement, found-inf and owner reductions run over the model's ranks
     model = fixture.make(cell.seed, "meta" if meta else device)
     owners = parallel.parallelize(model, fixture, topo, composed)  # before FSDP, as recipes do
     ignored = fixture.ignored(model)  # after: expert parallelism replaced the experts
@@ -88,7 +89,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
-                   reshard_after_forward=cell.reshard, ignored=ignored, group=_subgroup(mesh))
+                   reshard_after_forward=cell.reshard, ignored=ignored, group=group)
     if meta:
         materialize(model, fixture.make(cell.seed), device)
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
@@ -103,13 +104,12 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     if scale != 1.0:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        group = _subgroup(mesh)  # found-inf is agreed over the model's ranks
         scaler = ShardedGradScaler(device=torch.device(device).type, init_scale=scale,
                                    **({"process_group": group} if group is not None else {}))
     return Sharded(
         model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
-        owners=owners, group=_subgroup(mesh),
+        owners=owners, group=group,
     )
 
 

@@ -58,15 +58,14 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         obs.timings["build"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            with collectives.counting(recorder.segments.counts, recorder.segments.key, recorder.segments.calls):
+            with collectives.counting(recorder.segments.calls, recorder.segments.key):
                 for step in range(cell.steps):
                     train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
                                heartbeat=beat, tp=tp)
                     if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
                         obs.contracts.resume_step = step
                         obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
-            obs.contracts.collectives = recorder.segments.counts
-            obs.contracts.collective_calls = recorder.segments.calls
+            obs.contracts.collectives = recorder.segments.calls
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
             if tp is not None:

@@ -422,6 +422,7 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
     (each parameter trained then, in its reduce dtype; of those, only the ones in ``graded`` when
     given: a parameter that gets no gradient, e.g. behind an ``argmax``, is not reduced)."""
     gather, reduce = {}, {}
+    shard = _shard_size(cell)
     for u in obs.report.units:
         g = r = 0
         for f in u.params:
@@ -429,7 +430,6 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             if t is None or t.ownership != "managed" or f not in shapes:
                 continue
             shape = shapes[f]
-            shard = _shard_size(cell)
             rows = -(-shape[0] // shard) * shard if len(shape) else 1
             padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
             g += padded * t.compute.itemsize
@@ -446,7 +446,7 @@ def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, 
     shapes = {f: tuple(p.shape) for f, p in ref.params[0].items()}
     graded = set(ref.grads[step]) if step < len(ref.grads) else None
     gather, reduce = unit_bytes(cell, obs, plan, shapes, step, graded)
-    calls = {(label, kind): sizes for (s, label, kind), sizes in obs.contracts.collective_calls.items() if s == step}
+    calls = {(label, kind): sizes for (s, label, kind), sizes in obs.contracts.collectives.items() if s == step}
     problems = []
     for (label, kind), sizes in sorted(calls.items()):
         if kind == "all-gather":
@@ -500,7 +500,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
     ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
     rows = []
     for step in range(cell.steps):
-        got = {(label, kind): n[0] for (s, label, kind), n in counts.items() if s == step}
+        got = {(label, kind): len(sizes) for (s, label, kind), sizes in counts.items() if s == step}
         want: dict[tuple[str, str], int] = {}
         bound: dict[tuple[str, str], int] = {}
         if cell.ranks > 1:

@@ -98,16 +98,16 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             rows.append(_missing(base, name, f"{key} after {where} ({note})"))
             continue
         want, got = straight[key], resumed[key]
-        kind, _, rest = key.partition(":") if ":" in key else ("optim", "", key)
-        if kind == "optim":
-            fqn, _, state_key = rest[len("optim/"):].rpartition("/") if rest.startswith("optim/") else ("", "", rest)
+        if key.startswith("optim/"):  # optim/FQN/state key (:func:`parity.execute.moves._flat`)
+            fqn, _, state_key = key[len("optim/"):].rpartition("/")
             t = plan.get(fqn)
             if state_key not in recipe.moments or t is None:  # counters and other state: exact
-                rows.append(replace(_exact(base, name, want, got, note), check=CHECK))
+                rows.append(_exact(base, name, want, got, note))
                 continue
             allow = tolerance.moment(t.storage, amax(want))
             comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
-        else:
+        else:  # grad:FQN or param:FQN
+            kind, _, rest = key.partition(":")
             t = plan.get(rest)
             if t is None:
                 rows.append(_exact(base, name, want, got, note))

@@ -123,8 +123,11 @@ class Cell:
             raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
 
     def _movable(self) -> bool:
-        if self.move == "none" or not self.lifecycle or self.weights != "none" or self.init != "seeded":
-            return self.move == "none"
+        """Whether this cell can run its ``move`` (``none`` always can)."""
+        if self.move == "none":
+            return True
+        if not self.lifecycle or self.weights != "none" or self.init != "seeded":
+            return False
         if self.move == "mesh":
             return self.mesh in ("fsdp", "hsdp") and self.ranks >= 4
         return self.mesh == "fsdp" and self.ranks % 2 == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 import torch
 
@@ -23,17 +24,15 @@ from parity.report.records import read_records
 _BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 
 
-def find_cell(cell_id: str, out: str) -> Cell:
-    """The :class:`Cell` of ``cell_id`` in the run recorded in ``out`` (rebuilt from its options)."""
-    from parity.cli import RUN_DEFAULTS, _select
-
+def find_cell(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> Cell:
+    """The :class:`Cell` of ``cell_id`` in the run recorded in ``out``, rebuilt from its options by
+    ``select`` (the command line's selection: recorded options -> cells)."""
     manifest = read_manifest(out)
     if cell_id not in manifest.get("cells", []):
         failing = _failing(out)
         hint = f"; a failing one: {failing[0].cell}" if failing else ""
         raise UsageError(f"repro: {cell_id!r} is not a cell of the run in {out}{hint}")
-    _, cells = _select({**RUN_DEFAULTS, **manifest.get("options", {})})
-    for cell in cells:
+    for cell in select(manifest.get("options", {})):
         if cell.id == cell_id:
             return cell
     raise UsageError(f"repro: {cell_id!r} cannot be rebuilt from {out}'s options (was a model source moved?)")
