@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     re-runs the command's script in every spawned rank worker before the worker's entry point,
     and that must not import torch before the worker asked to die with its parent
     (:mod:`parity.execute.spawned`)."""
+    import sys
+
+    from parity.execute.starting import start_early
+
+    start_early(sys.argv[1:] if argv is None else argv)  # the rank fork server imports torch beside us
     from parity.cli import main as cli_main
 
     return cli_main(argv)

@@ -1,5 +1,5 @@
 import sys
 
-from parity.cli import main
+from parity import main
 
 sys.exit(main())

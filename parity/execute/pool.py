@@ -25,12 +25,10 @@ Every file they create lives under the run's temporary folder, which the parent 
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import traceback
@@ -38,10 +36,11 @@ import warnings
 
 import torch
 
-from parity.execute import spawned
+from parity.execute import spawned, starting
+from parity.execute.starting import context
 from parity.interrupt import Interrupted
 
-__all__ = ["CellFailure", "Interrupted", "RankPool", "from_bytes", "to_bytes"]
+__all__ = ["CellFailure", "Interrupted", "RankPool", "context", "from_bytes", "to_bytes"]
 
 
 class CellFailure(Exception):
@@ -110,29 +109,6 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
         dist.destroy_process_group()
 
 
-#: Modules the fork server imports once, so forked ranks start with them (torch included).
-PRELOAD = ["parity.execute.worker"]
-
-
-#: Linux's limit on a Unix socket's path (107 bytes), less the name the fork server adds.
-SOCKET_DIR_MAX = 107 - len("/listener-12345678")
-
-
-def context():
-    """The multiprocessing context ranks start in: the fork server on Linux (``PARITY_START=spawn``
-    spawns instead, e.g. to rule the server out), spawn elsewhere. The fork server listens on a
-    Unix socket in the temporary folder: where that folder's path is too long for a socket
-    address (a deep ``TMPDIR``), ranks are spawned."""
-    from multiprocessing import util
-
-    if (not sys.platform.startswith("linux") or os.environ.get("PARITY_START") == "spawn"
-            or len(util.get_temp_dir()) > SOCKET_DIR_MAX):
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
 class RankPool:
     """``world`` spawned ranks sharing one process group.
 
@@ -179,12 +155,9 @@ class RankPool:
             )
             for r in range(self.world)
         ]
+        starting.ensure_server(ctx)  # usually already running (starting.start_early)
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # children inherit the mask
         try:
-            if ctx.get_start_method() == "forkserver":  # started here, the server and its forks inherit it too
-                from multiprocessing import forkserver
-
-                forkserver.ensure_running()
             for p in self.procs:
                 p.start()
         finally:
