@@ -28,9 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     (:mod:`parity.execute.spawned`)."""
     import sys
 
-    from parity.execute.starting import start_early
+    from parity.execute.starting import start_early, stop_server
 
     start_early(sys.argv[1:] if argv is None else argv)  # the rank fork server imports torch beside us
-    from parity.cli import main as cli_main
+    try:
+        from parity.cli import main as cli_main
 
-    return cli_main(argv)
+        return cli_main(argv)
+    finally:
+        stop_server()

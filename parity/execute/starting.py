@@ -60,6 +60,23 @@ def ensure_server(ctx) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+def stop_server() -> None:
+    """End the fork server now (the command is done: its pools are stopped). A command that
+    ended early -- bad input, exit code 2 -- no longer leaves a server importing torch for
+    nothing."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)  # it may still be importing: closing its pipe alone waits for that
+        server._stop()  # reaps it, closes the pipe, removes the socket
+    except (OSError, AttributeError):
+        pass
+
+
 def start_early(argv: list[str]) -> None:
     """Start the fork server now if ``argv`` (the command line, without the program) runs
     cells outside torchrun; best effort: anything unusual leaves it to the first pool."""
