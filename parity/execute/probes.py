@@ -76,15 +76,23 @@ def ownership(model: nn.Module) -> dict[str, str]:
 
 
 def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
-    """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned)."""
+    """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned),
+    and, for a unit that holds parameters, the reduction knobs its parameter groups hold
+    (:mod:`parity.execute.knobs`)."""
     modules = module_index(model)
     out = {}
     for unit in report.units:
-        pol = modules[unit.modules[0]]._get_fsdp_state()._mp_policy
+        state = modules[unit.modules[0]]._get_fsdp_state()
+        pol = state._mp_policy
         out[unit.root] = {
             "param_dtype": dtype_name(pol.param_dtype), "reduce_dtype": dtype_name(pol.reduce_dtype),
             "output_dtype": dtype_name(pol.output_dtype), "cast_forward_inputs": pol.cast_forward_inputs,
         }
+        groups = state._fsdp_param_groups
+        if groups:
+            out[unit.root]["gradient_divide_factor"] = ",".join(sorted({str(g.gradient_divide_factor) for g in groups}))
+            out[unit.root]["force_sum_reduction_for_comms"] = ",".join(
+                sorted({str(g.force_sum_reduction_for_comms) for g in groups}))
     return out
 
 

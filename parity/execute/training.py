@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
-from parity.execute import evaluation, parallel, probes, state_dicts
+from parity.execute import evaluation, knobs, parallel, probes, state_dicts
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -24,7 +24,7 @@ from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import loss_scale, make_optimizer
+from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
 
@@ -95,6 +95,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
     if fixture.unused_params:
         model.set_reduce_scatter_unused_params(True)
+    knobs.apply(cell, model)
     if cell.checkpointing == "outer":
         checkpoint_units(model, report)
     inject.site("sharded", model=model)
@@ -170,6 +171,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     topo, keep = cell.topology(), keep or observed(cell)
     data = data or (lambda r, m: (topo.data_rank(r), m))
     freeze_schedule(s, step)
+    divisor = loss_divisor(cell.reduction, topo.data_world)
 
     def segment(label: str):
         return recorder.segments.segment(step, label) if recorder else contextlib.nullcontext()
@@ -186,6 +188,8 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
                 out = fixture.output(_forward(cell, s.model, inputs))
             loss = fixture.loss(out, batch.target) / cell.microbatches
+            if divisor != 1:
+                loss = loss / divisor
             if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
                 with segment("state-dict"):
                     _state_dicts(cell, s, step, "after-forward", obs)
@@ -221,7 +225,8 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
     for p in (p for p in s.params if p in s.ignored):
         if p.grad is not None and world > 1:
-            group, dtype = parallel.owner_reduce(p, world=world, reduction=fixture.ignored_reduction, group=s.group)
+            group, dtype = parallel.owner_reduce(
+                p, world=world, reduction=owner_reduction(cell.reduction, fixture.ignored_reduction), group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
     if s.scaler:
         s.scaler.unscale_(s.opt)

@@ -177,6 +177,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "(narrow_tensor_by_index without offsets): only a checkpoint loaded on another layout shows it",
            {"checkpoint.moved"}, {**_KDA2, "move": "shrink"}, quiet={"move": "none"}, patch=rp.resharded_read_at_zero,
            scopes=("lifecycle",)),
+    _fault("divide_factor_dropped", "FSDP's reduction drops a unit's gradient divide factor and averages "
+           "(foreach_reduce -> _get_gradient_divide_factors): only a recipe that sums shows it",
+           {"grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"}, patch=rp.divide_factor_dropped),
+    _fault("divide_factor_not_stored", "FSDPModule.set_gradient_divide_factor stores nothing: every unit keeps "
+           "averaging", {"unit.policy", "grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"},
+           patch=rp.divide_factor_not_stored),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32

@@ -322,3 +322,24 @@ def resharded_read_at_zero():
     undo = [swap_attr(default_planner, "narrow_tensor_by_index", make),
             swap_attr(filesystem, "narrow_tensor_by_index", make)]
     return lambda: [u() for u in reversed(undo)]
+
+
+def divide_factor_dropped():
+    """FSDP's reduction drops the unit's gradient divide factor and divides by the number of
+    data-parallel ranks, as if none was set: a recipe that sums (``set_gradient_divide_factor(1.0)``)
+    gets gradients divided by the world size. Silent where no factor is set."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    def make(orig):
+        def _get_gradient_divide_factors(rs_group, ar_group, reduce_dtype, device_type="", factor=None, *rest):
+            return orig(rs_group, ar_group, reduce_dtype, device_type, None, *rest)
+        return _get_gradient_divide_factors
+    return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
+
+
+def divide_factor_not_stored():
+    """``FSDPModule.set_gradient_divide_factor`` stores nothing: every unit keeps averaging,
+    and a recipe that sums gets gradients divided by the world size."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "set_gradient_divide_factor", lambda orig: lambda self, factor: None)

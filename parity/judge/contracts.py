@@ -133,14 +133,16 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     return rows
 
 
-def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, reduction: str = "mean") -> list[Record]:
     """Each unit's policy as FSDP holds it, against the contract derived from the plan and
     the taken path's declared contract (not from the report's policy fields): a
     per-parameter unit always computes in ``param_dtype`` (overrides keep the rest) and
     casts its inputs; a dtype-split unit computes in ``param_dtype`` if any member does,
     else in its members' dtype, and casts inputs only then; every unit reduces in its
     trainable members' planned reduce dtype (a None ``reduce_dtype`` reduces in the
-    gradients' storage dtype, torch >= 2.15); only the outermost unit casts outputs."""
+    gradients' storage dtype, torch >= 2.15); only the outermost unit casts outputs. A unit
+    holding parameters keeps the cell's reduction knobs: no divide factor and FSDP's own
+    collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``."""
     config = plan.config
     rows = []
     native = obs.report.contract == PER_PARAMETER
@@ -150,6 +152,10 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> lis
         param = config.param_dtype if (native or not members or config.param_dtype in computes) else computes.pop()
         want = {"param_dtype": dtype_name(param), "cast_forward_inputs": param == config.param_dtype,
                 "output_dtype": dtype_name(config.output_dtype if unit.modules == ("",) else None)}
+        if unit.params:
+            summed = reduction == "sum"
+            want["gradient_divide_factor"] = "1.0" if summed else "None"
+            want["force_sum_reduction_for_comms"] = str(summed)
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:
             want["reduce_dtype"] = dtype_name(reduces.pop())
@@ -549,7 +555,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base) + identity_checks(obs, base)
+            + unit_policy_checks(obs, plan, base, cell.reduction) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
             + collective_checks(cell, obs, plan, base, ref))

@@ -40,7 +40,7 @@ from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import loss_scale, make_optimizer
+from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
@@ -156,6 +156,8 @@ def run_reference(
     handles = [] if fp64 else _boundary_hooks(model, report)
     topo = cell.topology()
     world, micro = topo.data_world, cell.microbatches
+    divisor = loss_divisor(cell.reduction, world)
+    mean = world if world > 1 and divisor == 1 else 1  # what the reduction divides the sum by
     groups = topo.replica_groups()
     accumulate_unsharded = cell.accumulating
     # a tied weight's uses on the first micro-batch without sync: FSDP (2.15) moves each use's
@@ -226,6 +228,8 @@ def run_reference(
                 for h in rec:
                     h.remove()
                 loss = fixture.loss(out, batch.target) / micro
+                if divisor != 1:  # the recipe normalizes over the ranks itself; the reduction sums
+                    loss = loss / divisor
                 (loss * scale).backward()
                 outs.append(out.detach().cpu())  # results live on the CPU, like the ranks'
                 in_grads.append(None if fixture.token_input else inputs[0].grad.cpu() / scale)
@@ -249,7 +253,7 @@ def run_reference(
                 if not grads:
                     continue
                 for g in grads:
-                    terms_scale[f] += float(g.double().abs().max()) / world
+                    terms_scale[f] += float(g.double().abs().max()) / mean
                 rd = reduce_dtype(f)
                 if entries[f].ownership == "ignored" or accumulate_unsharded:
                     for r, g in enumerate(per_rank):
@@ -265,15 +269,15 @@ def run_reference(
                         partial[f] = sums
                         continue
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
-                reduced = (total / world if world > 1 else total).to(masters[f].dtype)
+                reduced = (total / mean if mean > 1 else total).to(masters[f].dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
         for f in trainable:
             if f in synced:
                 masters[f].grad = synced[f]
             elif any(f in u for u in unsynced):
                 total = ordered_sum([u[f] for u in unsynced if f in u])
-                summed = entries[f].ownership == "ignored" and fixture.ignored_reduction == "sum"
-                masters[f].grad = (total / world if world > 1 and not summed else total).to(masters[f].dtype)
+                summed = entries[f].ownership == "ignored" and owner_reduction(cell.reduction, fixture.ignored_reduction) == "sum"
+                masters[f].grad = (total / mean if mean > 1 and not summed else total).to(masters[f].dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)

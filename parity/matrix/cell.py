@@ -21,6 +21,8 @@ EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
 #: Where the checkpoint lifecycle's second checkpoint is saved and loaded (:attr:`Cell.move`).
 MOVES = ("none", "shrink", "grow", "mesh")
+#: How gradients are reduced across data-parallel ranks (:attr:`Cell.reduction`).
+REDUCTIONS = ("mean", "sum")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -30,7 +32,8 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: Axes added after the first matrices, with their id tags; a cell at an axis's default keeps
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
-               "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv"}
+               "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
+               "reduction": "red"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +89,12 @@ class Cell:
     1-D FSDP and HSDP (4 ranks). A layout with fewer ranks trains the others' batches as
     micro-batches, so both layouts train on the same global batch. ``none`` where the cell runs
     no lifecycle, has one rank (``shrink``/``grow``) or another mesh or size (``mesh``)."""
+    reduction: str = "mean"
+    """``mean``: FSDP averages gradients over the data-parallel ranks (its default); ``sum``: the
+    recipe divides its loss by the number of data-parallel ranks itself (as token-normalized
+    losses do) and FSDP sums -- ``set_gradient_divide_factor(1.0)`` and
+    ``set_force_sum_reduction_for_comms(True)`` on every unit (gloo has no pre-multiplied sum);
+    the owner of FSDP-ignored parameters sums too. Runs on mesh ``fsdp``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -116,6 +125,11 @@ class Cell:
         if self.weights != "none" and self.mesh != "fsdp":
             raise UsageError(f"weights {self.weights!r} runs on mesh 'fsdp'; quantized all-gathers on "
                              f"{self.mesh!r} are not emulated yet (use mesh 'fsdp' or weights 'none')")
+        if self.reduction not in REDUCTIONS:
+            raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
+        if self.reduction != "mean" and self.mesh != "fsdp":
+            raise UsageError(f"reduction {self.reduction!r} runs on mesh 'fsdp'; a summed reduction on {self.mesh!r} "
+                             "is not emulated yet (use mesh 'fsdp' or reduction 'mean')")
         if self.eval != "none" and self.weights != "none":
             raise UsageError(f"eval {self.eval!r} runs with weights 'none'; an evaluation forward's quantized "
                              "all-gathers are not emulated yet (use eval 'none')")

@@ -65,3 +65,16 @@ def make_optimizer(params, name: str = "adamw") -> torch.optim.Optimizer:
 def loss_scale(param_dtype: torch.dtype) -> float:
     """The loss scale a recipe uses with ``param_dtype`` (1 = no scaler)."""
     return LOSS_SCALE if param_dtype == torch.float16 else 1.0
+
+
+def loss_divisor(reduction: str, data_world: int) -> int:
+    """What each rank divides its loss by besides its micro-batch count: under a ``sum``
+    reduction the recipe normalizes the loss over the data-parallel ranks itself (FSDP
+    sums); under ``mean`` FSDP divides (:attr:`parity.matrix.cell.Cell.reduction`)."""
+    return data_world if reduction == "sum" else 1
+
+
+def owner_reduction(reduction: str, ignored_reduction: str) -> str:
+    """How the owner of FSDP-ignored parameters combines their gradients across ranks: as the
+    recipe's reduction under ``sum``, else as the fixture declares."""
+    return "sum" if reduction == "sum" else ignored_reduction
