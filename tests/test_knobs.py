@@ -1,6 +1,6 @@
 """Recipe knobs (issue 25): the ``sum`` reduction (the recipe normalizes its loss over the
-data-parallel ranks, FSDP sums) on both paths, checked against a reference that agrees
-with the mean reduction's, and read back from every unit."""
+data-parallel ranks, FSDP sums), checked against a reference that agrees with the mean
+reduction's, and explicit prefetching; both on both paths, read back from every unit."""
 
 import os
 
@@ -44,11 +44,23 @@ def test_a_reduction_is_named_and_runs_on_1d_fsdp_only():
         Cell(fixture="kda", path="native", ranks=4, mesh="hsdp", reduction="sum")
     assert Cell(fixture="kda", path="native", reduction="sum").id.endswith("/red-sum")
     assert Cell(fixture="kda", path="native").id == Cell(fixture="kda", path="native", reduction="mean").id
+    with pytest.raises(UsageError, match="prefetch: unknown value 'all'; valid: none, explicit"):
+        Cell(fixture="kda", path="native", prefetch="all")
+
+
+def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
+    """Covering designs span the axes a matrix declares (and those every design always spanned):
+    ``default`` keeps its cells, none of them turns a knob."""
+    from parity.matrix.load import DESIGN_AXES, load
+
+    assert "reduction" not in DESIGN_AXES and "prefetch" not in DESIGN_AXES
+    cells = load("default").cells
+    assert len(cells) == 444 and {(c.reduction, c.prefetch) for c in cells} == {("mean", "none")}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("knobs")
-def test_the_knobs_matrix_passes_with_every_unit_summing(tmp_path):
+def test_the_knobs_matrix_passes_with_every_unit_holding_its_knobs(tmp_path):
     result = parity.run(matrix="knobs", out=str(tmp_path / "knobs"), quiet=True)
     assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
     rows = result.cells
@@ -62,6 +74,10 @@ def test_the_knobs_matrix_passes_with_every_unit_summing(tmp_path):
     assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])
     grads = rows[(rows["check"] == "grad") & (rows["ranks"].astype(str) == "2") & (rows["verdict"] == "PASS")]
     assert {"legacy", "native"} <= set(grads["path_taken"]) and set(grads["sync"]) == {"every", "last"}
+    # the block units prefetched each other as set, on both paths
+    prefetching = policy[policy["detail"].str.contains("'forward_prefetch': 'blocks.1'")]
+    assert len(prefetching) and set(prefetching["verdict"]) == {"PASS"}
+    assert {"legacy", "native"} <= set(prefetching["path_taken"])
     # a summed run's checkpoint moved 2 -> 1 ranks and trained on
     moved = rows[(rows["check"] == "checkpoint.moved") & (rows["verdict"] == "PASS")]
     assert {n.split(":")[1] for n in moved["name"]} >= {"entry", "grad", "param"}

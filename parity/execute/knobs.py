@@ -7,6 +7,12 @@ sum-only collectives (``set_force_sum_reduction_for_comms(True)``: gloo has no
 pre-multiplied sum; NCCL runs the same way). The recipe divides its loss by the number of
 data-parallel ranks instead (:func:`parity.model.recipe.loss_divisor`), so a correct run
 trains the same numbers as with FSDP's mean when that number is a power of two.
+
+``prefetch = "explicit"``: the fixture's block units, in order, each prefetch the next
+block's all-gather in forward and the previous block's in backward (replacing FSDP's
+implicit backward prefetch), as transformer recipes set it. Numerics do not change; the
+units' prefetch lists are read back (``unit.policy``) and every all-gather is counted
+(``collectives``: a unit gathered twice in one pass is a finding).
 """
 
 from __future__ import annotations
@@ -15,10 +21,23 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from parity.matrix.cell import Cell
+from parity.model.plan import canonical_fqn
 
 
-def apply(cell: Cell, model: nn.Module) -> None:
-    """Turn ``cell``'s knobs on every FSDP unit of ``model`` (each unit holds its own setting)."""
+def block_units(model: nn.Module, blocks) -> list[FSDPModule]:
+    """The FSDP units that are the fixture's blocks (``Fixture.blocks``), in the blocks' order."""
+    units = {canonical_fqn(n): m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    return [units[b] for b in blocks if b in units]
+
+
+def apply(cell: Cell, model: nn.Module, blocks=()) -> None:
+    """Turn ``cell``'s knobs on every FSDP unit of ``model`` (each unit holds its own setting);
+    ``blocks``: the fixture's block FQNs."""
+    if cell.prefetch == "explicit":
+        units = block_units(model, blocks)
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 2])
+            unit.set_modules_to_backward_prefetch(units[i - 1:i] if i else [])
     if cell.reduction == "sum":
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -80,6 +80,7 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
     and, for a unit that holds parameters, the reduction knobs its parameter groups hold
     (:mod:`parity.execute.knobs`)."""
     modules = module_index(model)
+    names = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
     out = {}
     for unit in report.units:
         state = modules[unit.modules[0]]._get_fsdp_state()
@@ -93,6 +94,9 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
             out[unit.root]["gradient_divide_factor"] = ",".join(sorted({str(g.gradient_divide_factor) for g in groups}))
             out[unit.root]["force_sum_reduction_for_comms"] = ",".join(
                 sorted({str(g.force_sum_reduction_for_comms) for g in groups}))
+        for pass_, states in (("forward", state._states_to_forward_prefetch),
+                              ("backward", state._states_to_backward_prefetch)):
+            out[unit.root][f"{pass_}_prefetch"] = ",".join(names.get(id(s._modules[0]), "?") for s in states)
     return out
 
 

@@ -183,6 +183,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("divide_factor_not_stored", "FSDPModule.set_gradient_divide_factor stores nothing: every unit keeps "
            "averaging", {"unit.policy", "grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"},
            patch=rp.divide_factor_not_stored),
+    _fault("prefetch_regathers", "a unit prefetched in forward loses its pending all-gather and gathers "
+           "again at its own pre-forward (FSDPParamGroup._prefetch_unshard)", {"collectives"},
+           {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_regathers),
+    _fault("prefetch_not_stored", "FSDPModule.set_modules_to_forward_prefetch stores nothing: no unit prefetches",
+           {"unit.policy"}, {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_not_stored),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32

@@ -343,3 +343,31 @@ def divide_factor_not_stored():
     from torch.distributed.fsdp import FSDPModule
 
     return swap_attr(FSDPModule, "set_gradient_divide_factor", lambda orig: lambda self, factor: None)
+
+
+def prefetch_regathers():
+    """A unit prefetched in forward loses its pending all-gather (FSDPParamGroup._prefetch_unshard
+    waits and drops the result), so its own pre-forward gathers it again: the numbers stay
+    right, the forward all-gathers it twice. Only explicit prefetching prefetches in forward
+    (FSDP's implicit prefetch is backward's): silent without it."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.__dict__["_prefetch_unshard"]  # the staticmethod itself: restored as one
+
+    def _prefetch_unshard(target, pass_type):
+        original.__func__(target, pass_type)
+        if pass_type != "forward":
+            return
+        result, target._all_gather_result = target._all_gather_result, None
+        if result is not None and result.all_gather_work is not None:
+            result.all_gather_work.wait()
+    FSDPParamGroup._prefetch_unshard = staticmethod(_prefetch_unshard)
+    return lambda: setattr(FSDPParamGroup, "_prefetch_unshard", original)
+
+
+def prefetch_not_stored():
+    """``FSDPModule.set_modules_to_forward_prefetch`` stores nothing: the recipe's forward
+    prefetching silently never happens (the numbers and collectives are those of no prefetch)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "set_modules_to_forward_prefetch", lambda orig: lambda self, modules: None)

@@ -133,7 +133,19 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     return rows
 
 
-def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, reduction: str = "mean") -> list[Record]:
+def _prefetch_plan(cell: Cell, obs: Observation) -> dict[str, tuple[str, str]]:
+    """Unit root -> (forward, backward) prefetch list FSDP must hold: under ``explicit``, each of
+    the fixture's block units names the next block unit (forward) and the previous (backward)."""
+    from parity.model.registry import get_fixture
+
+    if cell.prefetch != "explicit":
+        return {}
+    roots = {u.root for u in obs.report.units}
+    blocks = [b for b in get_fixture(cell.fixture, cell.source).blocks if b in roots]
+    return {b: (",".join(blocks[i + 1:i + 2]), ",".join(blocks[i - 1:i] if i else [])) for i, b in enumerate(blocks)}
+
+
+def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: Cell | None = None) -> list[Record]:
     """Each unit's policy as FSDP holds it, against the contract derived from the plan and
     the taken path's declared contract (not from the report's policy fields): a
     per-parameter unit always computes in ``param_dtype`` (overrides keep the rest) and
@@ -142,8 +154,11 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, reduct
     trainable members' planned reduce dtype (a None ``reduce_dtype`` reduces in the
     gradients' storage dtype, torch >= 2.15); only the outermost unit casts outputs. A unit
     holding parameters keeps the cell's reduction knobs: no divide factor and FSDP's own
-    collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``."""
+    collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
+    prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise."""
     config = plan.config
+    reduction = cell.reduction if cell is not None else "mean"
+    prefetch = _prefetch_plan(cell, obs) if cell is not None else {}
     rows = []
     native = obs.report.contract == PER_PARAMETER
     for unit in obs.report.units:
@@ -156,6 +171,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, reduct
             summed = reduction == "sum"
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
+        want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:
             want["reduce_dtype"] = dtype_name(reduces.pop())
@@ -555,7 +571,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base, cell.reduction) + identity_checks(obs, base)
+            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
             + collective_checks(cell, obs, plan, base, ref))

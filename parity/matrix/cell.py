@@ -23,6 +23,8 @@ INITS = ("seeded", "meta")
 MOVES = ("none", "shrink", "grow", "mesh")
 #: How gradients are reduced across data-parallel ranks (:attr:`Cell.reduction`).
 REDUCTIONS = ("mean", "sum")
+#: Which units a unit's pre-forward / pre-backward all-gathers ahead of time (:attr:`Cell.prefetch`).
+PREFETCHES = ("none", "explicit")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -33,7 +35,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
-               "reduction": "red"}
+               "reduction": "red", "prefetch": "pf"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +97,10 @@ class Cell:
     losses do) and FSDP sums -- ``set_gradient_divide_factor(1.0)`` and
     ``set_force_sum_reduction_for_comms(True)`` on every unit (gloo has no pre-multiplied sum);
     the owner of FSDP-ignored parameters sums too. Runs on mesh ``fsdp``."""
+    prefetch: str = "none"
+    """``none``: FSDP's own prefetching; ``explicit``: each block unit prefetches the next block's
+    all-gather in forward (``set_modules_to_forward_prefetch``) and the previous one's in
+    backward (``set_modules_to_backward_prefetch``), as recipes set it."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -127,6 +133,8 @@ class Cell:
                              f"{self.mesh!r} are not emulated yet (use mesh 'fsdp' or weights 'none')")
         if self.reduction not in REDUCTIONS:
             raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
+        if self.prefetch not in PREFETCHES:
+            raise UsageError(f"prefetch: unknown value {self.prefetch!r}; valid: {', '.join(PREFETCHES)}")
         if self.reduction != "mean" and self.mesh != "fsdp":
             raise UsageError(f"reduction {self.reduction!r} runs on mesh 'fsdp'; a summed reduction on {self.mesh!r} "
                              "is not emulated yet (use mesh 'fsdp' or reduction 'mean')")

@@ -44,16 +44,22 @@ from dataclasses import dataclass
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
-                                REDUCE_DTYPES, REDUCTIONS, SYNC, WEIGHTS, Cell)
+                                PREFETCHES, REDUCE_DTYPES, REDUCTIONS, SYNC, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
+#: The axes every covering design spans, declared or not (an undeclared one at its default value).
+#: An axis added later joins a matrix's design only where its file declares it, so adding an
+#: axis never reshuffles the cells of a matrix that does not use it (as :data:`RECIPE_AXES`'s
+#: tags keep their ids).
+DESIGN_AXES = AXES[:AXES.index("move") + 1]
 #: What ``-k`` may name: the axes, with ``accumulation`` as its two cell fields.
 FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
-            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS}
+            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS,
+            "prefetch": PREFETCHES}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
@@ -298,10 +304,12 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
         bad = [a for a in rotate if a not in AXES or a in exhaustive]
         if bad:
             raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
-        rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)}
+        rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)
+                and (a in DESIGN_AXES or a in axes_in)}
         design = covering(rest, [a for a in AXES if a in exhaustive and a in rest], _dishonest)
-        for i, row in enumerate(design):  # rotated axes cycle through their values
+        for i, row in enumerate(design):  # rotated axes cycle through their values; the rest at their defaults
             row.update({a: axes[a][i % len(axes[a])] for a in rotate})
+            row.update({a: axes[a][0] for a in AXES if a not in row and a not in ("fixture", "path")})
         rows = [{**row, "fixture": f, "path": p} for f in axes["fixture"] for row in design for p in axes["path"]]
     else:
         raise UsageError(f"{path}: design has unknown value {design!r}; valid: product, covering")
