@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
 from parity.execute import lifecycle, parallel, state_dicts
-from parity.execute.observation import Moved, Observation
+from parity.execute.observation import NORM, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
@@ -103,13 +103,15 @@ def _layouts(s: Sharded) -> dict[str, str]:
 
 def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat) -> dict:
     """Train :attr:`Cell.resume_step` on ``layout``; its gradients, parameters and optimizer
-    state, whole (collectives over the layout's ranks)."""
+    state, whole (collectives over the layout's ranks), and with clipping the global norm it
+    clipped with (:data:`NORM`)."""
     obs = Observation(rank=rank)
     train_step(layout, s, cell.resume_step, rank=rank, world=layout.ranks, device=device, obs=obs,
                heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full)
     state = {k: v for k, v in _whole(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
+    norm = {NORM: torch.tensor(obs.grad_norms[0], dtype=torch.float64)} if layout.clip else {}
     return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
-            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state}
+            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm}
 
 
 def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,

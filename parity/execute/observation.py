@@ -63,6 +63,11 @@ class Resumed:
     optim: dict[str, dict] = field(default_factory=dict)
 
 
+#: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm
+#: a clipping step clipped with (a 0-d float64 tensor).
+NORM = "norm:global"
+
+
 @dataclass(kw_only=True)
 class Moved:
     """A checkpoint saved on one layout and loaded into one path on another (:mod:`.moves`)."""

@@ -22,14 +22,14 @@ from dataclasses import replace
 
 import torch
 
-from parity.execute.observation import Moved, Observation
+from parity.execute.observation import NORM, Moved, Observation
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, max_abs
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import optimizer_recipe
+from parity.model.recipe import BETAS, optimizer_recipe, update_sensitivity
 
 CHECK = "checkpoint.moved"
 
@@ -91,8 +91,14 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
           resumed: dict, note: str) -> list[Record]:
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
+    coefs = (1.0, 1.0)  # the straight and resumed steps' clipping coefficients
+    if cell.clip:
+        norm_row, coefs = _norms(cell, base, target, plan, straight, resumed, note)
+        rows.append(norm_row)
     for key in dict.fromkeys([*straight, *resumed]):
         name = f"{target}:{key}"
+        if key == NORM:
+            continue
         if key not in resumed or key not in straight:
             where = "the resumed step" if key not in resumed else "the uninterrupted step"
             rows.append(_missing(base, name, f"{key} after {where} ({note})"))
@@ -105,6 +111,9 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 rows.append(_exact(base, name, want, got, note))
                 continue
             allow = tolerance.moment(t.storage, amax(want))
+            if cell.clip and f"grad:{fqn}" in straight:
+                allow = _moment_spread(allow, state_key, straight[f"grad:{fqn}"],
+                                       _spread(cell, t, straight[f"grad:{fqn}"], coefs))
             comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
         else:  # grad:FQN or param:FQN
             kind, _, rest = key.partition(":")
@@ -113,19 +122,106 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 rows.append(_exact(base, name, want, got, note))
                 continue
             if kind == "grad":
-                allow = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, amax(want))
-                comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
+                allow = _clipped_grad(cell, t, want, coefs)
+                ratio = coefs[1] / coefs[0]  # the straight gradient as the resumed step's coefficient scales it
+                comp = Comparison(cell.resume_step, CHECK, name, got, want * ratio if ratio != 1.0 else want, allow)
             else:
                 before = saved.get(f"model/{rest}")
                 update = want - before if isinstance(before, torch.Tensor) and before.shape == want.shape \
                     else torch.zeros_like(want)
                 allow = tolerance.parameter(t.storage, want, update, cell.optimizer)
+                if cell.clip:
+                    grad = straight.get(f"grad:{rest}")
+                    allow = _propagated(cell, allow, _spread(cell, t, grad, coefs) if grad is not None else 0.0,
+                                        {k.rpartition("/")[2]: v for k, v in straight.items()
+                                         if k.startswith(f"optim/{rest}/")})
                 comp = Comparison(cell.resume_step, CHECK, name, got, want, allow, signal=amax(update))
         row = comp.record(dict(base))
         row.check, row.name, row.step = CHECK, name, cell.resume_step
         row.detail = "; ".join(x for x in (row.detail, note) if x)
         rows.append(row)
     return rows
+
+
+def _coef(cell: Cell, norm: float) -> float:
+    """The clipping coefficient a step with global norm ``norm`` applies (the recipe's formula,
+    :func:`parity.execute.parallel.clip_gradients`)."""
+    return min(1.0, cell.clip / (norm + 1e-6))
+
+
+def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: dict, resumed: dict,
+           note: str) -> tuple[Record, tuple[float, float]]:
+    """With clipping each layout clips with its own global norm, which another layout forms
+    in another order: the norms are judged against each other (as ``grad_norm`` judges a
+    run's), and the gradients then against the straight step's rescaled by the ratio of the
+    two clipping coefficients. Returns the norm's record and the two coefficients (straight,
+    resumed; both 1.0 if a norm is missing)."""
+    name = f"{target}:{NORM}"
+    if NORM not in straight or NORM not in resumed:
+        where = "the resumed step" if NORM not in resumed else "the uninterrupted step"
+        return _missing(base, name, f"the global norm a clipping step used, after {where} ({note})"), (1.0, 1.0)
+    want, got = float(straight[NORM]), float(resumed[NORM])
+    grads = {k.partition(":")[2]: v for k, v in straight.items() if k.startswith("grad:")}
+    spread = 0.0
+    for fqn, g in grads.items():
+        t = plan.get(fqn)
+        if t is not None:  # the unclipped gradients may differ within their own allowances
+            unclipped = g.double() / _coef(cell, want)
+            a = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, amax(unclipped))
+            spread += g.numel() * a.allowed ** 2
+    largest = max((g.numel() for g in grads.values()), default=1)
+    allow = tolerance.grad_norm(torch.float32, largest, len(grads), cell.ranks, want, spread ** 0.5)
+    row = Comparison(cell.resume_step, CHECK, name, got, want, allow).record(dict(base))
+    row.check, row.name, row.step = CHECK, name, cell.resume_step
+    row.detail = "; ".join(x for x in (row.detail, note) if x)
+    return row, (_coef(cell, want), _coef(cell, got))
+
+
+def _clipped_grad(cell: Cell, t, want: torch.Tensor, coefs: tuple[float, float]) -> tolerance.Allowance:
+    """A gradient's allowance: its reduction's; after clipping, that of the unclipped gradient
+    times the resumed step's coefficient plus one rounding of each product
+    (:func:`parity.judge.tolerance.clipped`)."""
+    straight, resumed = coefs
+    scale = amax(want) / straight
+    before = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, scale)
+    return tolerance.clipped(before, resumed, t.storage, scale) if cell.clip else before
+
+
+def _moment_spread(allow: tolerance.Allowance, key: str, grad: torch.Tensor, spread: float) -> tolerance.Allowance:
+    """A moment's allowance when the step's gradients may differ by ``spread``: the first moment
+    (and SGD's buffer) takes ``(1 - b1)`` of it (all of it), the second ``(1 - b2)`` of
+    ``2 |g| spread + spread^2``."""
+    b1, b2 = BETAS
+    extra = {"exp_avg": (1 - b1) * spread, "exp_avg_sq": (1 - b2) * (2 * amax(grad) + spread) * spread,
+             "momentum_buffer": spread}.get(key, 0.0)
+    if not extra:
+        return allow
+    return tolerance.Allowance(allow.allowed + extra, allow.dtype,
+                               f"{allow.basis} + {extra:.3g} (how far the clipped gradients may differ, through the moment)")
+
+
+def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float]) -> float:
+    """How far the two steps' clipped gradients may differ: the straight one rescaled by the
+    ratio of the clipping coefficients (``|g| x |ratio - 1|``), and then within the clipped
+    allowance (:func:`_clipped_grad`)."""
+    return amax(grad) * abs(coefs[1] / coefs[0] - 1.0) + _clipped_grad(cell, t, grad, coefs).allowed
+
+
+def _propagated(cell: Cell, allow: tolerance.Allowance, spread: float, state: dict) -> tolerance.Allowance:
+    """A parameter's allowance when the two steps' gradients may differ by ``spread`` (clipping
+    with norms formed in another order, :func:`_spread`): the update's sensitivity to its
+    gradient (:func:`parity.model.recipe.update_sensitivity`, from the straight step's
+    optimizer state) times ``spread``, added per element."""
+    if allow.per_element is None or not spread:
+        return allow
+    try:
+        extra = update_sensitivity(cell.optimizer, state) * spread
+    except KeyError:  # no optimizer state for it (frozen): nothing moved, nothing to add
+        return allow
+    per_element = allow.per_element + extra
+    return tolerance.Allowance(float(per_element.max()) if per_element.numel() else 0.0, allow.dtype,
+                               f"{allow.basis} + optimizer sensitivity x {spread:.3g} (how far the clipped gradients may differ)",
+                               per_element=per_element)
 
 
 def _summed_in(cell: Cell, t) -> torch.dtype:

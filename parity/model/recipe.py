@@ -34,8 +34,27 @@ class OptimizerRecipe:
     """Roundings per step relative to the step's size."""
 
 
+#: AdamW's defaults, which the recipe keeps.
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
 def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def update_sensitivity(name: str, state: dict) -> torch.Tensor | float:
+    """How far one step's update can move, per element, per unit change of the gradient it
+    took (a first-order bound, from the optimizer state right after that step): SGD with
+    momentum moves by ``lr``; AdamW by ``lr / (sqrt(v^) + eps) x ((1 - b1) / (1 - b1^t) +
+    |m^| / (sqrt(v^) + eps) x sqrt((1 - b2) / (1 - b2^t)))`` (the first moment's share, and the
+    second moment's: sqrt(v^) is Lipschitz in the gradient with that constant)."""
+    if name == "sgd":
+        return LR
+    b1, b2 = BETAS
+    t = float(state["step"])
+    m = state["exp_avg"].double() / (1 - b1 ** t)
+    root = (state["exp_avg_sq"].double() / (1 - b2 ** t)).sqrt() + EPS
+    return LR / root * ((1 - b1) / (1 - b1 ** t) + m.abs() / root * ((1 - b2) / (1 - b2 ** t)) ** 0.5)
 
 
 def _sgd(params) -> torch.optim.Optimizer:
