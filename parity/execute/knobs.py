@@ -21,13 +21,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from parity.matrix.cell import Cell
-from parity.model.plan import canonical_fqn
+from parity.paths.units import module_index
 
 
 def block_units(model: nn.Module, blocks) -> list[FSDPModule]:
     """The FSDP units that are the fixture's blocks (``Fixture.blocks``), in the blocks' order."""
-    units = {canonical_fqn(n): m for n, m in model.named_modules() if isinstance(m, FSDPModule)}
-    return [units[b] for b in blocks if b in units]
+    modules = module_index(model)
+    return [modules[b] for b in blocks if isinstance(modules.get(b), FSDPModule)]
 
 
 def apply(cell: Cell, model: nn.Module, blocks=()) -> None:

@@ -145,7 +145,7 @@ def _prefetch_plan(cell: Cell, obs: Observation) -> dict[str, tuple[str, str]]:
     return {b: (",".join(blocks[i + 1:i + 2]), ",".join(blocks[i - 1:i] if i else [])) for i, b in enumerate(blocks)}
 
 
-def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: Cell | None = None) -> list[Record]:
+def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: Cell) -> list[Record]:
     """Each unit's policy as FSDP holds it, against the contract derived from the plan and
     the taken path's declared contract (not from the report's policy fields): a
     per-parameter unit always computes in ``param_dtype`` (overrides keep the rest) and
@@ -157,8 +157,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
     prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise."""
     config = plan.config
-    reduction = cell.reduction if cell is not None else "mean"
-    prefetch = _prefetch_plan(cell, obs) if cell is not None else {}
+    prefetch = _prefetch_plan(cell, obs)
     rows = []
     native = obs.report.contract == PER_PARAMETER
     for unit in obs.report.units:
@@ -168,7 +167,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
         want = {"param_dtype": dtype_name(param), "cast_forward_inputs": param == config.param_dtype,
                 "output_dtype": dtype_name(config.output_dtype if unit.modules == ("",) else None)}
         if unit.params:
-            summed = reduction == "sum"
+            summed = cell.reduction == "sum"
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
         want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))

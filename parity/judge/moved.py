@@ -29,7 +29,7 @@ from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import BETAS, optimizer_recipe, update_sensitivity
+from parity.model.recipe import BETAS, clip_coefficient, optimizer_recipe, update_sensitivity
 
 CHECK = "checkpoint.moved"
 
@@ -136,17 +136,16 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                                         {k.rpartition("/")[2]: v for k, v in straight.items()
                                          if k.startswith(f"optim/{rest}/")})
                 comp = Comparison(cell.resume_step, CHECK, name, got, want, allow, signal=amax(update))
-        row = comp.record(dict(base))
-        row.check, row.name, row.step = CHECK, name, cell.resume_step
-        row.detail = "; ".join(x for x in (row.detail, note) if x)
-        rows.append(row)
+        rows.append(_record(cell, base, name, comp, note))
     return rows
 
 
-def _coef(cell: Cell, norm: float) -> float:
-    """The clipping coefficient a step with global norm ``norm`` applies (the recipe's formula,
-    :func:`parity.execute.parallel.clip_gradients`)."""
-    return min(1.0, cell.clip / (norm + 1e-6))
+def _record(cell: Cell, base: dict, name: str, comp: Comparison, note: str) -> Record:
+    """``comp``'s record under this check, at the resumed step, its detail naming the layouts."""
+    row = comp.record(dict(base))
+    row.check, row.name, row.step = CHECK, name, cell.resume_step
+    row.detail = "; ".join(x for x in (row.detail, note) if x)
+    return row
 
 
 def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: dict, resumed: dict,
@@ -166,15 +165,13 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
     for fqn, g in grads.items():
         t = plan.get(fqn)
         if t is not None:  # the unclipped gradients may differ within their own allowances
-            unclipped = g.double() / _coef(cell, want)
+            unclipped = g.double() / clip_coefficient(cell.clip, want)
             a = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, amax(unclipped))
             spread += g.numel() * a.allowed ** 2
     largest = max((g.numel() for g in grads.values()), default=1)
     allow = tolerance.grad_norm(torch.float32, largest, len(grads), cell.ranks, want, spread ** 0.5)
-    row = Comparison(cell.resume_step, CHECK, name, got, want, allow).record(dict(base))
-    row.check, row.name, row.step = CHECK, name, cell.resume_step
-    row.detail = "; ".join(x for x in (row.detail, note) if x)
-    return row, (_coef(cell, want), _coef(cell, got))
+    row = _record(cell, base, name, Comparison(cell.resume_step, CHECK, name, got, want, allow), note)
+    return row, (clip_coefficient(cell.clip, want), clip_coefficient(cell.clip, got))
 
 
 def _clipped_grad(cell: Cell, t, want: torch.Tensor, coefs: tuple[float, float]) -> tolerance.Allowance:

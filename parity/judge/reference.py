@@ -40,7 +40,7 @@ from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction
+from parity.model.recipe import clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
@@ -116,7 +116,7 @@ def _clip(run: ReferenceRun, params: list[nn.Parameter], max_norm: float, norm: 
     """The recipe's clipping, by the same function and the same FP32 coefficient as the ranks'
     (:func:`parity.execute.parallel.clip_gradients`); FP64 keeps its own norm in FP64."""
     total = torch.tensor(norm, dtype=torch.float64 if fp64 else torch.float32)
-    run.clip_coefs.append(min(1.0, float(max_norm / (total + 1e-6))))
+    run.clip_coefs.append(clip_coefficient(max_norm, total))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     run.clipped_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
 

@@ -86,6 +86,13 @@ def loss_scale(param_dtype: torch.dtype) -> float:
     return LOSS_SCALE if param_dtype == torch.float16 else 1.0
 
 
+def clip_coefficient(max_norm: float, norm) -> float:
+    """The factor clipping scales every gradient by, ``min(1, max_norm / (norm + 1e-6))``, as
+    ``clip_grads_with_norm_`` forms it, in ``norm``'s own arithmetic (an FP32 tensor, as the
+    ranks clip; or a Python float)."""
+    return min(1.0, float(max_norm / (norm + 1e-6)))
+
+
 def loss_divisor(reduction: str, data_world: int) -> int:
     """What each rank divides its loss by besides its micro-batch count: under a ``sum``
     reduction the recipe normalizes the loss over the data-parallel ranks itself (FSDP
