@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from parity.errors import OutputError, writing
+from parity.execute import knobs
 from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals, exit_code
 from parity.judge.cell import base_fields, failure_record, judge_cell
@@ -101,7 +102,7 @@ class _Progress:
 
 
 def _skip_reason(cell: Cell, device: str, skip_reason) -> str:
-    reason = (skip_reason(cell) if skip_reason else "")
+    reason = (skip_reason(cell) if skip_reason else "") or knobs.unsupported(cell)
     if not reason and device == "cuda" and cell.ranks > torch.cuda.device_count():
         reason = f"needs {cell.ranks} GPUs; {torch.cuda.device_count()} visible"
     return reason

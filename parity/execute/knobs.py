@@ -24,6 +24,22 @@ from parity.matrix.cell import Cell
 from parity.paths.units import module_index
 
 
+def unsupported(cell: Cell) -> str:
+    """Why ``cell`` cannot turn its knobs on its model (empty: it can). Explicit prefetching
+    chains block units: with fewer than two there is nothing to prefetch, and a cell claiming
+    it would pass without having prefetched anything."""
+    if cell.prefetch != "explicit":
+        return ""
+    from parity.model.registry import get_fixture
+
+    fixture = get_fixture(cell.fixture, cell.source)
+    units = [b for b in fixture.blocks if b in fixture.unit_roots]
+    if len(units) < 2:
+        return (f"prefetch 'explicit' chains block units; {cell.fixture!r} declares {len(units)} "
+                f"(Fixture.blocks that are unit_roots: {', '.join(units) or 'none'})")
+    return ""
+
+
 def block_units(model: nn.Module, blocks) -> list[FSDPModule]:
     """The FSDP units that are the fixture's blocks (``Fixture.blocks``), in the blocks' order."""
     modules = module_index(model)

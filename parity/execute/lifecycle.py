@@ -113,8 +113,29 @@ def save(s, ckpt: str, group=None) -> None:
     dcp.save(_state(s), checkpoint_id=ckpt, process_group=group)
 
 
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state with one step of zero gradients at learning rate 0, each
+    gradient in its parameter's ``grad_dtype``. DCP's state-dict helpers do the same on a fresh
+    optimizer but with gradients in the parameter's dtype (torch 2.15), which a parameter whose
+    ``grad_dtype`` differs rejects; a recipe with such parameters initializes the state itself.
+    Nothing to do when every gradient dtype is the parameter's (DCP's own initialization runs)."""
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    if opt.state or all(p.grad_dtype in (None, p.dtype) for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p, dtype=p.grad_dtype)
+    lrs = [group["lr"] for group in opt.param_groups]
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.step()
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+
+
 def load(s, ckpt: str, group=None) -> None:
     """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler."""
+    init_optimizer_state(s.opt)
     state = _state(s)
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:

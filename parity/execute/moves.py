@@ -130,6 +130,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
           heartbeat) -> Moved:
     s = build(layout, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
+    lifecycle.init_optimizer_state(s.opt)  # before DCP's helpers read the fresh optimizer
     before = _layouts(s)
     lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")

@@ -65,6 +65,7 @@ _MAIN = ("main",)  # only the cell's own training (its first forward, its traine
 _ACCUM = {"microbatches": 3, "sync": "last"}
 _COMPOSED = {"fixture": "composed", "path": "native", "ranks": 4}
 _FP8 = {"fixture": "fp8", "path": "native", "ranks": 2}
+_GRAD_DTYPE = {"fixture": "bf16_grads", "path": "native", "ranks": 2, "optimizer": "sgd", **_ACCUM}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
@@ -188,6 +189,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_regathers),
     _fault("prefetch_not_stored", "FSDPModule.set_modules_to_forward_prefetch stores nothing: no unit prefetches",
            {"unit.policy"}, {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_not_stored),
+    _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
+           "BF16 weights keep BF16 gradients instead of FP32", {"dtype.grad", "grad", "grad_norm", "param"}, _GRAD_DTYPE,
+           quiet={"fixture": "kda"}, patch=rp.grad_dtype_dropped),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32

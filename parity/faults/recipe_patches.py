@@ -371,3 +371,17 @@ def prefetch_not_stored():
     from torch.distributed.fsdp import FSDPModule
 
     return swap_attr(FSDPModule, "set_modules_to_forward_prefetch", lambda orig: lambda self, modules: None)
+
+
+def grad_dtype_dropped():
+    """FSDP forgets each parameter's ``grad_dtype`` at lazy initialization and keeps its
+    gradients in the storage dtype (``FSDPParam.init_dtype_attrs``): BF16 weights that should
+    keep FP32 gradients get BF16 ones, rounded after the reduction."""
+    def make(orig):
+        def init_dtype_attrs(self, mp_policy):
+            orig(self, mp_policy)
+            if self.sharded_grad_dtype not in (None, self.orig_dtype):
+                self.sharded_grad_dtype = self.orig_dtype
+                self.sharded_param.grad_dtype = self.orig_dtype
+        return init_dtype_attrs
+    return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)

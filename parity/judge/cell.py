@@ -147,7 +147,7 @@ def _fp64_reference(cell: Cell, fixture, plan, report, device):
 
 
 #: Checks that judge a parameter's gradient; for a parameter without any they say nothing.
-_GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "trajectory", "trajectory.emulation", "optim.state")
+_GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "dtype.grad", "trajectory", "trajectory.emulation", "optim.state")
 
 
 def _no_gradient(cell: Cell, plan, ref) -> set[str]:

@@ -201,9 +201,9 @@ def plan_comparisons(
         for f, expected in grads.items():
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
-            allow = tolerance.gradient(entry.grad_dtype, entry.storage, ref.grad_terms, scale)
+            allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, ref.grad_terms, scale)
             spread += expected.numel() * allow.allowed ** 2
-            allow = tolerance.clipped(allow, coef, entry.storage, scale)
+            allow = tolerance.clipped(allow, coef, entry.kept_grad, scale)
             clipped_spread += expected.numel() * allow.allowed ** 2
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None

@@ -41,6 +41,15 @@ def _holds_across_microbatches(cell: Cell) -> bool:
     return cell.microbatches > 1 and cell.sync in ("last", "replicas-last")
 
 
+def _grad_dtype_row(obs: Observation, t, base: dict) -> Record:
+    """``dtype.grad``: the gradient the optimizer stepped with, on this rank, at every step it
+    had one, against the plan's gradient dtype (the model's ``grad_dtype``, else storage)."""
+    want = dtype_name(t.grad)
+    seen = sorted({dtype_name(g[t.fqn].dtype) for g in obs.grads if t.fqn in g})
+    got = ",".join(seen) or "<no gradient seen>"
+    return _row(base, "dtype.grad", t.fqn, got == want, want, got, "the gradient the optimizer steps with", want)
+
+
 def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
     c = obs.contracts
     rows = []
@@ -53,6 +62,8 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
             seen = c.compute.get(alias, "<not used in forward>")
             rows.append(_row(base, "dtype.compute", alias, seen == dtype_name(t.compute), dtype_name(t.compute), seen,
                              "as all-gathered, read inside forward", dtype_name(t.compute)))
+        if t.grad is not None and t.trainable_from < cell.steps:
+            rows.append(_grad_dtype_row(obs, t, base))
         if not t.trainable:
             continue
         if t.trainable_from >= cell.steps:
@@ -175,9 +186,9 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
         if len(reduces) == 1:
             want["reduce_dtype"] = dtype_name(reduces.pop())
         got = dict(obs.contracts.policies.get(unit.root, {}))
-        storages = {dtype_name(t.storage) for t in members if t.trainable}
-        if config.reduce_dtype is None and got.get("reduce_dtype") == "natural" and len(storages) == 1:
-            got["reduce_dtype"] = storages.pop()  # None reduces in each gradient's (storage) dtype
+        kept = {dtype_name(t.kept_grad) for t in members if t.trainable}
+        if config.reduce_dtype is None and got.get("reduce_dtype") == "natural" and len(kept) == 1:
+            got["reduce_dtype"] = kept.pop()  # None reduces in each gradient's dtype (grad_dtype, else storage)
         bad = {k: (v, got.get(k)) for k, v in want.items() if got.get(k) != v}
         rows.append(_row(base, "unit.policy", unit.root, not bad, want,
                          "as planned" if not bad else "; ".join(f"{k}={g} (want {w})" for k, (w, g) in bad.items())))
@@ -264,11 +275,24 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
             continue
         shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations], whole).shape)
         first = st.get(recipe.moments[0], torch.zeros(0))
-        want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(t.storage)}; shape {shape}"
+        dtype = recipe.moment_dtype(t)
+        want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(dtype)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; {dtype_name(first.dtype)}; shape {list(first.shape)}"
-        ok = sorted(st) == sorted(recipe.state_keys) and first.dtype == t.storage and list(first.shape) == shape
-        rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(t.storage)))
+        ok = sorted(st) == sorted(recipe.state_keys) and first.dtype == dtype and list(first.shape) == shape
+        rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(dtype)))
     return rows
+
+
+def _resumed_state_dtype(base: dict, tag: str, name: str, got: torch.Tensor | None, want: torch.dtype) -> list[Record]:
+    """A FAIL naming the cause when a resumed optimizer keeps a moment in another dtype than
+    training does (nothing otherwise: the moment's values are compared beside it). torch's
+    ``Optimizer.load_state_dict`` casts floating-point state to the parameter's dtype, so a
+    moment that follows a ``grad_dtype`` other than the parameter's comes back narrowed."""
+    if got is None or not got.numel() or got.dtype == want:
+        return []
+    return [_row(base, f"checkpoint.{tag}", f"{name}:dtype", False, dtype_name(want), dtype_name(got.dtype),
+                 "the resumed optimizer state's dtype; torch.optim.Optimizer.load_state_dict casts floating-point "
+                 "state to the parameter's dtype", dtype_name(want))]
 
 
 def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
@@ -305,7 +329,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         grads = [o.grads[step] for o in observations]
         for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear
             want, t = full(grads, f), plan[f]
-            allow = tolerance.gradient(t.grad_dtype, t.storage, cell.ranks * cell.microbatches, amax(want))
+            allow = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, amax(want))
             comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
         params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
         for f in (f for f in params[0] if plan.get(f)):
@@ -317,8 +341,10 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         for f, st in ((f, st) for f, st in main_state.items() if plan.get(f)):
             for k in recipe.moments:
                 want = st[k]
+                rows += _resumed_state_dtype(base, tag, f"{target}:optim:{f}.{k}", state.get(f, {}).get(k),
+                                             recipe.moment_dtype(plan[f]))
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
-                                        tolerance.moment(plan[f].storage, amax(want))))
+                                        tolerance.moment(recipe.moment_dtype(plan[f]), amax(want))))
         for c in comps:
             if tag == "same":
                 c.allowance = tolerance.Allowance(0.0, c.allowance.dtype, "bitwise")

@@ -9,6 +9,7 @@ the observations) it derives the records the cell owes:
 - ``grad`` and ``param`` for every trainable parameter at every step it trains, ``grad_norm``
   at every step, ``trajectory`` for every parameter trained by the last step;
 - ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps,
+  ``dtype.grad`` for every parameter trained within them (ignored ones too),
   ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
@@ -61,6 +62,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
     out += [("plan", t.fqn, None) for t in plan.params]
     out += [("dtype.reduce", t.fqn, None) for t in plan.params
             if t.trainable and t.trainable_from < cell.steps and t.fqn not in no_gradient]
+    out += [("dtype.grad", t.fqn, None) for t in trained if t.grad is not None and t.trainable_from < cell.steps]
     for fqn, fmt in layout(quantizable, cell.weights).items():
         if fmt != "none":
             kind = "quant.scale" if fmt == "fp8-tensorwise" else "quant.blocks"

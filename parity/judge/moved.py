@@ -110,7 +110,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             if state_key not in recipe.moments or t is None:  # counters and other state: exact
                 rows.append(_exact(base, name, want, got, note))
                 continue
-            allow = tolerance.moment(t.storage, amax(want))
+            allow = tolerance.moment(recipe.moment_dtype(t), amax(want))
             if cell.clip and f"grad:{fqn}" in straight:
                 allow = _moment_spread(allow, state_key, straight[f"grad:{fqn}"],
                                        _spread(cell, t, straight[f"grad:{fqn}"], coefs))
@@ -166,7 +166,7 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
         t = plan.get(fqn)
         if t is not None:  # the unclipped gradients may differ within their own allowances
             unclipped = g.double() / clip_coefficient(cell.clip, want)
-            a = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, amax(unclipped))
+            a = tolerance.gradient(_summed_in(cell, t), t.kept_grad, cell.ranks * cell.microbatches, amax(unclipped))
             spread += g.numel() * a.allowed ** 2
     largest = max((g.numel() for g in grads.values()), default=1)
     allow = tolerance.grad_norm(torch.float32, largest, len(grads), cell.ranks, want, spread ** 0.5)
@@ -180,8 +180,8 @@ def _clipped_grad(cell: Cell, t, want: torch.Tensor, coefs: tuple[float, float])
     (:func:`parity.judge.tolerance.clipped`)."""
     straight, resumed = coefs
     scale = amax(want) / straight
-    before = tolerance.gradient(_summed_in(cell, t), t.storage, cell.ranks * cell.microbatches, scale)
-    return tolerance.clipped(before, resumed, t.storage, scale) if cell.clip else before
+    before = tolerance.gradient(_summed_in(cell, t), t.kept_grad, cell.ranks * cell.microbatches, scale)
+    return tolerance.clipped(before, resumed, t.kept_grad, scale) if cell.clip else before
 
 
 def _moment_spread(allow: tolerance.Allowance, key: str, grad: torch.Tensor, spread: float) -> tolerance.Allowance:
@@ -230,7 +230,7 @@ def _summed_in(cell: Cell, t) -> torch.dtype:
     float16's. Otherwise the reduction's dtype: the layouts sum the same terms in another order."""
     if cell.move in ("shrink", "grow") and cell.param_dtype == "float16":
         return torch.float16
-    return t.grad_dtype
+    return t.sum_dtype
 
 
 def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:

@@ -34,7 +34,7 @@ def _entry(t: TensorPlan | None) -> str:
     if t is None:
         return "<absent>"
     return (f"storage {dtype_name(t.storage)}, compute {dtype_name(t.compute)}, reduce "
-            f"{dtype_name(t.reduce) if t.reduce else '-'}, {t.ownership}, "
+            f"{dtype_name(t.reduce) if t.reduce else '-'}, grad {dtype_name(t.grad) if t.grad else '-'}, {t.ownership}, "
             f"{'trainable' if t.requires_grad else 'frozen'} from {t.trainable_from}, {t.format}")
 
 

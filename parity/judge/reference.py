@@ -8,7 +8,7 @@ the precision plan and the unit boundaries of a path's report:
   boundaries exactly as each unit's policy says;
 - gradients are accumulated and averaged across emulated ranks in the reduce dtype, in
   the order the sync mode implies (reduce every micro-batch, or accumulate unsharded and
-  reduce once), then stored in the parameter's storage dtype;
+  reduce once), then kept in the parameter's gradient dtype (its ``grad_dtype``, else storage);
 - ignored parameters keep their storage dtype and are averaged (or summed, as the fixture's
   ``ignored_reduction`` says) by their emulated owner;
 - float16 scales the loss by the recipe's power-of-two loss scale and unscales the reduced
@@ -151,6 +151,8 @@ def run_reference(
                     mod._buffers[k] = b.double()
     entries = {t.fqn: t for t in plan.params}
     trainable = [f for f, t in entries.items() if t.requires_grad]
+    for f in trainable:  # the plan's gradient dtype, not the model's attribute (another oracle checks that)
+        masters[f].grad_dtype = torch.float64 if fp64 else entries[f].kept_grad
     opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
     scale = 1.0 if fp64 else loss_scale(plan.config.param_dtype)
     handles = [] if fp64 else _boundary_hooks(model, report)
@@ -176,7 +178,7 @@ def run_reference(
 
     def reduce_dtype(f):
         t = entries[f]
-        return torch.float64 if fp64 else t.grad_dtype
+        return torch.float64 if fp64 else t.sum_dtype
 
     def read(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a forward reads: each value in its compute dtype, a quantized weight quantized as a
@@ -207,7 +209,7 @@ def run_reference(
         # what this step's forwards read: masters in their compute dtype, a quantized weight
         # quantized as a whole tensor and dequantized (the same on every rank and micro-batch)
         seen = read(masters)
-        synced: dict[str, torch.Tensor] = {}  # sharded gradient, storage dtype
+        synced: dict[str, torch.Tensor] = {}  # sharded gradient, its kept (gradient) dtype
         partial: dict[str, list] = {}  # per replica group, reduce dtype (``replicas-last``)
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
         terms_scale = {f: 0.0 for f in trainable}
@@ -269,7 +271,7 @@ def run_reference(
                         partial[f] = sums
                         continue
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
-                reduced = (total / mean if mean > 1 else total).to(masters[f].dtype)
+                reduced = (total / mean if mean > 1 else total).to(masters[f].grad_dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
         for f in trainable:
             if f in synced:
@@ -277,7 +279,7 @@ def run_reference(
             elif any(f in u for u in unsynced):
                 total = ordered_sum([u[f] for u in unsynced if f in u])
                 summed = entries[f].ownership == "ignored" and owner_reduction(cell.reduction, fixture.ignored_reduction) == "sum"
-                masters[f].grad = (total / mean if mean > 1 and not summed else total).to(masters[f].dtype)
+                masters[f].grad = (total / mean if mean > 1 and not summed else total).to(masters[f].grad_dtype)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
@@ -317,6 +319,9 @@ def replay_optimizer(
     model = fixture.make(cell.seed).to(device)
     masters = dict(model.named_parameters())
     trainable = [t.fqn for t in plan.params if t.requires_grad]
+    for t in plan.params:
+        if t.requires_grad:
+            masters[t.fqn].grad_dtype = t.kept_grad
     opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
     scaled = loss_scale(plan.config.param_dtype) != 1.0
     out = []
@@ -329,7 +334,7 @@ def replay_optimizer(
         before = {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}
         for f in trainable:
             g = step_grads.get(f)
-            masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].dtype)
+            masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].grad_dtype)
         if not (scaled and any(not bool(g.isfinite().all()) for g in step_grads.values())):
             opt.step()
         opt.zero_grad()

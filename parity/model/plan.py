@@ -11,10 +11,16 @@ Compute dtype resolves in this order (first match wins):
    weight computing in ``param_dtype``; any other floating storage keeps its own dtype;
    non-float tensors keep theirs.
 
+Gradient dtype: what a trainable parameter's gradient is stored in for the optimizer -- the
+``grad_dtype`` the model sets on the parameter (torch >= 2.15; e.g. BF16 weights keeping FP32
+gradients), else its storage dtype. FSDP keeps it through sharding; its sharded gradient
+takes it after the reduction.
+
 Reduce dtype: a trainable managed parameter computing in ``param_dtype`` reduces in the
-configured ``reduce_dtype`` (its storage dtype when that is None); one computing above
-``param_dtype`` reduces at least in its compute dtype (legacy FP32 units reduce in FP32).
-Frozen, ignored and non-float tensors have no reduce dtype.
+configured ``reduce_dtype`` (its gradient dtype when that is None: FSDP >= 2.15 follows the
+parameter's ``grad_dtype``); one computing above ``param_dtype`` reduces at least in its
+compute dtype (legacy FP32 units reduce in FP32). Frozen, ignored and non-float tensors have
+no reduce dtype.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class TensorPlan:
     """Dtype forward/backward must see."""
     reduce: torch.dtype | None
     """Dtype its gradient is reduced in; None when it has no FSDP-reduced gradient."""
+    grad: torch.dtype | None = None
+    """Dtype of its gradient as the optimizer sees it (the sharded gradient): the parameter's
+    declared ``grad_dtype``, else its storage dtype; None when it never has a gradient."""
     requires_grad: bool
     ownership: str
     """``managed`` (sharded by FSDP), ``ignored`` (owned by another parallelism unit) or ``buffer``."""
@@ -91,11 +100,16 @@ class TensorPlan:
         return self.kind == "param" and self.requires_grad and self.ownership == "managed"
 
     @property
-    def grad_dtype(self) -> torch.dtype:
+    def sum_dtype(self) -> torch.dtype:
         """The dtype its gradient is summed in -- across ranks, micro-batches and uses: the
-        planned ``reduce`` dtype, else (ignored parameters, reduced by their owner) its storage
+        planned ``reduce`` dtype, else (ignored parameters, reduced by their owner) its gradient
         dtype. The one rule the reference, the allowances and the checkpoint checks share."""
-        return self.reduce or self.storage
+        return self.reduce or self.grad or self.storage
+
+    @property
+    def kept_grad(self) -> torch.dtype:
+        """The dtype its gradient is kept in after the reduction: :attr:`grad`, else storage."""
+        return self.grad or self.storage
 
     def row(self) -> dict[str, str]:
         return {
@@ -104,6 +118,7 @@ class TensorPlan:
             "storage": dtype_name(self.storage),
             "compute": dtype_name(self.compute),
             "reduce": dtype_name(self.reduce) if self.reduce else "-",
+            "grad": dtype_name(self.grad) if self.grad else "-",
             "requires_grad": str(self.requires_grad),
             "ownership": self.ownership,
             "tie_group": ",".join(self.tie_group) or "-",
@@ -212,6 +227,11 @@ def _resolve_compute(fqn: str, tensor: torch.Tensor, strict: set[str], config: P
     return tensor.dtype, "default"
 
 
+def declared_grad_dtype(p: nn.Parameter) -> torch.dtype:
+    """The ``grad_dtype`` the model set on ``p`` (torch >= 2.15), else its storage dtype."""
+    return p.grad_dtype if getattr(p, "_has_grad_dtype_override", False) else p.dtype
+
+
 def unfreeze_step(fqn: str, unfreeze: Mapping[str, int]) -> int | None:
     """The step a recipe unfreezes ``fqn`` at (a pattern is the FQN or a module above it)."""
     hits = [step for pat, step in unfreeze.items() if fqn == pat or fqn.startswith(pat + ".")]
@@ -244,8 +264,9 @@ def resolve_plan(
         later = None if p.requires_grad else unfreeze_step(fqn, unfreeze or {})
         requires_grad = p.requires_grad or later is not None
         reduce = None
-        if ownership == "managed" and requires_grad and p.is_floating_point():
-            base = config.reduce_dtype or p.dtype
+        grad = declared_grad_dtype(p) if requires_grad and p.is_floating_point() else None
+        if ownership == "managed" and grad is not None:
+            base = config.reduce_dtype or grad
             reduce = base if compute == config.param_dtype else finer(base, compute)
         tensors.append(
             TensorPlan(
@@ -254,6 +275,7 @@ def resolve_plan(
                 storage=p.dtype,
                 compute=p.dtype if ownership == "ignored" else compute,
                 reduce=reduce,
+                grad=grad,
                 requires_grad=requires_grad,
                 ownership=ownership,
                 tie_group=tuple(names) if len(names) > 1 else (),

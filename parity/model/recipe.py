@@ -32,6 +32,14 @@ class OptimizerRecipe:
     """Roundings per step at the parameter's own magnitude."""
     at_update: int
     """Roundings per step relative to the step's size."""
+    moments_follow_grad: bool = False
+    """Its moments take the gradient's dtype (SGD's momentum buffer starts as a copy of the
+    first gradient), not the parameter's (AdamW's start as ``zeros_like(param)``): they differ
+    for a parameter whose ``grad_dtype`` is not its own."""
+
+    def moment_dtype(self, t) -> torch.dtype:
+        """The dtype the moments of plan entry ``t`` are kept in."""
+        return t.kept_grad if self.moments_follow_grad else t.storage
 
 
 #: AdamW's defaults, which the recipe keeps.
@@ -69,7 +77,7 @@ OPTIMIZERS: dict[str, OptimizerRecipe] = {
     # SGD with momentum: decay term and the final subtraction at |p|; gradient add,
     # momentum multiply and add, learning-rate multiply relative to the step
     "sgd": OptimizerRecipe(name="sgd", make=_sgd, state_keys=("momentum_buffer",),
-                           moments=("momentum_buffer",), at_param=2, at_update=4),
+                           moments=("momentum_buffer",), at_param=2, at_update=4, moments_follow_grad=True),
 }
 
 

@@ -70,6 +70,11 @@ class Fixture:
     """Strict-FP32 name patterns besides the class's ``_keep_in_fp32_modules_strict``."""
     compute_dtypes: Mapping[str, str] = field(default_factory=dict)
     """FQN -> compute dtype recorded on the parameter at load time (plan rule 2)."""
+    grad_dtypes: Mapping[str, str] = field(default_factory=dict)
+    """FQN pattern (a parameter, or a module above it) -> the ``grad_dtype`` the recipe sets on
+    those parameters (torch >= 2.15): the dtype their gradients are kept in, e.g. ``float32``
+    for BF16-stored weights. Set on every build, after the move to its device (moving
+    rebuilds parameters, which drops the attribute). A model may also set it itself."""
     tied: tuple[tuple[str, ...], ...] = ()
     """Groups of FQNs the model must tie (checked when the model is validated)."""
     ignored: Callable[[nn.Module], set[nn.Parameter]] = _no_ignored
@@ -140,7 +145,13 @@ class Fixture:
         params = dict(model.named_parameters(remove_duplicate=False))
         for fqn, dtype in self.compute_dtypes.items():
             set_compute_dtype(params[fqn], parse_dtype(dtype, what=f"{self.name}: compute_dtypes[{fqn!r}]"))
-        return model if torch.device(device).type == "meta" else model.to(device)
+        if torch.device(device).type != "meta":
+            model = model.to(device)
+        for pattern, dtype in self.grad_dtypes.items():
+            for fqn, p in model.named_parameters():
+                if unfreeze_step(fqn, {pattern: 0}) is not None:
+                    p.grad_dtype = parse_dtype(dtype, what=f"{self.name}: grad_dtypes[{pattern!r}]")
+        return model
 
     def batch(self, seed: int, step: int, rank: int, microbatch: int) -> Batch:
         key = f"{self.name}/{seed}/{step}/{rank}/{microbatch}".encode()
@@ -202,6 +213,9 @@ def validate(spec: object, where: str) -> Fixture:
     for fqn in spec.compute_dtypes:
         if fqn not in params:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
+    for pattern, dtype in spec.grad_dtypes.items():
+        if not any(unfreeze_step(n, {pattern: 0}) is not None for n in params):
+            raise UsageError(f"{where}: Fixture.grad_dtypes names {pattern!r}, which selects no parameter of the model")
     for pattern, step in spec.unfreeze.items():
         hits = [n for n in params if unfreeze_step(n, {pattern: 0}) is not None]
         if not hits or not isinstance(step, int) or step < 1:

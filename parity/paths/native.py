@@ -63,13 +63,13 @@ def plan_per_parameter(members: dict[tuple[str, ...], list[str]], plan: Precisio
     for roots, params in members.items():
         reduce = {plan[p].reduce for p in params if plan[p].trainable}
         natural = config.reduce_dtype is None and all(
-            plan[p].reduce == plan[p].storage for p in params if plan[p].trainable)
+            plan[p].reduce == plan[p].kept_grad for p in params if plan[p].trainable)
         units.append(
             UnitSpec(
                 modules=roots,
                 params=tuple(params),
                 param_dtype=config.param_dtype,
-                # None stays None: each gradient reduces in its own (storage) dtype, as planned
+                # None stays None: each gradient reduces in its own dtype (grad_dtype, else storage), as planned
                 reduce_dtype=None if natural else (reduce.pop() if len(reduce) == 1 else config.reduce_dtype),
                 output_dtype=config.output_dtype if roots == ("",) else None,
                 cast_forward_inputs=True,
