@@ -29,19 +29,21 @@ from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
 from parity.interrupt import Interrupted, Signals, exit_code, raising
-from parity.matrix.cell import EVALS, INITS, MOVES, OPTIMIZERS, PARAM_DTYPES, PREFETCHES, REDUCE_DTYPES, REDUCTIONS, WEIGHTS
+from parity.matrix.cell import (EVALS, INITS, MOVES, OPTIMIZERS, PARAM_DTYPES, PREFETCHES, REDUCE_DTYPES, REDUCTIONS,
+                                RESHARD_BACKWARDS, WEIGHTS)
 from parity.model.topology import MESHES
 
 #: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
 #: Run options that set one axis for every cell (replacing the matrix's values).
 AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "move",
-                "reduction", "prefetch")
+                "reduction", "prefetch", "reshard_backward")
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
                 "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
-                "clip", "eval", "move", "reduction", "prefetch", "shard")
+                "clip", "eval", "move", "reduction", "prefetch", "reshard_backward", "shard")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
-                "clip": None, "eval": None, "move": None, "reduction": None, "prefetch": None, "fault": [], "shard": None,
+                "clip": None, "eval": None, "move": None, "reduction": None, "prefetch": None,
+                "reshard_backward": None, "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
 
@@ -79,6 +81,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
                    "by the data-parallel ranks and FSDP sums, set_gradient_divide_factor(1.0))")
     p.add_argument("--prefetch", choices=PREFETCHES, help="every cell's prefetching (explicit: each block unit "
                    "prefetches the next in forward, the previous in backward)")
+    p.add_argument("--reshard-backward", choices=RESHARD_BACKWARDS, help="every cell's resharding after backward "
+                   "(last: units stay gathered across a step's micro-batches, set_reshard_after_backward)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

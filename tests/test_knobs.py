@@ -46,6 +46,12 @@ def test_a_reduction_is_named_and_runs_on_1d_fsdp_only():
     assert Cell(fixture="kda", path="native").id == Cell(fixture="kda", path="native", reduction="mean").id
     with pytest.raises(UsageError, match="prefetch: unknown value 'all'; valid: none, explicit"):
         Cell(fixture="kda", path="native", prefetch="all")
+    with pytest.raises(UsageError, match="reshard_backward: unknown value 'never'; valid: every, last"):
+        Cell(fixture="kda", path="native", reshard_backward="never")
+    kept = Cell(fixture="kda", path="native", microbatches=3, sync="last", reshard_backward="last")
+    assert kept.id.endswith("/rb-last")
+    # one micro-batch: its backward is the last, which reshards; the cell does not claim the knob
+    assert Cell(fixture="kda", path="native", reshard_backward="last").reshard_backward == "every"
 
 
 def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
@@ -53,9 +59,10 @@ def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
     ``default`` keeps its cells, none of them turns a knob."""
     from parity.matrix.load import DESIGN_AXES, load
 
-    assert "reduction" not in DESIGN_AXES and "prefetch" not in DESIGN_AXES
+    assert not {"reduction", "prefetch", "reshard_backward"} & set(DESIGN_AXES)
     cells = load("default").cells
-    assert len(cells) == 444 and {(c.reduction, c.prefetch) for c in cells} == {("mean", "none")}
+    assert len(cells) == 444
+    assert {(c.reduction, c.prefetch, c.reshard_backward) for c in cells} == {("mean", "none", "every")}
 
 
 @pytest.mark.slow
@@ -78,6 +85,11 @@ def test_the_knobs_matrix_passes_with_every_unit_holding_its_knobs(tmp_path):
     prefetching = policy[policy["detail"].str.contains("'forward_prefetch': 'blocks.1'")]
     assert len(prefetching) and set(prefetching["verdict"]) == {"PASS"}
     assert {"legacy", "native"} <= set(prefetching["path_taken"])
+    # units kept gathered across micro-batches on both paths: the forwards after the first gathered
+    # nothing that trains (collectives), and the gradients passed
+    kept = rows[(rows["check"] == "collectives") & rows["cell"].str.contains("/rb-last")
+                & (rows["ranks"].astype(str) == "2")]
+    assert len(kept) and set(kept["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(kept["path_taken"])
     # a summed run's checkpoint moved 2 -> 1 ranks and trained on
     moved = rows[(rows["check"] == "checkpoint.moved") & (rows["verdict"] == "PASS")]
     assert {n.split(":")[1] for n in moved["name"]} >= {"entry", "grad", "param"}

@@ -13,6 +13,11 @@ block's all-gather in forward and the previous block's in backward (replacing FS
 implicit backward prefetch), as transformer recipes set it. Numerics do not change; the
 units' prefetch lists are read back (``unit.policy``) and every all-gather is counted
 (``collectives``: a unit gathered twice in one pass is a finding).
+
+``reshard_backward = "last"``: per micro-batch (:func:`before_microbatch`), the units stay
+gathered after every backward but the last, as gradient-accumulation recipes keep them; the
+forwards after the first gather nothing, the last backward reshards before the optimizer step
+(``collectives`` counts both; a unit left gathered computes the next step with stale weights).
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from parity.matrix.cell import Cell
 from parity.paths.units import module_index
+
+
+def before_microbatch(cell: Cell, model: nn.Module, last: bool) -> None:
+    """Knobs a recipe turns per micro-batch: under ``reshard_backward = "last"`` every unit keeps
+    its parameters gathered after each backward but the last (``set_reshard_after_backward``)."""
+    if cell.reshard_backward == "last":
+        model.set_reshard_after_backward(last)
 
 
 def unsupported(cell: Cell) -> str:

@@ -178,6 +178,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync != "last")
+        knobs.before_microbatch(cell, s.model, last)
         if cell.sync == "replicas-last":
             s.model.set_requires_all_reduce(last)
         batch = fixture.batch(cell.seed, step, *data(rank, mb)).to(device)

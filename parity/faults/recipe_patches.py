@@ -385,3 +385,18 @@ def grad_dtype_dropped():
                 self.sharded_param.grad_dtype = self.orig_dtype
         return init_dtype_attrs
     return swap_attr(fsdp_classes()[0], "init_dtype_attrs", make)
+
+
+def reshard_after_backward_sticks():
+    """``FSDPModule.set_reshard_after_backward(True)`` is ignored once a unit was told not to
+    reshard: after a step's last backward the units stay gathered, and the next step computes
+    with the weights from before the optimizer step (the gather it needed never happens)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def make(orig):
+        def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+            if reshard_after_backward:
+                return None
+            return orig(self, reshard_after_backward, recurse=recurse)
+        return set_reshard_after_backward
+    return swap_attr(FSDPModule, "set_reshard_after_backward", make)

@@ -25,6 +25,8 @@ MOVES = ("none", "shrink", "grow", "mesh")
 REDUCTIONS = ("mean", "sum")
 #: Which units a unit's pre-forward / pre-backward all-gathers ahead of time (:attr:`Cell.prefetch`).
 PREFETCHES = ("none", "explicit")
+#: After which backwards of a step the units reshard their parameters (:attr:`Cell.reshard_backward`).
+RESHARD_BACKWARDS = ("every", "last")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -35,7 +37,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
-               "reduction": "red", "prefetch": "pf"}
+               "reduction": "red", "prefetch": "pf", "reshard_backward": "rb"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +103,12 @@ class Cell:
     """``none``: FSDP's own prefetching; ``explicit``: each block unit prefetches the next block's
     all-gather in forward (``set_modules_to_forward_prefetch``) and the previous one's in
     backward (``set_modules_to_backward_prefetch``), as recipes set it."""
+    reshard_backward: str = "every"
+    """``every``: each unit reshards after every backward (FSDP's default); ``last``: the recipe
+    keeps the units gathered across a step's micro-batches -- ``set_reshard_after_backward(False)``
+    before every micro-batch but the last, ``True`` before the last -- so no forward after the
+    first all-gathers, and every unit is sharded again before the optimizer step. One
+    micro-batch: ``every``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -119,6 +127,11 @@ class Cell:
             object.__setattr__(self, "sync", "every")  # one micro-batch always synchronizes
         if self.eval == "between-microbatches" and self.microbatches == 1:
             object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
+        if self.reshard_backward not in RESHARD_BACKWARDS:
+            raise UsageError(f"reshard_backward: unknown value {self.reshard_backward!r}; valid: "
+                             f"{', '.join(RESHARD_BACKWARDS)}")
+        if self.microbatches == 1 and self.reshard_backward != "every":
+            object.__setattr__(self, "reshard_backward", "every")  # a single backward reshards before the step
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
         if self.move not in MOVES:

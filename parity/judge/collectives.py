@@ -1,0 +1,195 @@
+"""``collectives``: what a cell's own training issued, counted where ``torch.distributed`` issues
+it, against the path's units, the cell's accumulation and its recipe knobs (see
+:func:`collective_checks`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parity.execute.observation import Observation
+from parity.judge.record import Record
+from parity.judge.reference import ReferenceRun
+from parity.judge.rows import contract_row as _row
+from parity.judge.rows import skipped as _skip
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionPlan
+from parity.model.recipe import loss_scale
+
+
+def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int) -> int:
+    """Reduce-scatters one synchronizing backward issues: one per unit holding a parameter trained at
+    ``step`` (a unit's gradients travel in one collective, mixed dtypes packed; a unit with nothing
+    to train reduces nothing). None on one rank: FSDP issues no collective there."""
+    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
+    return sum(1 for u in obs.report.units if trained & set(u.params))
+
+
+def _shard_size(cell: Cell) -> int:
+    """How many ranks FSDP shards over: every rank on a 1-D mesh, the ``shard`` dimension of HSDP."""
+    return cell.topology().shape[-1]
+
+
+def _syncs(cell: Cell, mb: int) -> tuple[bool, bool]:
+    """Whether micro-batch ``mb``'s backward reduce-scatters, and whether it all-reduces across
+    HSDP replicas: both after every micro-batch (``every``) or only the last (``last``); with
+    ``replicas-last`` every backward reduce-scatters and only the last all-reduces."""
+    last = mb == cell.microbatches - 1
+    return (last or cell.sync in ("every", "replicas-last"),
+            cell.mesh == "hsdp" and (last or cell.sync == "every"))
+
+
+def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int,
+               graded: set | None = None) -> tuple[dict, dict]:
+    """What each unit's collectives carry, from the plan, the path's units and the parameters'
+    shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
+    all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
+    (each parameter trained then, in its reduce dtype; of those, only the ones in ``graded`` when
+    given: a parameter that gets no gradient, e.g. behind an ``argmax``, is not reduced)."""
+    gather, reduce = {}, {}
+    shard = _shard_size(cell)
+    for u in obs.report.units:
+        g = r = 0
+        for f in u.params:
+            t = plan.get(f)
+            if t is None or t.ownership != "managed" or f not in shapes:
+                continue
+            shape = shapes[f]
+            rows = -(-shape[0] // shard) * shard if len(shape) else 1
+            padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
+            g += padded * t.compute.itemsize
+            if t.requires_grad and t.trainable_from <= step and t.reduce is not None and (graded is None or f in graded):
+                r += padded * t.reduce.itemsize
+        gather[u.root], reduce[u.root] = g, r
+    return gather, reduce
+
+
+def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, step: int) -> list[str]:
+    """Bytes per call against the units' (:func:`unit_bytes`): each all-gather carries one unit in
+    its compute dtypes, a synchronizing backward reduce-scatters each unit with something to
+    train once, in its reduce dtypes."""
+    shapes = {f: tuple(p.shape) for f, p in ref.params[0].items()}
+    graded = set(ref.grads[step]) if step < len(ref.grads) else None
+    gather, reduce = unit_bytes(cell, obs, plan, shapes, step, graded)
+    calls = {(label, kind): sizes for (s, label, kind), sizes in obs.contracts.collectives.items() if s == step}
+    problems = []
+    for (label, kind), sizes in sorted(calls.items()):
+        if kind == "all-gather":
+            odd = [b for b in sizes if b not in gather.values()]
+            if odd:
+                problems.append(f"{label}: all-gather of {odd[0]} bytes, no unit's size in its compute dtypes "
+                                f"({sorted(set(gather.values()))})")
+    for mb in range(cell.microbatches):
+        scatters, replicas = _syncs(cell, mb)
+        if scatters:
+            got = sorted(calls.get((f"mb{mb}/backward", "reduce-scatter"), []))
+            want = sorted(b for b in reduce.values() if b)
+            if got != want:
+                problems.append(f"mb{mb}/backward: reduce-scatters of {got} bytes, expected {want} "
+                                "(each unit's trained parameters, padded, in their reduce dtypes)")
+        if replicas:
+            got = sorted(calls.get((f"mb{mb}/backward", "all-reduce"), []))
+            want = sorted(b // _shard_size(cell) for b in reduce.values() if b)
+            if got != want:
+                problems.append(f"mb{mb}/backward: replica all-reduces of {got} bytes, expected {want} "
+                                "(each unit's reduce-scattered shard)")
+    return problems
+
+
+def _kept_gathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int, units: int,
+                   bound: dict) -> dict[tuple[str, str], int]:
+    """Under ``reshard_backward = "last"``: the first forward of a step all-gathers every unit (the
+    last backward resharded them before the optimizer step; a unit still gathered would compute
+    with the weights before it), and a later micro-batch's forward only the units the previous
+    backward had nothing to keep gathered for (no parameter trained this step): tightens ``bound``,
+    returns the floor. An evaluation forward between micro-batches may reshard (reshard on), and
+    one between steps leaves the units gathered (reshard off): the counts are then bounds only."""
+    if cell.reshard_backward != "last":
+        return {}
+    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
+    kept = sum(1 for u in obs.report.units if trained & set(u.params))
+    if cell.eval != "between-microbatches":
+        for mb in range(1, cell.microbatches):
+            bound[(f"mb{mb}/forward", "all-gather")] = units - kept
+    return {("mb0/forward", "all-gather"): units} if cell.reshard or cell.eval != "between-steps" else {}
+
+
+def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict,
+                      ref: ReferenceRun | None = None) -> list[Record]:
+    """``collectives``: what the cell's own training issued, counted where ``torch.distributed`` issues
+    it, per step and segment of the loop, against the path's units and the cell's accumulation:
+
+    - a backward that synchronizes reduce-scatters once per unit with something to train
+      (:func:`expected_reductions`); one inside a ``set_requires_gradient_sync(False)`` window
+      reduce-scatters nothing (HSDP ``replicas-last``: every backward reduce-scatters, the replica
+      all-reduce waits for the last);
+    - forwards, evaluation forwards and state dicts reduce nothing; a forward or backward
+      all-gathers each unit at most once (evaluation: once per evaluation forward); with the units
+      kept gathered across micro-batches, a step's first forward gathers every unit and later ones
+      none that trains (:func:`_kept_gathered`);
+    - the forwards of a step all-reduce once per tensorwise FP8 weight (its amax), nothing else;
+    - the optimizer segment all-reduces once per FSDP-ignored gradient (its owner) and, with a loss
+      scale, once for the gradient scaler's found-inf (on one rank too), nothing else;
+    - otherwise nothing is issued on one rank;
+    - what travels (bytes per call, :func:`_wire`): each all-gather one unit's parameters in their
+      compute dtypes, each synchronizing reduce-scatter one unit's trained parameters in their
+      reduce dtypes (unquantized weights; a reduction in BF16 carries half the bytes).
+
+    HSDP: the same over the ``shard`` dimension, plus one all-reduce per unit across replicas in each
+    backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. TP and EP add
+    their own collectives (SKIP with the reason)."""
+    if cell.mesh not in ("fsdp", "hsdp"):
+        return [_skip(base, "collectives", "per step", f"mesh {cell.mesh!r}: its own collectives are not derived yet")]
+    counts = obs.contracts.collectives
+    units = sum(1 for u in obs.report.units if u.params)
+    ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
+    rows = []
+    for step in range(cell.steps):
+        got = {(label, kind): len(sizes) for (s, label, kind), sizes in counts.items() if s == step}
+        want: dict[tuple[str, str], int] = {}
+        bound: dict[tuple[str, str], int] = {}
+        floor: dict[tuple[str, str], int] = {}
+        if cell.ranks > 1:
+            reductions = expected_reductions(cell, obs, plan, step)
+            for mb in range(cell.microbatches):
+                scatters, replicas = _syncs(cell, mb)
+                want[(f"mb{mb}/backward", "reduce-scatter")] = reductions if scatters else 0
+                if replicas:
+                    want[(f"mb{mb}/backward", "all-reduce")] = reductions
+                bound[(f"mb{mb}/forward", "all-gather")] = bound[(f"mb{mb}/backward", "all-gather")] = units
+            evals = len(cell.eval_labels(step))
+            bound[("eval", "all-gather")] = units * evals
+            floor.update(_kept_gathered(cell, obs, plan, step, units, bound))
+        owners = sum(1 for f in ignored if plan[f].trainable_from <= step) if cell.ranks > 1 else 0
+        scaler = 1 if loss_scale(plan.config.param_dtype) != 1.0 else 0  # the scaler agrees on found-inf
+        if owners + scaler:
+            want[("optimizer", "all-reduce")] = owners + scaler
+        problems = []
+        # a tensorwise FP8 weight agrees on its amax once per step, at its first all-gather (a forward)
+        scales = sum(1 for t in plan.params if t.format == "fp8-tensorwise") if cell.ranks > 1 else 0
+        amax = sum(n for (label, kind), n in got.items() if kind == "all-reduce" and label.endswith("/forward"))
+        if amax != scales:
+            problems.append(f"forwards: {amax} all-reduce, expected {scales} (one per tensorwise FP8 weight)")
+        got = {k: n for k, n in got.items() if not (k[1] == "all-reduce" and k[0].endswith("/forward"))}
+        for (label, kind), n in sorted(got.items()):
+            if (label, kind) in want or (label, kind) in bound:
+                continue
+            problems.append(f"{label}: {n} {kind}, expected none")
+        for key, n in want.items():
+            if got.get(key, 0) != n:
+                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected {n}")
+        for key, n in bound.items():
+            if got.get(key, 0) > n:
+                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at most {n}")
+        for key, n in floor.items():
+            if got.get(key, 0) < n:
+                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
+                                "sharded again after the optimizer step)")
+        if cell.ranks > 1 and cell.weights == "none" and ref is not None and ref.params:
+            problems += _wire(cell, obs, plan, ref, step)
+        expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
+                    "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
+                    "replicas synchronize" if cell.mesh == "hsdp" else "") + ", all-gathers of one unit each (in its "
+                    "compute dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
+        row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
+        rows.append(replace(row, step=step))
+    return rows
