@@ -52,6 +52,29 @@ def test_a_reduction_is_named_and_runs_on_1d_fsdp_only():
     assert kept.id.endswith("/rb-last")
     # one micro-batch: its backward is the last, which reshards; the cell does not claim the knob
     assert Cell(fixture="kda", path="native", reshard_backward="last").reshard_backward == "every"
+    with pytest.raises(UsageError, match="placement 'dim1' runs on mesh 'fsdp' with weights 'none'"):
+        Cell(fixture="kda", path="native", ranks=4, mesh="hsdp", placement="dim1")
+    assert Cell(fixture="kda", path="native", ranks=2, placement="dim1").whole_tensors
+
+
+def test_a_shard_placement_reaches_only_a_path_that_takes_it(monkeypatch):
+    """Dimension 1 where it splits evenly over the ranks (FSDP raises on an uneven one); a
+    sharding path whose apply() takes no shard_placement_fn runs the cell as a SKIP naming why."""
+    from parity.execute import knobs
+    from parity.paths import registry
+
+    cell = Cell(fixture="uneven", path="native", ranks=2, placement="dim1")
+    assert [knobs.shard_dim(cell, s) for s in ((32, 65), (65, 32), (32,))] == [0, 1, 0]
+    assert knobs.unsupported(cell) == ""
+
+    class External:
+        name, contract, fallback = "external", "dtype-split", None
+
+        def apply(self, model, report, mesh, reshard_after_forward, ignored):
+            raise AssertionError("not called")
+
+    monkeypatch.setattr(registry, "get_path", lambda name: External())
+    assert "takes no shard_placement_fn" in knobs.unsupported(cell)
 
 
 def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
@@ -59,10 +82,11 @@ def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
     ``default`` keeps its cells, none of them turns a knob."""
     from parity.matrix.load import DESIGN_AXES, load
 
-    assert not {"reduction", "prefetch", "reshard_backward"} & set(DESIGN_AXES)
+    assert not {"reduction", "prefetch", "reshard_backward", "placement"} & set(DESIGN_AXES)
     cells = load("default").cells
     assert len(cells) == 444
-    assert {(c.reduction, c.prefetch, c.reshard_backward) for c in cells} == {("mean", "none", "every")}
+    assert {(c.reduction, c.prefetch, c.reshard_backward, c.placement) for c in cells} == {
+        ("mean", "none", "every", "dim0")}
 
 
 @pytest.mark.slow
@@ -90,6 +114,9 @@ def test_the_knobs_matrix_passes_with_every_unit_holding_its_knobs(tmp_path):
     kept = rows[(rows["check"] == "collectives") & rows["cell"].str.contains("/rb-last")
                 & (rows["ranks"].astype(str) == "2")]
     assert len(kept) and set(kept["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(kept["path_taken"])
+    # parameters sharded on dimension 1 on both paths, read back from every rank
+    placed = rows[(rows["check"] == "placement") & (rows["detail"].str.startswith("expected S(1)"))]
+    assert len(placed) and set(placed["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(placed["path_taken"])
     # a summed run's checkpoint moved 2 -> 1 ranks and trained on
     moved = rows[(rows["check"] == "checkpoint.moved") & (rows["verdict"] == "PASS")]
     assert {n.split(":")[1] for n in moved["name"]} >= {"entry", "grad", "param"}

@@ -14,6 +14,12 @@ implicit backward prefetch), as transformer recipes set it. Numerics do not chan
 units' prefetch lists are read back (``unit.policy``) and every all-gather is counted
 (``collectives``: a unit gathered twice in one pass is a finding).
 
+``placement = "dim1"``: every ``fully_shard`` call gets a ``shard_placement_fn`` sharding
+parameters of two or more dimensions on dimension 1 where it splits evenly (:func:`placement_fn`;
+FSDP 2.15 raises on an uneven dimension other than 0); read back as each
+sharded parameter's DTensor placement (``placement``), the bytes on the wire padded on that
+dimension (``collectives``).
+
 ``reshard_backward = "last"``: per micro-batch (:func:`before_microbatch`), the units stay
 gathered after every backward but the last, as gradient-accumulation recipes keep them; the
 forwards after the first gather nothing, the last backward reshards before the optimizer step
@@ -36,10 +42,34 @@ def before_microbatch(cell: Cell, model: nn.Module, last: bool) -> None:
         model.set_reshard_after_backward(last)
 
 
+def shard_dim(cell: Cell, shape) -> int:
+    """The dimension ``cell``'s recipe shards a parameter of ``shape`` on: under ``dim1``, dimension
+    1 where it splits evenly over the ranks (FSDP 2.15 shards only dimension 0 unevenly), else 0."""
+    return 1 if cell.placement == "dim1" and len(shape) >= 2 and shape[1] % cell.ranks == 0 else 0
+
+
+def placement_fn(cell: Cell):
+    """The ``shard_placement_fn`` every ``fully_shard`` call of the cell gets; None: FSDP's dim 0."""
+    if cell.placement == "dim0":
+        return None
+    from torch.distributed.tensor import Shard
+
+    return lambda p: Shard(1) if shard_dim(cell, p.shape) == 1 else None
+
+
 def unsupported(cell: Cell) -> str:
     """Why ``cell`` cannot turn its knobs on its model (empty: it can). Explicit prefetching
     chains block units: with fewer than two there is nothing to prefetch, and a cell claiming
-    it would pass without having prefetched anything."""
+    it would pass without having prefetched anything. A shard placement reaches ``fully_shard``
+    through the path's ``apply``, which must take it."""
+    if cell.placement != "dim0":
+        import inspect
+
+        from parity.paths.registry import get_path
+
+        if "shard_placement_fn" not in inspect.signature(get_path(cell.path).apply).parameters:
+            return (f"placement {cell.placement!r}: path {cell.path!r} takes no shard_placement_fn "
+                    "(its apply() has no such keyword)")
     if cell.prefetch != "explicit":
         return ""
     from parity.model.registry import get_fixture

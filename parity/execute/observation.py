@@ -29,6 +29,8 @@ class NamesSnapshot:
     """FQN -> parameter dtype name."""
     modules: dict[str, list[str]]
     """Module FQN -> qualified class names of its MRO (only the class itself before sharding)."""
+    placements: dict[str, str] = field(default_factory=dict)
+    """FQN -> the DTensor placements of a sharded parameter (``Shard(dim=0)``, ...)."""
 
 
 @dataclass(kw_only=True)

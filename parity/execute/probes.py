@@ -40,6 +40,8 @@ def names_snapshot(model: nn.Module) -> NamesSnapshot:
         ids={canonical_fqn(n): id(p) for n, p in model.named_parameters()},
         storage={canonical_fqn(n): dtype_name(p.dtype) for n, p in model.named_parameters()},
         modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
+        placements={canonical_fqn(n): ",".join(map(str, p.placements)) for n, p in model.named_parameters()
+                    if isinstance(p, DTensor)},
     )
 
 

@@ -89,7 +89,8 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
-                   reshard_after_forward=cell.reshard, ignored=ignored, group=group)
+                   reshard_after_forward=cell.reshard, ignored=ignored, group=group,
+                   shard_placement_fn=knobs.placement_fn(cell))
     if meta:
         materialize(model, fixture.make(cell.seed), device)
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects

@@ -195,6 +195,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"collectives", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation"},
            {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=rp.reshard_after_backward_sticks),
+    _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
+           "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
+           patch=rp.placement_fn_dropped),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
            "BF16 weights keep BF16 gradients instead of FP32", {"dtype.grad", "grad", "grad_norm", "param"}, _GRAD_DTYPE,
            quiet={"fixture": "kda"}, patch=rp.grad_dtype_dropped),

@@ -400,3 +400,16 @@ def reshard_after_backward_sticks():
             return orig(self, reshard_after_backward, recurse=recurse)
         return set_reshard_after_backward
     return swap_attr(FSDPModule, "set_reshard_after_backward", make)
+
+
+def placement_fn_dropped():
+    """``fully_shard`` drops its ``shard_placement_fn``: every parameter is sharded on dimension 0
+    whatever the recipe asked (the numbers are the same; memory layout and collectives are not
+    what the recipe planned)."""
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, shard_placement_fn=None, **kwargs):
+            return orig(module, *args, **kwargs)
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.reference import ReferenceRun
@@ -43,6 +44,7 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
     """What each unit's collectives carry, from the plan, the path's units and the parameters'
     shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
     all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
+    (padded on the dimension the recipe shards it on, :func:`parity.execute.knobs.shard_dim`)
     (each parameter trained then, in its reduce dtype; of those, only the ones in ``graded`` when
     given: a parameter that gets no gradient, e.g. behind an ``argmax``, is not reduced)."""
     gather, reduce = {}, {}
@@ -54,8 +56,9 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             if t is None or t.ownership != "managed" or f not in shapes:
                 continue
             shape = shapes[f]
-            rows = -(-shape[0] // shard) * shard if len(shape) else 1
-            padded = rows * (t.numel // shape[0] if len(shape) and shape[0] else 1)
+            dim = shard_dim(cell, shape)  # FSDP pads the dimension it shards to a multiple of the ranks
+            rows = -(-shape[dim] // shard) * shard if len(shape) else 1
+            padded = rows * (t.numel // shape[dim] if len(shape) and shape[dim] else 1)
             g += padded * t.compute.itemsize
             if t.requires_grad and t.trainable_from <= step and t.reduce is not None and (graded is None or f in graded):
                 r += padded * t.reduce.itemsize

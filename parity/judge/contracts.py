@@ -12,7 +12,9 @@ import functools
 from dataclasses import replace
 
 import torch
+from torch.distributed.tensor import Shard
 
+from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
 from parity.judge import moved, tolerance
 from parity.judge.compare import Comparison, amax, gather_full
@@ -147,6 +149,22 @@ def _prefetch_plan(cell: Cell, obs: Observation) -> dict[str, tuple[str, str]]:
     roots = {u.root for u in obs.report.units}
     blocks = [b for b in get_fixture(cell.fixture, cell.source).blocks if b in roots]
     return {b: (",".join(blocks[i + 1:i + 2]), ",".join(blocks[i - 1:i] if i else [])) for i, b in enumerate(blocks)}
+
+
+def placement_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
+    """``placement``: under a recipe's shard placement, every FSDP-managed parameter's DTensor
+    placement after sharding on this rank, against the dimension the recipe asks for
+    (:func:`parity.execute.knobs.shard_dim`, from the reference model's shapes). Nothing under
+    FSDP's own dimension 0 (the sharded shapes the other checks concatenate hold it)."""
+    if cell.placement == "dim0":
+        return []
+    shapes = {f: p.shape for f, p in ref.params[0].items()} if ref.params else {}
+    rows = []
+    for t in (t for t in plan.params if t.ownership == "managed"):
+        want = str(Shard(shard_dim(cell, shapes.get(t.fqn, ()))))
+        got = obs.contracts.sharded.placements.get(t.fqn, "<not a DTensor>") if obs.contracts.sharded else "<missing>"
+        rows.append(_row(base, "placement", t.fqn, got == want, want, got, f"shard_placement_fn of placement {cell.placement}"))
+    return rows
 
 
 def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: Cell) -> list[Record]:
@@ -439,6 +457,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
+            + placement_checks(cell, obs, plan, ref, base)
             + collective_checks(cell, obs, plan, base, ref))
 
 

@@ -27,6 +27,8 @@ REDUCTIONS = ("mean", "sum")
 PREFETCHES = ("none", "explicit")
 #: After which backwards of a step the units reshard their parameters (:attr:`Cell.reshard_backward`).
 RESHARD_BACKWARDS = ("every", "last")
+#: Which dimension FSDP shards parameters of two or more dimensions on (:attr:`Cell.placement`).
+PLACEMENTS = ("dim0", "dim1")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -37,7 +39,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
-               "reduction": "red", "prefetch": "pf", "reshard_backward": "rb"}
+               "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +111,11 @@ class Cell:
     before every micro-batch but the last, ``True`` before the last -- so no forward after the
     first all-gathers, and every unit is sharded again before the optimizer step. One
     micro-batch: ``every``."""
+    placement: str = "dim0"
+    """``dim0``: FSDP shards every parameter on dimension 0 (its default); ``dim1``: the recipe's
+    ``shard_placement_fn`` returns ``Shard(1)`` for parameters of two or more dimensions whose
+    dimension 1 splits evenly over the ranks (as recipes shard expert weights whose first
+    dimension is small), ``None`` (dimension 0) for the rest. Ranks then record whole tensors. Runs on mesh ``fsdp`` with weights ``none``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -148,6 +155,11 @@ class Cell:
             raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
         if self.prefetch not in PREFETCHES:
             raise UsageError(f"prefetch: unknown value {self.prefetch!r}; valid: {', '.join(PREFETCHES)}")
+        if self.placement not in PLACEMENTS:
+            raise UsageError(f"placement: unknown value {self.placement!r}; valid: {', '.join(PLACEMENTS)}")
+        if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):
+            raise UsageError(f"placement {self.placement!r} runs on mesh 'fsdp' with weights 'none' (use placement "
+                             "'dim0' for other compositions and quantized weights)")
         if self.reduction != "mean" and self.mesh != "fsdp":
             raise UsageError(f"reduction {self.reduction!r} runs on mesh 'fsdp'; a summed reduction on {self.mesh!r} "
                              "is not emulated yet (use mesh 'fsdp' or reduction 'mean')")
@@ -207,9 +219,9 @@ class Cell:
 
     @property
     def whole_tensors(self) -> bool:
-        """Ranks record whole tensors, not their dim-0 shards: a 2-D composition's shards do
-        not concatenate along dim 0."""
-        return self.mesh != "fsdp"
+        """Ranks record whole tensors, not their dim-0 shards: a 2-D composition's shards, and
+        shards on another dimension than 0, do not concatenate along dim 0."""
+        return self.mesh != "fsdp" or self.placement != "dim0"
 
     @property
     def accumulating(self) -> bool:

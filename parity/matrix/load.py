@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
-                                PREFETCHES, REDUCE_DTYPES, REDUCTIONS, RESHARD_BACKWARDS, SYNC, WEIGHTS, Cell)
+                                PLACEMENTS, PREFETCHES, REDUCE_DTYPES, REDUCTIONS, RESHARD_BACKWARDS, SYNC,
+                                WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -59,7 +60,8 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
             "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS,
-            "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS}
+            "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
+            "placement": PLACEMENTS}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.

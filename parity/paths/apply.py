@@ -136,13 +136,15 @@ def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None
 def apply_sharding(
     model: nn.Module, report: ShardReport, plan: PrecisionPlan, *, mesh=None,
     reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | None = None, shard_placement_fn=None,
 ) -> None:
     """Check the plan's rank consistency, let the taken path call ``fully_shard``, then check
     what FSDP resolved, on every rank of ``group`` (default: all), before anything reaches a
-    collective."""
+    collective. ``shard_placement_fn`` (None: FSDP's dim 0) goes to a path whose ``apply``
+    takes it."""
     check_rank_consistency(plan, group)
-    get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()))
+    extra = {"shard_placement_fn": shard_placement_fn} if shard_placement_fn is not None else {}
+    get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()), **extra)
     check_resolved_consistency(model, group)
 
 

@@ -95,9 +95,11 @@ def unit_policy(unit: UnitSpec, params: dict[str, nn.Parameter]):
 
 
 def apply_units(
-    model: nn.Module, report: ShardReport, mesh, reshard_after_forward: bool, ignored: set[nn.Parameter]
+    model: nn.Module, report: ShardReport, mesh, reshard_after_forward: bool, ignored: set[nn.Parameter],
+    shard_placement_fn=None,
 ) -> None:
-    """``fully_shard`` every unit of ``report`` in order (a tied group as one grouped call)."""
+    """``fully_shard`` every unit of ``report`` in order (a tied group as one grouped call);
+    ``shard_placement_fn`` as ``fully_shard`` takes it (None: dimension 0)."""
     import torch.distributed.fsdp as fsdp
 
     modules = module_index(model)
@@ -112,4 +114,5 @@ def apply_units(
             reshard_after_forward=reshard_after_forward,
             mp_policy=unit_policy(unit, params),
             ignored_params=set(ignored) if ignored else None,
+            **({"shard_placement_fn": shard_placement_fn} if shard_placement_fn is not None else {}),
         )
