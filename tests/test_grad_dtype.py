@@ -77,7 +77,10 @@ def test_the_grad_dtype_matrix_trains_fp32_gradients_and_finds_the_resume_narrow
     result = parity.run(matrix="grad-dtype", out=str(tmp_path / "gd"), quiet=True)
     rows = result.cells
     bad = rows[~rows["verdict"].isin(["PASS", "SKIP", "UNPAIRED"])]
+    located = bad[bad["check"] == "stage"]  # where each failing cell went wrong first: the checkpoint
+    bad = bad[bad["check"] != "stage"]
     assert result.code == 1 and set(bad["check"]) == {"checkpoint.same", "checkpoint.cross", "checkpoint.moved"}
+    assert set(located["name"]) == {"checkpoint"} and set(located["cell"]) == set(bad["cell"])
     named = bad[bad["name"].str.endswith(".momentum_buffer:dtype")]
     assert set(named["detail"].str.contains("expected float32, observed bfloat16")) == {True}
     own = rows[rows["path"].isin(["legacy", "native"])]  # not the cross-path pairs

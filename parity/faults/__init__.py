@@ -51,11 +51,42 @@ class Fault:
     quiet: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     """Axis values under which the fault must flag nothing: a fault only one configuration
     reveals names the configuration's off value here (e.g. ``init: seeded``)."""
+    stage: str = ""
+    """Where it acts, in :data:`parity.judge.stages.STAGES` (``run``: it stops the cell); the
+    generated test holds the cell's ``stage`` record to it (:data:`STAGE_OF_FAULT`)."""
+
+
+#: Where each fault acts, declared by hand (not derived from what flags it): the stage of
+#: training (:data:`parity.judge.stages.STAGES`) its broken behaviour belongs to.
+STAGE_OF_FAULT = {
+    **dict.fromkeys(("resolver_misses_strict_name", "cast_child_inputs", "cast_buffers", "wrap_module",
+                     "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
+                     "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params"), "setup"),
+    **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
+                     "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off",
+                     "reshard_after_backward_sticks"), "gather"),
+    **dict.fromkeys(("drop_output_dtype", "perturb_output", "eval_skips_reshard", "eval_skips_output_cast",
+                     "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
+    **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
+    **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
+                     "prefetch_regathers", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "hsdp_replica_reduce_bf16", "hsdp_partial_bf16"), "collectives"),
+    **dict.fromkeys(("perturb_grad", "scale_grad_norm", "rank1_grad_norm", "uneven_grad_row",
+                     "unused_drops_accumulated", "scaler_skips_dtensor", "clip_local_norm",
+                     "divide_factor_dropped"), "gradients"),
+    **dict.fromkeys(("perturb_param", "decay_frozen"), "optimizer"),
+    "state_dict_skips_reshard": "state-dict",
+    **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
+    **dict.fromkeys(("misfile_optimizer_state", "swap_optimizer_state", "step_counter_restarts",
+                     "resharded_read_at_zero", "tp_shards_swapped_on_load"), "checkpoint"),
+    **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked",
+                     "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
+}
 
 
 def _fault(name, where, flags, cell, quiet=None, **kw) -> Fault:
     fault = Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell),
-                  quiet=MappingProxyType(quiet or {}), **kw)
+                  quiet=MappingProxyType(quiet or {}), stage=STAGE_OF_FAULT[name], **kw)
     assert set(fault.scopes) <= set(SCOPES) and fault.site in ("", *SITES), f"{name}: unknown scope or site"
     return fault
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
-from parity.judge import composition, contracts, coverage, quantized
+from parity.judge import composition, contracts, coverage, quantized, stages
 from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
@@ -125,7 +125,8 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     owed = coverage.owed(cell, plan_check.fresh_plan(cell, plan), token_input=fixture.token_input,
                          quantizable=fixture.quantizable, no_gradient=silent)
     records.append(coverage.record(owed, records, base))
-    return Judged(records, comps, run)
+    located = stages.first_stage(records, cell.steps, base)
+    return Judged(records + ([located] if located else []), comps, run)
 
 
 #: FP64 references of the last few pair groups (see :func:`_fp64_reference`).

@@ -52,11 +52,16 @@ def _line(r) -> str:
     return f"{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
 
 
+#: Records that say where the others failed, printed apart.
+_LOCATORS = ("divergence", "stage")
+
+
 def script(cell: Cell, out: str) -> str:
     """The reproducer's text."""
     bad = _failing(out, cell.id)
-    found = [r for r in bad if r.check != "divergence"]
+    found = [r for r in bad if r.check not in _LOCATORS]
     where = next((r for r in bad if r.check == "divergence"), None)
+    stage = next((r for r in bad if r.check == "stage"), None)
     lines = [f"  {_line(r)[:200]}" for r in found[:5]]
     if len(found) > 5:
         lines.append(f"  ... {len(found) - 5} more")
@@ -65,6 +70,7 @@ def script(cell: Cell, out: str) -> str:
         "",
         f"From {os.path.abspath(out)} (torch {torch.__version__}):",
         *(lines or ["  nothing failed there"]),
+        f"First divergent stage: {stage.detail[:300] if stage else 'none'}",
         f"First divergence: {where.detail[:300] if where else 'not located'}",
         "",
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cell.ranks} rank(s), {cell.device})",
@@ -81,8 +87,10 @@ def rerun(cell: Cell) -> int:
     with tempfile.TemporaryDirectory(prefix="parity-repro-") as out:
         code = run_cells([cell], RunOptions(out_dir=os.path.join(out, "run"), progress=False))
         bad = _failing(os.path.join(out, "run"), cell.id)
-    for r in (r for r in bad if r.check != "divergence"):
+    for r in (r for r in bad if r.check not in _LOCATORS):
         print(_line(r)[:300])
+    stage = next((r for r in bad if r.check == "stage"), None)
     where = next((r for r in bad if r.check == "divergence"), None)
+    print(f"first divergent stage: {stage.detail if stage else 'none'}")
     print(f"first divergence: {where.detail if where else 'not located'}")
     return code

@@ -1,0 +1,44 @@
+"""The ``stage`` record: the failing records of a cell ordered as training runs, the earliest
+named (issue 22). The faults' own stages are held to it in ``tests/test_faults.py``."""
+
+from parity.judge.record import Record, Verdict
+from parity.judge.stages import STAGE_OF, STAGES, first_stage, stage_of
+
+BASE = dict(cell="c", fixture="kda", path="native")
+
+
+def _r(check, name="x", step="", verdict=Verdict.FAIL, ratio=2.0):
+    return Record(**BASE, check=check, name=name, step=step, verdict=verdict, ratio=ratio)
+
+
+def test_a_correct_cell_has_no_stage():
+    assert first_stage([_r("grad", step=0, verdict=Verdict.PASS), _r("coverage")], 2, BASE) is None
+
+
+def test_the_earliest_stage_wins_over_the_largest_ratio():
+    """A reduction fault reaches the optimizer and every later step: the collectives of step 0
+    are named, not the parameter with the larger ratio."""
+    rows = [_r("param", "w", 0, ratio=900.0), _r("output", "rank0/mb0", 1, ratio=50.0),
+            _r("grad", "w", 0, ratio=3.0), _r("dtype.reduce", "w", ratio=float("inf"))]
+    got = first_stage(rows, 2, BASE)
+    assert (got.check, got.name, got.step, got.verdict) == ("stage", "collectives", 0, Verdict.FAIL)
+    assert got.detail.startswith("first divergent stage: collectives at step 0: dtype.reduce w")
+    assert "held before it: setup, gather at step 0, forward at step 0, backward at step 0" in got.detail
+
+
+def test_a_later_step_says_the_earlier_steps_held():
+    got = first_stage([_r("output", "rank1/mb0", 2), _r("checkpoint.same", "native:grad:w")], 3, BASE)
+    assert (got.name, got.step) == ("forward", 2) and "held before it: setup, steps 0-1, gather at step 2" in got.detail
+
+
+def test_setup_and_after_training_records_by_their_names():
+    assert stage_of(_r("identity", "parameters@sharded")) == "setup"
+    assert stage_of(_r("identity", "parameters@lazy_init")) == "forward"  # read after step 0's first forward
+    assert stage_of(_r("names", "named_parameters@trained")) == "trained"
+    got = first_stage([_r("names", "named_parameters@trained"), _r("checkpoint.same", "w")], 2, BASE)
+    assert (got.name, got.step) == ("trained", "")
+
+
+def test_every_staged_check_has_a_known_stage_and_the_run_has_none():
+    assert set(STAGE_OF.values()) <= set(STAGES)
+    assert first_stage([_r("run", "cell", verdict=Verdict.ERROR), _r("divergence")], 2, BASE) is None
