@@ -26,6 +26,10 @@ A matrix file::
     eval = ["none", "between-steps", "between-microbatches"]   # no_grad evaluation forwards
     steps = [2, 4]                              # optimizer steps (the lifecycle resumes in the middle)
     move = ["none", "shrink", "grow", "mesh"]   # a checkpoint saved on one layout, loaded on another
+    reduction = ["mean", "sum"]                 # recipe knobs (docs/matrices.md, "Recipe knobs")
+    prefetch = ["none", "explicit"]
+    reshard_backward = ["every", "last"]
+    placement = ["dim0", "dim1"]
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
