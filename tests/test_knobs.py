@@ -120,3 +120,29 @@ def test_the_knobs_matrix_passes_with_every_unit_holding_its_knobs(tmp_path):
     # a summed run's checkpoint moved 2 -> 1 ranks and trained on
     moved = rows[(rows["check"] == "checkpoint.moved") & (rows["verdict"] == "PASS")]
     assert {n.split(":")[1] for n in moved["name"]} >= {"entry", "grad", "param"}
+
+
+def test_input_casting_by_the_model_runs_only_on_a_model_that_casts():
+    from parity.execute import knobs
+
+    assert "does not cast its own inputs" in knobs.unsupported(Cell(fixture="kda", path="native", cast_inputs="model"))
+    assert knobs.unsupported(Cell(fixture="self_cast", path="native", cast_inputs="model")) == ""
+    with pytest.raises(UsageError, match="cast_inputs: unknown value 'both'; valid: fsdp, model"):
+        Cell(fixture="self_cast", path="native", cast_inputs="both")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cast-inputs")
+def test_a_model_casting_its_own_inputs_trains_without_fsdps_casts(tmp_path):
+    """cast_forward_inputs=False on every unit, both paths: each unit holds the flag and sees
+    the input dtypes the reference's units (no cast) give it, and the numbers pass."""
+    result = parity.run(matrix="cast-inputs", out=str(tmp_path / "ci"), quiet=True)
+    assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
+    rows = result.cells
+    own = rows["cell"].str.contains("/ci-model")
+    policy = rows[own & (rows["check"] == "unit.policy")]
+    assert len(policy) and set(policy["verdict"]) == {"PASS"}
+    assert policy["detail"].str.contains("'cast_forward_inputs': False").all()
+    for check in ("dtype.boundary", "grad", "output"):
+        held = rows[own & (rows["check"] == check)]
+        assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])

@@ -20,6 +20,11 @@ FSDP 2.15 raises on an uneven dimension other than 0); read back as each
 sharded parameter's DTensor placement (``placement``), the bytes on the wire padded on that
 dimension (``collectives``).
 
+``cast_inputs = "model"``: every unit's policy has ``cast_forward_inputs=False``
+(:func:`units`), on a model that casts its own inputs; the reference emulates the same
+units, ``dtype.boundary`` holds every unit to the input dtypes that follow, ``unit.policy``
+reads the flag back.
+
 ``reshard_backward = "last"``: per micro-batch (:func:`before_microbatch`), the units stay
 gathered after every backward but the last, as gradient-accumulation recipes keep them; the
 forwards after the first gather nothing, the last backward reshards before the optimizer step
@@ -28,10 +33,13 @@ forwards after the first gather nothing, the last backward reshards before the o
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from parity.matrix.cell import Cell
+from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
 
@@ -57,6 +65,14 @@ def placement_fn(cell: Cell):
     return lambda p: Shard(1) if shard_dim(cell, p.shape) == 1 else None
 
 
+def units(cell: Cell, report: ShardReport) -> ShardReport:
+    """The path's units as the recipe shards them: under ``cast_inputs = "model"`` no unit casts
+    its forward inputs (the model does); the reference emulates exactly these units."""
+    if cell.cast_inputs == "fsdp":
+        return report
+    return replace(report, units=tuple(replace(u, cast_forward_inputs=False) for u in report.units))
+
+
 def unsupported(cell: Cell) -> str:
     """Why ``cell`` cannot turn its knobs on its model (empty: it can). Explicit prefetching
     chains block units: with fewer than two there is nothing to prefetch, and a cell claiming
@@ -70,9 +86,13 @@ def unsupported(cell: Cell) -> str:
         if "shard_placement_fn" not in inspect.signature(get_path(cell.path).apply).parameters:
             return (f"placement {cell.placement!r}: path {cell.path!r} takes no shard_placement_fn "
                     "(its apply() has no such keyword)")
+    from parity.model.registry import get_fixture
+
+    if cell.cast_inputs == "model" and not get_fixture(cell.fixture, cell.source).casts_inputs:
+        return (f"cast_inputs 'model': {cell.fixture!r} does not cast its own inputs (Fixture.casts_inputs); "
+                "with FSDP's casts off its low-precision weights would meet FP32 inputs")
     if cell.prefetch != "explicit":
         return ""
-    from parity.model.registry import get_fixture
 
     fixture = get_fixture(cell.fixture, cell.source)
     units = [b for b in fixture.blocks if b in fixture.unit_roots]

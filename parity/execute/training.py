@@ -84,7 +84,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.plan = plan
     plan = inject.site("plan", plan)
     apply_checkpointing(model, cell.checkpointing, fixture.blocks)
-    report = plan_sharding(model, fixture.unit_roots, plan, path, ignored)
+    report = knobs.units(cell, plan_sharding(model, fixture.unit_roots, plan, path, ignored))
     if obs is not None:
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)

@@ -65,7 +65,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off",
                      "reshard_after_backward_sticks"), "gather"),
-    **dict.fromkeys(("drop_output_dtype", "perturb_output", "eval_skips_reshard", "eval_skips_output_cast",
+    **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
@@ -229,6 +229,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=rp.placement_fn_dropped),
+    _fault("casts_inputs_anyway", "FSDP casts a unit's inputs to its BF16 param_dtype although its policy says "
+           "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"dtype.boundary", "grad", "grad_norm", "divergence"},
+           {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
+           quiet={"cast_inputs": "fsdp"}, patch=rp.casts_inputs_anyway),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
            "BF16 weights keep BF16 gradients instead of FP32", {"dtype.grad", "grad", "grad_norm", "param"}, _GRAD_DTYPE,
            quiet={"fixture": "kda"}, patch=rp.grad_dtype_dropped),

@@ -413,3 +413,23 @@ def placement_fn_dropped():
             return orig(module, *args, **kwargs)
         return fully_shard
     return swap_attr(fsdp, "fully_shard", make)
+
+
+def casts_inputs_anyway():
+    """FSDP casts a unit's floating forward inputs to its low-precision ``param_dtype`` even when
+    its policy says ``cast_forward_inputs=False`` (``FSDPState._cast_forward_inputs``): a model
+    that keeps an FP32 stream and casts for itself gets BF16 inputs."""
+    import functools
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+    from torch.distributed.utils import _apply_to_tensors
+
+    def make(orig):
+        def _cast_forward_inputs(self, args, kwargs):
+            dtype = self._mp_policy.param_dtype
+            if self._mp_policy.cast_forward_inputs or dtype not in (torch.bfloat16, torch.float16):
+                return orig(self, args, kwargs)
+            cast = functools.partial(_fsdp_state._cast_fp_tensor, dtype)
+            return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+        return _cast_forward_inputs
+    return swap_attr(_fsdp_state.FSDPState, "_cast_forward_inputs", make)

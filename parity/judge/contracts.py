@@ -177,7 +177,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     gradients' storage dtype, torch >= 2.15); only the outermost unit casts outputs. A unit
     holding parameters keeps the cell's reduction knobs: no divide factor and FSDP's own
     collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
-    prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise."""
+    prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise; no
+    unit casts its inputs when the model does (``cast_inputs = "model"``)."""
     config = plan.config
     prefetch = _prefetch_plan(cell, obs)
     rows = []
@@ -186,7 +187,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
         members = [plan[p] for p in unit.params]
         computes = {t.compute for t in members}
         param = config.param_dtype if (native or not members or config.param_dtype in computes) else computes.pop()
-        want = {"param_dtype": dtype_name(param), "cast_forward_inputs": param == config.param_dtype,
+        want = {"param_dtype": dtype_name(param),
+                "cast_forward_inputs": param == config.param_dtype and cell.cast_inputs == "fsdp",
                 "output_dtype": dtype_name(config.output_dtype if unit.modules == ("",) else None)}
         if unit.params:
             summed = cell.reduction == "sum"

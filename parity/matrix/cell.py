@@ -29,6 +29,8 @@ PREFETCHES = ("none", "explicit")
 RESHARD_BACKWARDS = ("every", "last")
 #: Which dimension FSDP shards parameters of two or more dimensions on (:attr:`Cell.placement`).
 PLACEMENTS = ("dim0", "dim1")
+#: Who casts a unit's floating inputs to its compute dtype (:attr:`Cell.cast_inputs`).
+CAST_INPUTS = ("fsdp", "model")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -39,7 +41,8 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 #: the id it had before the axis existed.
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
-               "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl"}
+               "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
+               "cast_inputs": "ci"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +119,11 @@ class Cell:
     ``shard_placement_fn`` returns ``Shard(1)`` for parameters of two or more dimensions whose
     dimension 1 splits evenly over the ranks (as recipes shard expert weights whose first
     dimension is small), ``None`` (dimension 0) for the rest. Ranks then record whole tensors. Runs on mesh ``fsdp`` with weights ``none``."""
+    cast_inputs: str = "fsdp"
+    """``fsdp``: each unit's policy casts its floating inputs to its ``param_dtype``
+    (``cast_forward_inputs=True`` where the path sets it); ``model``: every unit's
+    ``cast_forward_inputs=False`` -- the model casts its own inputs (runs only on a model that
+    declares it does, ``Fixture.casts_inputs``)."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -155,6 +163,8 @@ class Cell:
             raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
         if self.prefetch not in PREFETCHES:
             raise UsageError(f"prefetch: unknown value {self.prefetch!r}; valid: {', '.join(PREFETCHES)}")
+        if self.cast_inputs not in CAST_INPUTS:
+            raise UsageError(f"cast_inputs: unknown value {self.cast_inputs!r}; valid: {', '.join(CAST_INPUTS)}")
         if self.placement not in PLACEMENTS:
             raise UsageError(f"placement: unknown value {self.placement!r}; valid: {', '.join(PLACEMENTS)}")
         if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):

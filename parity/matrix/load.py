@@ -30,6 +30,7 @@ A matrix file::
     prefetch = ["none", "explicit"]
     reshard_backward = ["every", "last"]
     placement = ["dim0", "dim1"]
+    cast_inputs = ["fsdp", "model"]
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
-from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
+from parity.matrix.cell import (CAST_INPUTS, CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 PLACEMENTS, PREFETCHES, REDUCE_DTYPES, REDUCTIONS, RESHARD_BACKWARDS, SYNC,
                                 WEIGHTS, Cell)
 from parity.model.topology import MESHES
@@ -65,7 +66,7 @@ _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "para
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
             "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS,
             "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
-            "placement": PLACEMENTS}
+            "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.

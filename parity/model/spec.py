@@ -66,6 +66,10 @@ class Fixture:
     (e.g. ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``)."""
     token_input: bool = False
     """True when inputs are integer tokens (no input gradient exists)."""
+    casts_inputs: bool = False
+    """The model casts its floating inputs to its weights' dtype itself (each block at its first
+    op, FP32 modules upcasting), so it trains with every unit's ``cast_forward_inputs=False``
+    (the ``cast_inputs = "model"`` knob runs only on such models)."""
     keep_fp32: tuple[str, ...] = ()
     """Strict-FP32 name patterns besides the class's ``_keep_in_fp32_modules_strict``."""
     compute_dtypes: Mapping[str, str] = field(default_factory=dict)
