@@ -99,8 +99,6 @@ UNLOCALIZED = {
     "reshard_after_backward_sticks": "acts in step 2's gather (stale weights), which the step's collectives record "
                                      "sees; a step's collectives are one record, ordered after its forward, whose "
                                      "outputs fail first",
-    "state_dict_skips_reshard": "acts in state dicts; the run's first is parity's own names snapshot after the first "
-                                "forward (identity@lazy_init, step 0's forward), which FSDP's pre-save hook reshards",
 }
 
 

@@ -21,8 +21,9 @@ class NamesSnapshot:
 
     params: list[str]
     """``named_parameters()`` FQNs, canonical, in order."""
-    state_dict: list[str]
-    """``state_dict()`` keys, canonical, in order."""
+    state_dict: list[str] | None
+    """``state_dict()`` keys, canonical, in order; None where reading them would change the run
+    (right after the first forward: :func:`parity.execute.probes.lazy_init_snapshot`)."""
     ids: dict[str, int]
     """FQN -> ``id()`` of the parameter object."""
     storage: dict[str, str]

@@ -65,6 +65,25 @@ def _fsdp_params(model: nn.Module):
                     yield from group.fsdp_params
 
 
+def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
+    """Names and identities right after the first forward, without ``model.state_dict()``: its
+    pre-save hook reshards every unit, and with reshard off that would change the backward this
+    observation precedes (an extra all-gather the user's loop does not issue). Identities are
+    the objects FSDP holds as each managed parameter's sharded parameter (with reshard off the
+    module attributes are the unsharded ones until the backward); no state-dict keys."""
+    modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    sharded = {}
+    for fp in _fsdp_params(model):
+        prefix = modules.get(id(fp._module_info.module), "")
+        sharded[f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name] = fp.sharded_param
+    named = [(canonical_fqn(n), p) for n, p in model.named_parameters()]
+    return NamesSnapshot(
+        params=[f for f, _ in named], state_dict=None, ids={f: id(sharded.get(f, p)) for f, p in named},
+        storage={f: dtype_name(sharded.get(f, p).dtype) for f, p in named},
+        modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
+    )
+
+
 def ownership(model: nn.Module) -> dict[str, str]:
     """Parameter FQN -> "fsdp" or "not fsdp"; its tensor- and expert-parallel placements;
     its dtype. What either path must leave as another parallelism made it."""
@@ -198,7 +217,7 @@ class Recorder:
         finally:
             self.active = False
         if step == 0 and mb == 0:
-            self.lazy_init = names_snapshot(self.model)
+            self.lazy_init = lazy_init_snapshot(self.model)
 
     def after_backward(self, model: nn.Module, step: int, mb: int, last: bool) -> None:
         if last:

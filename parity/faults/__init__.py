@@ -243,7 +243,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"fixture": "frozen"}, patch=rp.frozen_unit_reduces_bf16),
     _fault("state_dict_skips_reshard", "FSDP registers no state-dict pre-save hook: a state dict taken while units are "
            "unsharded holds compute-dtype tensors (FSDPParamGroup._register_state_dict_hooks)",
-           {"state_dict", "identity"}, {**_KDA2, "reshard": False}, quiet={"reshard": True}, patch=rp.state_dict_skips_reshard,
+           {"state_dict"}, {**_KDA2, "reshard": False}, quiet={"reshard": True}, patch=rp.state_dict_skips_reshard,
            scopes=_MAIN),
     _fault("early_reduce_scatter", "FSDP reduce-scatters (a zero buffer) inside a set_requires_gradient_sync(False) "
            "window: numerically invisible (FSDPParamGroup.post_backward)",
