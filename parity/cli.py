@@ -30,20 +30,21 @@ from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
 from parity.interrupt import Interrupted, Signals, exit_code, raising
 from parity.matrix.cell import (EVALS, INITS, MOVES, OPTIMIZERS, PARAM_DTYPES, PREFETCHES, REDUCE_DTYPES, REDUCTIONS,
-                                CAST_INPUTS, PLACEMENTS, RESHARD_BACKWARDS, WEIGHTS)
+                                CAST_INPUTS, PLACEMENTS, RESHARD_BACKWARDS, UNSHARD_IN_BACKWARDS, WEIGHTS)
 from parity.model.topology import MESHES
 
-#: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
+#: Recipe knobs, as run options (:mod:`parity.execute.knobs`).
+KNOB_OPTIONS = ("reduction", "prefetch", "reshard_backward", "placement", "cast_inputs", "unshard_in_backward")
 #: Run options that set one axis for every cell (replacing the matrix's values).
 AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "move",
-                "reduction", "prefetch", "reshard_backward", "placement", "cast_inputs")
+                *KNOB_OPTIONS)
+#: ``run`` options that define what a run computes; ``--resume`` requires them unchanged.
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
                 "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
-                "clip", "eval", "move", "reduction", "prefetch", "reshard_backward", "placement", "cast_inputs", "shard")
+                "clip", "eval", "move", *KNOB_OPTIONS, "shard")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
-                "clip": None, "eval": None, "move": None, "reduction": None, "prefetch": None,
-                "reshard_backward": None, "placement": None, "cast_inputs": None, "fault": [], "shard": None,
+                "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS), "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None}
 
@@ -87,6 +88,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
                    "shards parameters of two or more dimensions on dimension 1)")
     p.add_argument("--cast-inputs", choices=CAST_INPUTS, help="every cell's input casting (model: every unit's "
                    "cast_forward_inputs=False, the model casts its own inputs; needs Fixture.casts_inputs)")
+    p.add_argument("--unshard-in-backward", choices=UNSHARD_IN_BACKWARDS, help="every cell's backward all-gathers "
+                   "(needed: set_unshard_in_backward(False) on Fixture.backward_free units, e.g. an embedding)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

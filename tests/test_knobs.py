@@ -146,3 +146,31 @@ def test_a_model_casting_its_own_inputs_trains_without_fsdps_casts(tmp_path):
     for check in ("dtype.boundary", "grad", "output"):
         held = rows[own & (rows["check"] == check)]
         assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])
+
+
+def test_a_unit_kept_out_of_backward_must_be_declared():
+    from parity.execute import knobs
+
+    assert "declares no unit" in knobs.unsupported(Cell(fixture="lm", path="native", unshard_in_backward="needed"))
+    assert knobs.unsupported(Cell(fixture="untied_lm", path="native", unshard_in_backward="needed")) == ""
+    spec = get_fixture("untied_lm")
+    fields = {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+    from parity.model import Fixture
+    from parity.model.spec import validate
+
+    with pytest.raises(UsageError, match="Fixture.backward_free names 'rotary', which is not one of unit_roots"):
+        validate(Fixture(**{**fields, "backward_free": ("rotary",)}), "test")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("backward-free")
+def test_an_embedding_kept_out_of_backward_gathers_only_in_forward(tmp_path):
+    """set_unshard_in_backward(False) on the embedding's unit, both paths: every backward gathers
+    at most the other units (collectives), and the numbers pass."""
+    result = parity.run(matrix="backward-free", out=str(tmp_path / "bf"), quiet=True)
+    assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
+    rows = result.cells
+    own = rows["cell"].str.contains("/ub-needed") & (rows["ranks"].astype(str) == "2")
+    for check in ("collectives", "grad", "output"):
+        held = rows[own & (rows["check"] == check)]
+        assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])

@@ -48,7 +48,7 @@ def test_importing_parity_never_imports_a_top_level_fixtures_package(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["14", "False"]
+    assert out.stdout.split() == ["15", "False"]
 
 
 class ExpertBank(nn.Module):

@@ -25,6 +25,10 @@ dimension (``collectives``).
 units, ``dtype.boundary`` holds every unit to the input dtypes that follow, ``unit.policy``
 reads the flag back.
 
+``unshard_in_backward = "needed"``: the units the model declares no backward reads
+(``Fixture.backward_free``, an embedding) get ``set_unshard_in_backward(False)``; numerics do
+not change, ``collectives`` holds each backward to the all-gathers of the other units.
+
 ``reshard_backward = "last"``: per micro-batch (:func:`before_microbatch`), the units stay
 gathered after every backward but the last, as gradient-accumulation recipes keep them; the
 forwards after the first gather nothing, the last backward reshards before the optimizer step
@@ -88,6 +92,9 @@ def unsupported(cell: Cell) -> str:
                     "(its apply() has no such keyword)")
     from parity.model.registry import get_fixture
 
+    if cell.unshard_in_backward == "needed" and not get_fixture(cell.fixture, cell.source).backward_free:
+        return (f"unshard_in_backward 'needed': {cell.fixture!r} declares no unit whose parameters backward does "
+                "not read (Fixture.backward_free)")
     if cell.cast_inputs == "model" and not get_fixture(cell.fixture, cell.source).casts_inputs:
         return (f"cast_inputs 'model': {cell.fixture!r} does not cast its own inputs (Fixture.casts_inputs); "
                 "with FSDP's casts off its low-precision weights would meet FP32 inputs")
@@ -103,14 +110,17 @@ def unsupported(cell: Cell) -> str:
 
 
 def block_units(model: nn.Module, blocks) -> list[FSDPModule]:
-    """The FSDP units that are the fixture's blocks (``Fixture.blocks``), in the blocks' order."""
+    """The FSDP units among the modules ``blocks`` names (``Fixture.blocks``, ...), in that order."""
     modules = module_index(model)
     return [modules[b] for b in blocks if isinstance(modules.get(b), FSDPModule)]
 
 
-def apply(cell: Cell, model: nn.Module, blocks=()) -> None:
+def apply(cell: Cell, model: nn.Module, blocks=(), backward_free=()) -> None:
     """Turn ``cell``'s knobs on every FSDP unit of ``model`` (each unit holds its own setting);
-    ``blocks``: the fixture's block FQNs."""
+    ``blocks``: the fixture's block FQNs; ``backward_free``: its units no backward reads."""
+    if cell.unshard_in_backward == "needed":
+        for unit in block_units(model, backward_free):
+            unit.set_unshard_in_backward(False)
     if cell.prefetch == "explicit":
         units = block_units(model, blocks)
         for i, unit in enumerate(units):

@@ -96,7 +96,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects
     if fixture.unused_params:
         model.set_reduce_scatter_unused_params(True)
-    knobs.apply(cell, model, fixture.blocks)
+    knobs.apply(cell, model, fixture.blocks, fixture.backward_free)
     if cell.checkpointing == "outer":
         checkpoint_units(model, report)
     inject.site("sharded", model=model)

@@ -69,7 +69,7 @@ STAGE_OF_FAULT = {
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
-                     "prefetch_regathers", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "prefetch_regathers", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_partial_bf16"), "collectives"),
     **dict.fromkeys(("perturb_grad", "scale_grad_norm", "rank1_grad_norm", "uneven_grad_row",
                      "unused_drops_accumulated", "scaler_skips_dtensor", "clip_local_norm",
@@ -233,6 +233,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"dtype.boundary", "grad", "grad_norm", "divergence"},
            {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
            quiet={"cast_inputs": "fsdp"}, patch=rp.casts_inputs_anyway),
+    _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
+           "reads (the embedding) is all-gathered in backward anyway", {"collectives"},
+           {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},
+           quiet={"unshard_in_backward": "all"}, patch=rp.unshard_in_backward_not_stored),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
            "BF16 weights keep BF16 gradients instead of FP32", {"dtype.grad", "grad", "grad_norm", "param"}, _GRAD_DTYPE,
            quiet={"fixture": "kda"}, patch=rp.grad_dtype_dropped),

@@ -433,3 +433,11 @@ def casts_inputs_anyway():
             return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
         return _cast_forward_inputs
     return swap_attr(_fsdp_state.FSDPState, "_cast_forward_inputs", make)
+
+
+def unshard_in_backward_not_stored():
+    """``FSDPModule.set_unshard_in_backward(False)`` stores nothing: the embedding's unit is
+    all-gathered again in backward (right numbers, a wasted gather per backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "set_unshard_in_backward", lambda orig: lambda self, unshard_in_backward: None)

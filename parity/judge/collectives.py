@@ -14,6 +14,7 @@ from parity.judge.rows import contract_row as _row
 from parity.judge.rows import skipped as _skip
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
+from parity.model.registry import get_fixture
 from parity.model.recipe import loss_scale
 
 
@@ -162,6 +163,11 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
             evals = len(cell.eval_labels(step))
             bound[("eval", "all-gather")] = units * evals
             floor.update(_kept_gathered(cell, obs, plan, step, units, bound))
+            if cell.unshard_in_backward == "needed":  # the backward-free units gather in forward only
+                free = set(get_fixture(cell.fixture, cell.source).backward_free)
+                skipped = sum(1 for u in obs.report.units if u.params and u.root in free)
+                for mb in range(cell.microbatches):
+                    bound[(f"mb{mb}/backward", "all-gather")] = units - skipped
         owners = sum(1 for f in ignored if plan[f].trainable_from <= step) if cell.ranks > 1 else 0
         scaler = 1 if loss_scale(plan.config.param_dtype) != 1.0 else 0  # the scaler agrees on found-inf
         if owners + scaler:

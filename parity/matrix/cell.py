@@ -31,6 +31,8 @@ RESHARD_BACKWARDS = ("every", "last")
 PLACEMENTS = ("dim0", "dim1")
 #: Who casts a unit's floating inputs to its compute dtype (:attr:`Cell.cast_inputs`).
 CAST_INPUTS = ("fsdp", "model")
+#: Which units all-gather in backward (:attr:`Cell.unshard_in_backward`).
+UNSHARD_IN_BACKWARDS = ("all", "needed")
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -42,7 +44,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
-               "cast_inputs": "ci"}
+               "cast_inputs": "ci", "unshard_in_backward": "ub"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +126,11 @@ class Cell:
     (``cast_forward_inputs=True`` where the path sets it); ``model``: every unit's
     ``cast_forward_inputs=False`` -- the model casts its own inputs (runs only on a model that
     declares it does, ``Fixture.casts_inputs``)."""
+    unshard_in_backward: str = "all"
+    """``all``: every unit all-gathers its parameters for backward (FSDP's default); ``needed``:
+    the units whose parameters no backward reads (``Fixture.backward_free``: an embedding, whose
+    weight gradient only scatters the output's) do not -- ``set_unshard_in_backward(False)`` --
+    as recipes set it. Runs only on a model that declares such units."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -163,6 +170,9 @@ class Cell:
             raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
         if self.prefetch not in PREFETCHES:
             raise UsageError(f"prefetch: unknown value {self.prefetch!r}; valid: {', '.join(PREFETCHES)}")
+        if self.unshard_in_backward not in UNSHARD_IN_BACKWARDS:
+            raise UsageError(f"unshard_in_backward: unknown value {self.unshard_in_backward!r}; valid: "
+                             f"{', '.join(UNSHARD_IN_BACKWARDS)}")
         if self.cast_inputs not in CAST_INPUTS:
             raise UsageError(f"cast_inputs: unknown value {self.cast_inputs!r}; valid: {', '.join(CAST_INPUTS)}")
         if self.placement not in PLACEMENTS:

@@ -31,6 +31,7 @@ A matrix file::
     reshard_backward = ["every", "last"]
     placement = ["dim0", "dim1"]
     cast_inputs = ["fsdp", "model"]
+    unshard_in_backward = ["all", "needed"]
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
@@ -50,7 +51,7 @@ from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CAST_INPUTS, CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
                                 PLACEMENTS, PREFETCHES, REDUCE_DTYPES, REDUCTIONS, RESHARD_BACKWARDS, SYNC,
-                                WEIGHTS, Cell)
+                                UNSHARD_IN_BACKWARDS, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -66,7 +67,7 @@ _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "para
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
             "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS,
             "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
-            "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS}
+            "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.

@@ -66,6 +66,10 @@ class Fixture:
     (e.g. ``lambda out: out.logits`` for a Hugging Face ``ModelOutput``)."""
     token_input: bool = False
     """True when inputs are integer tokens (no input gradient exists)."""
+    backward_free: tuple[str, ...] = ()
+    """Units (``unit_roots``) whose parameters no backward reads -- an untied embedding: its
+    weight's gradient scatters the output's, its values are not needed -- which a recipe tells
+    FSDP not to all-gather for backward (``unshard_in_backward = "needed"``)."""
     casts_inputs: bool = False
     """The model casts its floating inputs to its weights' dtype itself (each block at its first
     op, FP32 modules upcasting), so it trains with every unit's ``cast_forward_inputs=False``
@@ -217,6 +221,9 @@ def validate(spec: object, where: str) -> Fixture:
     for fqn in spec.compute_dtypes:
         if fqn not in params:
             raise UsageError(f"{where}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the model")
+    stray = [u for u in spec.backward_free if u not in spec.unit_roots]
+    if stray:
+        raise UsageError(f"{where}: Fixture.backward_free names {stray[0]!r}, which is not one of unit_roots")
     for pattern, dtype in spec.grad_dtypes.items():
         if not any(unfreeze_step(n, {pattern: 0}) is not None for n in params):
             raise UsageError(f"{where}: Fixture.grad_dtypes names {pattern!r}, which selects no parameter of the model")
