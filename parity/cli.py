@@ -29,12 +29,24 @@ from parity.bench.run import add_bench_arguments, bench_command
 from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 from parity.fuzz import add_fuzz_arguments, fuzz_command
 from parity.interrupt import Interrupted, Signals, exit_code, raising
-from parity.matrix.cell import (EVALS, INITS, MOVES, OPTIMIZERS, PARAM_DTYPES, PREFETCHES, REDUCE_DTYPES, REDUCTIONS,
-                                CAST_INPUTS, PLACEMENTS, RESHARD_BACKWARDS, UNSHARD_IN_BACKWARDS, WEIGHTS)
+from parity.matrix.cell import EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
 from parity.model.topology import MESHES
 
-#: Recipe knobs, as run options (:mod:`parity.execute.knobs`).
-KNOB_OPTIONS = ("reduction", "prefetch", "reshard_backward", "placement", "cast_inputs", "unshard_in_backward")
+#: Recipe knobs, as run options (:mod:`parity.execute.knobs`), with what each sets.
+KNOB_HELP = {
+    "reduction": "gradient reduction (sum: the loss is divided by the data-parallel ranks and FSDP sums, "
+                 "set_gradient_divide_factor(1.0))",
+    "prefetch": "prefetching (explicit: each block unit prefetches the next in forward, the previous in backward)",
+    "reshard_backward": "resharding after backward (last: units stay gathered across a step's micro-batches, "
+                        "set_reshard_after_backward)",
+    "placement": "shard placement (dim1: shard_placement_fn shards parameters of two or more dimensions on "
+                 "dimension 1)",
+    "cast_inputs": "input casting (model: every unit's cast_forward_inputs=False, the model casts its own inputs; "
+                   "needs Fixture.casts_inputs)",
+    "unshard_in_backward": "backward all-gathers (needed: set_unshard_in_backward(False) on Fixture.backward_free "
+                           "units, e.g. an embedding)",
+}
+KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).
 AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "move",
                 *KNOB_OPTIONS)
@@ -78,18 +90,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--eval", choices=EVALS, help="every cell's evaluation forwards (no_grad, model.eval())")
     p.add_argument("--move", choices=MOVES, help="every cell's moving checkpoint (shrink 2->1, grow 1->2, mesh "
                    "fsdp<->hsdp); none where the cell runs no checkpoint lifecycle")
-    p.add_argument("--reduction", choices=REDUCTIONS, help="every cell's gradient reduction (sum: the loss is divided "
-                   "by the data-parallel ranks and FSDP sums, set_gradient_divide_factor(1.0))")
-    p.add_argument("--prefetch", choices=PREFETCHES, help="every cell's prefetching (explicit: each block unit "
-                   "prefetches the next in forward, the previous in backward)")
-    p.add_argument("--reshard-backward", choices=RESHARD_BACKWARDS, help="every cell's resharding after backward "
-                   "(last: units stay gathered across a step's micro-batches, set_reshard_after_backward)")
-    p.add_argument("--placement", choices=PLACEMENTS, help="every cell's shard placement (dim1: shard_placement_fn "
-                   "shards parameters of two or more dimensions on dimension 1)")
-    p.add_argument("--cast-inputs", choices=CAST_INPUTS, help="every cell's input casting (model: every unit's "
-                   "cast_forward_inputs=False, the model casts its own inputs; needs Fixture.casts_inputs)")
-    p.add_argument("--unshard-in-backward", choices=UNSHARD_IN_BACKWARDS, help="every cell's backward all-gathers "
-                   "(needed: set_unshard_in_backward(False) on Fixture.backward_free units, e.g. an embedding)")
+    for knob, what in KNOB_HELP.items():
+        p.add_argument("--" + knob.replace("_", "-"), choices=KNOB_VALUES[knob], help=f"every cell's {what}")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")

@@ -77,6 +77,14 @@ def test_a_shard_placement_reaches_only_a_path_that_takes_it(monkeypatch):
     assert "takes no shard_placement_fn" in knobs.unsupported(cell)
 
 
+def test_each_knob_is_an_axis_and_a_run_option():
+    from parity.cli import KNOB_HELP
+    from parity.matrix.cell import KNOB_VALUES, RECIPE_AXES
+
+    assert tuple(KNOB_HELP) == tuple(KNOB_VALUES) and set(KNOB_VALUES) <= set(RECIPE_AXES)
+    assert all(getattr(Cell, k) == v[0] for k, v in KNOB_VALUES.items())  # the first value is FSDP's default
+
+
 def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
     """Covering designs span the axes a matrix declares (and those every design always spanned):
     ``default`` keeps its cells, none of them turns a knob."""

@@ -33,6 +33,9 @@ PLACEMENTS = ("dim0", "dim1")
 CAST_INPUTS = ("fsdp", "model")
 #: Which units all-gather in backward (:attr:`Cell.unshard_in_backward`).
 UNSHARD_IN_BACKWARDS = ("all", "needed")
+#: The recipe knobs' axes and their values, each first value FSDP's default (:mod:`parity.execute.knobs`).
+KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
+               "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -145,19 +148,17 @@ class Cell:
     empty: the baseline (for the baseline itself: no cross-load)."""
 
     def __post_init__(self):
+        for axis, valid in {"move": MOVES, **KNOB_VALUES}.items():
+            if getattr(self, axis) not in valid:
+                raise UsageError(f"{axis}: unknown value {getattr(self, axis)!r}; valid: {', '.join(valid)}")
         if self.microbatches == 1 and self.sync != "every":
             object.__setattr__(self, "sync", "every")  # one micro-batch always synchronizes
         if self.eval == "between-microbatches" and self.microbatches == 1:
             object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
-        if self.reshard_backward not in RESHARD_BACKWARDS:
-            raise UsageError(f"reshard_backward: unknown value {self.reshard_backward!r}; valid: "
-                             f"{', '.join(RESHARD_BACKWARDS)}")
         if self.microbatches == 1 and self.reshard_backward != "every":
             object.__setattr__(self, "reshard_backward", "every")  # a single backward reshards before the step
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
-        if self.move not in MOVES:
-            raise UsageError(f"move: unknown value {self.move!r}; valid: {', '.join(MOVES)}")
         if not self._movable():
             object.__setattr__(self, "move", "none")  # nothing to move: the cell does not claim it
         if not (self.clip >= 0.0 and self.clip < float("inf")):
@@ -166,17 +167,6 @@ class Cell:
         if self.weights != "none" and self.mesh != "fsdp":
             raise UsageError(f"weights {self.weights!r} runs on mesh 'fsdp'; quantized all-gathers on "
                              f"{self.mesh!r} are not emulated yet (use mesh 'fsdp' or weights 'none')")
-        if self.reduction not in REDUCTIONS:
-            raise UsageError(f"reduction: unknown value {self.reduction!r}; valid: {', '.join(REDUCTIONS)}")
-        if self.prefetch not in PREFETCHES:
-            raise UsageError(f"prefetch: unknown value {self.prefetch!r}; valid: {', '.join(PREFETCHES)}")
-        if self.unshard_in_backward not in UNSHARD_IN_BACKWARDS:
-            raise UsageError(f"unshard_in_backward: unknown value {self.unshard_in_backward!r}; valid: "
-                             f"{', '.join(UNSHARD_IN_BACKWARDS)}")
-        if self.cast_inputs not in CAST_INPUTS:
-            raise UsageError(f"cast_inputs: unknown value {self.cast_inputs!r}; valid: {', '.join(CAST_INPUTS)}")
-        if self.placement not in PLACEMENTS:
-            raise UsageError(f"placement: unknown value {self.placement!r}; valid: {', '.join(PLACEMENTS)}")
         if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError(f"placement {self.placement!r} runs on mesh 'fsdp' with weights 'none' (use placement "
                              "'dim0' for other compositions and quantized weights)")

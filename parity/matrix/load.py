@@ -49,9 +49,8 @@ from dataclasses import dataclass
 
 from parity.arguments import MAX_STEPS, SEEDS
 from parity.errors import UsageError
-from parity.matrix.cell import (CAST_INPUTS, CHECKPOINTING, EVALS, INITS, MOVES, OPTIMIZERS, OUTPUT_DTYPES, PARAM_DTYPES, RECIPE_AXES,
-                                PLACEMENTS, PREFETCHES, REDUCE_DTYPES, REDUCTIONS, RESHARD_BACKWARDS, SYNC,
-                                UNSHARD_IN_BACKWARDS, WEIGHTS, Cell)
+from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, OUTPUT_DTYPES,
+                                PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -65,9 +64,7 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
-            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "reduction": REDUCTIONS,
-            "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
-            "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS}
+            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, **KNOB_VALUES}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
