@@ -258,7 +258,10 @@ class _Run:
                            detail="not located under torchrun (re-run the cell without torchrun)")]
         try:
             traced = self._observe(replace(cell, trace=True), signals)
-            return [locate(cell, traced, base, device=_ref_device(self.device))]
+            document: dict = {}
+            record = locate(cell, traced, base, device=_ref_device(self.device), document=document)
+            outdir.write_trace(self.options.out_dir, cell.id, document)
+            return [record]
         except CellFailure as exc:
             if signals():
                 raise Interrupted() from None

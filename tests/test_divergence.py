@@ -26,3 +26,26 @@ def test_the_traced_rerun_of_a_correct_cell_reports_nothing(ranks):
             assert record.verdict == "PASS", f"{cell.id}: {record.detail}"
     finally:
         pool.stop()
+
+
+def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
+    """``traces/<cell>.json``: every traced module's tensors summarized on both sides (dtype, shape,
+    SHA-256, statistics), with the difference and allowance the divergence record judged."""
+    import json
+
+    from parity.judge.divergence import TRACE_FORMAT
+    from parity.report import outdir
+    from parity.runner import RunOptions, run_cells
+    from tests.conftest import read_records
+
+    cell = Cell(fixture="kda", path="native", ranks=1, steps=1, faults=("perturb_output",))
+    out = str(tmp_path / "run")
+    assert run_cells([cell], RunOptions(out_dir=out, timeout=120, progress=False)) == 1
+    located = next(r for r in read_records(out) if r["check"] == "divergence")
+    doc = json.load(open(outdir.trace_path(out, cell.id)))
+    assert doc["format"] == TRACE_FORMAT and doc["cell"] == cell.id and doc["tensors"]
+    named = [t for t in doc["tensors"] if t["module"] == located["name"] and t["kind"] == "output"]
+    assert named and named[0]["max_abs_diff"] > named[0]["allowed"]
+    assert named[0]["sharded"]["sha256"] != named[0]["reference"]["sha256"]
+    first = doc["tensors"][0]
+    assert set(first["sharded"]) >= {"dtype", "shape", "sha256", "min", "max", "mean", "l2"}

@@ -9,6 +9,9 @@ up to a final rounding in the coarser dtype); the first module over it is named.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+
+import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
@@ -40,12 +43,52 @@ def _first_over(actual: dict, expected: dict, skipped: list[str]) -> tuple[str, 
     return None
 
 
-def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu") -> Record:
-    """One ``divergence`` record naming the first module over its allowance in each order."""
+#: The ``format`` of a trace document (:func:`trace_document`).
+TRACE_FORMAT = "parity-trace/1"
+
+
+def _summary(t: torch.Tensor) -> dict:
+    """What a trace keeps of a tensor: dtype, shape, a SHA-256 of its bytes (bitwise identity) and
+    FP64 statistics."""
+    data = t.detach().contiguous().cpu()
+    raw = data.view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
+    d = data.double()
+    stats = {"min": d.min().item(), "max": d.max().item(), "mean": d.mean().item(), "l2": d.norm().item()} \
+        if data.numel() else {}
+    return {"dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
+            "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), **stats}
+
+
+def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
+    """Rank 0's first micro-batch, module by module (forward order, then backward order): each
+    tensor's summary on the sharded run and in the reference, their largest difference and the
+    allowance it was judged against. Written as ``traces/<cell>.json`` beside ``cells.csv``."""
+    entries = []
+    for kind, got_all, want_all in (("output", sharded.outputs, reference.outputs),
+                                    ("input_grad", sharded.input_grads, reference.input_grads)):
+        for order, (fqn, got) in enumerate(got_all.items()):
+            want = want_all.get(fqn)
+            entry = {"kind": kind, "order": order, "module": fqn, "sharded": _summary(got)}
+            if want is not None:
+                entry["reference"] = _summary(want)
+                if got.shape == want.shape:
+                    entry["max_abs_diff"] = max_abs(got, want)
+                    entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
+                                                               amax(want)).allowed
+            entries.append(entry)
+    return {"format": TRACE_FORMAT, "cell": cell.id, "scope": "rank 0, step 0, micro-batch 0", "tensors": entries}
+
+
+def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu",
+           document: dict | None = None) -> Record:
+    """One ``divergence`` record naming the first module over its allowance in each order;
+    ``document``, when given, receives the cell's trace (:func:`trace_document`)."""
     first = observations[0]
     fixture = get_fixture(cell.fixture, cell.source)
     ref = Trace()
     run_reference(dataclasses.replace(cell, steps=1), fixture, first.plan, first.report, device=device, trace=ref)
+    if document is not None:
+        document.update(trace_document(cell, first.trace, ref))
     skipped: list[str] = []
     fwd = _first_over(first.trace.outputs, ref.outputs, skipped)
     bwd = _first_over(first.trace.input_grads, ref.input_grads, skipped)

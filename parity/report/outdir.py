@@ -24,6 +24,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import tempfile
 
 from parity.errors import UsageError, writing
@@ -32,6 +33,8 @@ MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
 RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json", "report.html")
+#: Where a run writes the traces of its failing cells (:func:`write_trace`).
+TRACES = "traces"
 LOCK = ".parity.lock"
 _held: set[str] = set()
 
@@ -125,7 +128,22 @@ def prepare(out: str, manifest: dict, *, overwrite: bool) -> None:
         )
     for f in present:
         os.remove(os.path.join(out, f))
+    shutil.rmtree(os.path.join(out, TRACES), ignore_errors=True)  # another run's traces
     write_manifest(out, {**manifest, "status": "running"})
+
+
+def trace_path(out: str, cell_id: str) -> str:
+    """``traces/<cell id with '/' as '__'>.json``."""
+    return os.path.join(out, TRACES, cell_id.replace("/", "__") + ".json")
+
+
+def write_trace(out: str, cell_id: str, document: dict) -> None:
+    """Write one failing cell's trace document (:func:`parity.judge.divergence.trace_document`)."""
+    path = trace_path(out, cell_id)
+    with writing(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(document, fh, indent=1)
 
 
 def write_manifest(out: str, manifest: dict) -> None:
