@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
@@ -49,14 +50,27 @@ TRACE_FORMAT = "parity-trace/1"
 
 def _summary(t: torch.Tensor) -> dict:
     """What a trace keeps of a tensor: dtype, shape, a SHA-256 of its bytes (bitwise identity) and
-    FP64 statistics."""
+    FP64 statistics; of a DTensor (a tensor-parallel activation), this rank's local shard and
+    its placements."""
+    placements = {}
+    if isinstance(t, DTensor):
+        placements = {"placements": [str(p) for p in t.placements]}
+        t = t.to_local()
     data = t.detach().contiguous().cpu()
     raw = data.view(-1).view(torch.uint8) if data.numel() else data.view(torch.uint8)
     d = data.double()
     stats = {"min": d.min().item(), "max": d.max().item(), "mean": d.mean().item(), "l2": d.norm().item()} \
         if data.numel() else {}
     return {"dtype": str(data.dtype).removeprefix("torch."), "shape": list(data.shape),
-            "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), **stats}
+            "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), **stats, **placements}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a whole tensor on this rank: itself, a replicated DTensor's local copy; None for
+    a shard."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local() if all(p.is_replicate() for p in t.placements) else None
 
 
 def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
@@ -71,8 +85,9 @@ def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
             entry = {"kind": kind, "order": order, "module": fqn, "sharded": _summary(got)}
             if want is not None:
                 entry["reference"] = _summary(want)
-                if got.shape == want.shape:
-                    entry["max_abs_diff"] = max_abs(got, want)
+                whole = _whole(got)
+                if whole is not None and whole.shape == want.shape:  # a shard is not judged
+                    entry["max_abs_diff"] = max_abs(whole, want)
                     entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
                                                                amax(want)).allowed
             entries.append(entry)
@@ -87,8 +102,11 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     fixture = get_fixture(cell.fixture, cell.source)
     ref = Trace()
     run_reference(dataclasses.replace(cell, steps=1), fixture, first.plan, first.report, device=device, trace=ref)
-    if document is not None:
-        document.update(trace_document(cell, first.trace, ref))
+    if document is not None:  # a trace that cannot be summarized must not cost the located record
+        try:
+            document.update(trace_document(cell, first.trace, ref))
+        except Exception as exc:  # noqa: BLE001
+            document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
     skipped: list[str] = []
     fwd = _first_over(first.trace.outputs, ref.outputs, skipped)
     bwd = _first_over(first.trace.input_grads, ref.input_grads, skipped)
