@@ -90,22 +90,21 @@ def unsupported(cell: Cell) -> str:
         if "shard_placement_fn" not in inspect.signature(get_path(cell.path).apply).parameters:
             return (f"placement {cell.placement!r}: path {cell.path!r} takes no shard_placement_fn "
                     "(its apply() has no such keyword)")
+    if (cell.unshard_in_backward, cell.cast_inputs, cell.prefetch) == ("all", "fsdp", "none"):
+        return ""
     from parity.model.registry import get_fixture
 
-    if cell.unshard_in_backward == "needed" and not get_fixture(cell.fixture, cell.source).backward_free:
+    fixture = get_fixture(cell.fixture, cell.source)
+    if cell.unshard_in_backward == "needed" and not fixture.backward_free:
         return (f"unshard_in_backward 'needed': {cell.fixture!r} declares no unit whose parameters backward does "
                 "not read (Fixture.backward_free)")
-    if cell.cast_inputs == "model" and not get_fixture(cell.fixture, cell.source).casts_inputs:
+    if cell.cast_inputs == "model" and not fixture.casts_inputs:
         return (f"cast_inputs 'model': {cell.fixture!r} does not cast its own inputs (Fixture.casts_inputs); "
                 "with FSDP's casts off its low-precision weights would meet FP32 inputs")
-    if cell.prefetch != "explicit":
-        return ""
-
-    fixture = get_fixture(cell.fixture, cell.source)
-    units = [b for b in fixture.blocks if b in fixture.unit_roots]
-    if len(units) < 2:
-        return (f"prefetch 'explicit' chains block units; {cell.fixture!r} declares {len(units)} "
-                f"(Fixture.blocks that are unit_roots: {', '.join(units) or 'none'})")
+    chained = [b for b in fixture.blocks if b in fixture.unit_roots]
+    if cell.prefetch == "explicit" and len(chained) < 2:
+        return (f"prefetch 'explicit' chains block units; {cell.fixture!r} declares {len(chained)} "
+                f"(Fixture.blocks that are unit_roots: {', '.join(chained) or 'none'})")
     return ""
 
 

@@ -109,8 +109,7 @@ def _kept_gathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int,
     one between steps leaves the units gathered (reshard off): the counts are then bounds only."""
     if cell.reshard_backward != "last":
         return {}
-    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
-    kept = sum(1 for u in obs.report.units if trained & set(u.params))
+    kept = expected_reductions(cell, obs, plan, step)  # the units holding a parameter trained this step
     if cell.eval != "between-microbatches":
         for mb in range(1, cell.microbatches):
             bound[(f"mb{mb}/forward", "all-gather")] = units - kept
