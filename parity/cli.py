@@ -45,6 +45,10 @@ KNOB_HELP = {
                    "needs Fixture.casts_inputs)",
     "unshard_in_backward": "backward all-gathers (needed: set_unshard_in_backward(False) on Fixture.backward_free "
                            "units, e.g. an embedding)",
+    "unshard": "gathering (explicit: every unit's unshard(async_op=True) before each forward; evaluation with "
+               "set_reshard_after_forward(False), then reshard())",
+    "finalize": "backward finalization (flagged: set_is_last_backward per micro-batch; manual: "
+                "set_manual_backward_finalization + finalize_backward(async_op=True))",
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).

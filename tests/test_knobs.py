@@ -182,3 +182,39 @@ def test_an_embedding_kept_out_of_backward_gathers_only_in_forward(tmp_path):
     for check in ("collectives", "grad", "output"):
         held = rows[own & (rows["check"] == check)]
         assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])
+
+
+def test_a_schedule_knob_is_named_and_runs_on_1d_fsdp_only():
+    with pytest.raises(UsageError, match="finalize: unknown value 'never'; valid: auto, flagged, manual"):
+        Cell(fixture="kda", path="native", finalize="never")
+    with pytest.raises(UsageError, match="unshard 'explicit' runs on mesh 'fsdp'"):
+        Cell(fixture="kda", path="native", ranks=4, mesh="hsdp", unshard="explicit")
+    with pytest.raises(UsageError, match="finalize 'manual' runs on mesh 'fsdp'"):
+        Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", finalize="manual")
+    assert Cell(fixture="kda", path="native", unshard="explicit", finalize="manual").id.endswith("/un-explicit/fin-manual")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("schedules")
+def test_units_gathered_and_backwards_ended_by_the_recipe_train_as_fsdps_hooks_do(tmp_path):
+    """unshard(async_op=True) before each forward, evaluation as a phase of its own (reshard off,
+    reshard(), the setting restored), set_is_last_backward per micro-batch and manual backward
+    finalization, on both paths: the numbers pass, every forward gathers each unit once, and the
+    evaluation phase left the units as the recipe asked -- earned on two ranks, both paths."""
+    result = parity.run(matrix="schedules", out=str(tmp_path / "sched"), quiet=True)
+    assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
+    rows = result.cells
+    two = rows["ranks"].astype(str) == "2"
+    # no cell skipped; only checks a cell has nothing for (no no-sync window, token inputs)
+    assert set(rows[rows["verdict"] == "SKIP"]["check"]) <= {"dtype.accum", "input_grad"}
+    assert set(rows["verdict"]) <= {"PASS", "SKIP"}
+    for tag, checks in (("/un-explicit", ("collectives", "eval.reshard", "output", "grad")),
+                        ("/fin-flagged", ("collectives", "grad", "param")), ("/fin-manual", ("collectives", "grad", "param"))):
+        for check in checks:
+            held = rows[two & rows["cell"].str.contains(tag) & (rows["check"] == check)]
+            assert len(held) and {"legacy", "native"} <= set(held["path_taken"]), (tag, check)
+    phase = rows[rows["cell"].str.contains("/un-explicit") & (rows["check"] == "eval.reshard")]
+    assert phase["detail"].str.contains("sharded after reshard()").all()
+    # accumulation inside both no-sync windows and per-micro-batch reductions was exercised
+    manual = rows[two & rows["cell"].str.contains("/fin-manual") & (rows["check"] == "grad")]
+    assert manual["microbatches"].astype(int).max() > 1

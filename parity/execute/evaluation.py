@@ -32,13 +32,31 @@ def unit_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
     return out
 
 
+def reshard_settings(model: nn.Module, report: ShardReport) -> dict[str, str]:
+    """Unit root -> whether FSDP reshards it after a forward, as its parameter group holds it
+    (``post_forward_mesh_info``: None keeps the parameters gathered)."""
+    modules = module_index(model)
+    out = {}
+    for unit in report.units:
+        group = modules[unit.modules[0]]._get_fsdp_state()._fsdp_param_group if unit.params else None
+        if group is not None:
+            out[unit.modules[0] or "<root>"] = str(group.post_forward_mesh_info is not None)
+    return out
+
+
 def evaluate(model: nn.Module, report: ShardReport, inputs: tuple[torch.Tensor, ...], output,
-             *, step: int, label: str) -> EvalSeen:
-    """One evaluation forward; ``output`` maps the model's return value to the judged tensor."""
+             *, step: int, label: str, end=None) -> EvalSeen:
+    """One evaluation forward; ``output`` maps the model's return value to the judged tensor.
+    ``end``: the recipe's end of an evaluation phase (:func:`parity.execute.knobs.evaluation_phase`),
+    called after the units' state is read; their state and settings are read again after it."""
     model.eval()
     try:
         with torch.no_grad():
             out = output(model(*inputs))
     finally:
         model.train()
-    return EvalSeen(step=step, label=label, output=out, units=unit_states(model, report))
+    seen = EvalSeen(step=step, label=label, output=out, units=unit_states(model, report))
+    if end is not None:
+        end()
+        seen.resharded, seen.restored = unit_states(model, report), reshard_settings(model, report)
+    return seen

@@ -33,10 +33,24 @@ not change, ``collectives`` holds each backward to the all-gathers of the other 
 gathered after every backward but the last, as gradient-accumulation recipes keep them; the
 forwards after the first gather nothing, the last backward reshards before the optimizer step
 (``collectives`` counts both; a unit left gathered computes the next step with stale weights).
+
+``unshard = "explicit"``: the recipe gathers every unit itself before each training forward
+(:func:`before_forward`: ``unshard(async_op=True)``, FSDP's pre-forward waits on the handles
+the recipe does not) and runs evaluation as a phase of its own (:func:`evaluation_phase`):
+units stay gathered after the evaluation forward, the recipe reshards each one and restores
+the cell's ``reshard_after_forward``. Numerics do not change; ``collectives`` holds every
+forward to one all-gather per unit, ``eval.reshard`` reads the units' state after the forward,
+after ``reshard()`` and the restored setting.
+
+``finalize = "flagged"``: ``set_is_last_backward`` before each micro-batch, True only for the
+last (:func:`before_microbatch`); ``finalize = "manual"``: the root finalizes each backward that
+synchronizes itself (:func:`after_backward`). Numerics and collectives do not change: the
+gradients and ``collectives`` hold them to it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 from torch import nn
@@ -49,9 +63,53 @@ from parity.paths.units import module_index
 
 def before_microbatch(cell: Cell, model: nn.Module, last: bool) -> None:
     """Knobs a recipe turns per micro-batch: under ``reshard_backward = "last"`` every unit keeps
-    its parameters gathered after each backward but the last (``set_reshard_after_backward``)."""
+    its parameters gathered after each backward but the last (``set_reshard_after_backward``);
+    under ``finalize = "flagged"`` only the last backward is flagged last (``set_is_last_backward``)."""
     if cell.reshard_backward == "last":
         model.set_reshard_after_backward(last)
+    if cell.finalize == "flagged":
+        model.set_is_last_backward(last)
+
+
+def fsdp_units(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP unit of ``model``, the root first."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def before_forward(cell: Cell, model: nn.Module) -> None:
+    """Under ``unshard = "explicit"``: every unit's ``unshard(async_op=True)`` before a training
+    forward; the recipe waits on the root's handle, FSDP's pre-forward on the others."""
+    if cell.unshard != "explicit":
+        return
+    handles = [unit.unshard(async_op=True) for unit in fsdp_units(model)]
+    if handles and handles[0] is not None:
+        handles[0].wait()
+
+
+def after_backward(cell: Cell, model: nn.Module, syncs: bool) -> None:
+    """Under ``finalize = "manual"``: the root finalizes a backward that synchronized
+    (``finalize_backward(async_op=True)``) and waits on its handle before anything reads a
+    gradient; backwards inside a no-sync window are left to the one that ends it."""
+    if cell.finalize == "manual" and syncs:
+        model.finalize_backward(async_op=True).wait()
+
+
+@contextlib.contextmanager
+def evaluation_phase(cell: Cell, model: nn.Module):
+    """Under ``unshard = "explicit"``: an evaluation forward keeps every unit gathered
+    (``set_reshard_after_forward(False)``); the body reads their state, then calls the yielded
+    function, which reshards each unit (``reshard()``) and restores the cell's setting. Under
+    ``hooks`` the yielded function does nothing."""
+    if cell.unshard != "explicit":
+        yield lambda: None
+        return
+    model.set_reshard_after_forward(False)
+
+    def end() -> None:
+        for unit in fsdp_units(model):
+            unit.reshard()
+        model.set_reshard_after_forward(cell.reshard)
+    yield end
 
 
 def shard_dim(cell: Cell, shape) -> int:
@@ -125,6 +183,8 @@ def apply(cell: Cell, model: nn.Module, blocks=(), backward_free=()) -> None:
         for i, unit in enumerate(units):
             unit.set_modules_to_forward_prefetch(units[i + 1:i + 2])
             unit.set_modules_to_backward_prefetch(units[i - 1:i] if i else [])
+    if cell.finalize == "manual":
+        model.set_manual_backward_finalization(True)
     if cell.reduction == "sum":
         for module in model.modules():
             if isinstance(module, FSDPModule):

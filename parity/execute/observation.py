@@ -160,6 +160,10 @@ class EvalSeen:
     units: dict[str, str] = field(default_factory=dict)
     """Unit root -> its parameters' sharded state right after the forward (``sharded``,
     ``unsharded``, ``sharded_post_forward``; several, comma-joined, if they disagree)."""
+    resharded: dict[str, str] | None = None
+    """Under ``unshard = "explicit"``: the same after the recipe's ``reshard()`` of every unit."""
+    restored: dict[str, str] | None = None
+    """Under ``unshard = "explicit"``: unit root -> its ``reshard_after_forward`` after the phase."""
 
 
 @dataclass(kw_only=True)

@@ -151,7 +151,9 @@ def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int,
     the cell's own training (not the checkpoint lifecycle's) then takes a state dict."""
     index = cell.eval_labels(step).index(label)
     batch = fixture.eval_batch(cell.seed, step, cell.topology().data_rank(rank), index).to(device)
-    seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label)
+    with knobs.evaluation_phase(cell, s.model) as end:
+        seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label,
+                                   end=end if cell.unshard == "explicit" else None)
     seen.output = _local(seen.output)
     obs.evals.append(seen)
     if state_dicts and f"after-eval-{label}" in cell.state_dict_points(step):
@@ -188,6 +190,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             inputs = tuple(x.requires_grad_() for x in inputs)
         with tp.window(step == 0 and mb == 0) if tp else contextlib.nullcontext():
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
+                knobs.before_forward(cell, s.model)
                 out = fixture.output(_forward(cell, s.model, inputs))
             loss = fixture.loss(out, batch.target) / cell.microbatches
             if divisor != 1:
@@ -197,6 +200,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
                     _state_dicts(cell, s, step, "after-forward", obs)
             with segment(f"mb{mb}/backward"):
                 (s.scaler.scale(loss) if s.scaler else loss).backward()
+                knobs.after_backward(cell, s.model, last or cell.sync != "last")
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
         if grad is not None and s.scaler:

@@ -62,6 +62,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("resolver_misses_strict_name", "cast_child_inputs", "cast_buffers", "wrap_module",
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
                      "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params"), "setup"),
+    **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off",
                      "reshard_after_backward_sticks"), "gather"),
@@ -69,7 +70,7 @@ STAGE_OF_FAULT = {
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
-                     "prefetch_regathers", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "prefetch_regathers", "explicit_unshard_regathers", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_partial_bf16"), "collectives"),
     **dict.fromkeys(("perturb_grad", "scale_grad_norm", "rank1_grad_norm", "uneven_grad_row",
                      "unused_drops_accumulated", "scaler_skips_dtensor", "clip_local_norm",
@@ -226,6 +227,26 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"collectives", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation"},
            {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=rp.reshard_after_backward_sticks),
+    _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
+           "gathers it again", {"collectives"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
+           patch=rp.explicit_unshard_regathers),
+    _fault("reshard_is_noop", "FSDPModule.reshard frees nothing: units the recipe reshards after an evaluation phase "
+           "stay gathered", {"eval.reshard"}, {**_KDA2, "unshard": "explicit", "eval": "between-steps"},
+           quiet={"unshard": "hooks"}, patch=rp.reshard_is_noop),
+    _fault("reshard_after_forward_sticks", "FSDPModule.set_reshard_after_forward(True) is ignored after a False: "
+           "the units stop resharding after forward once an evaluation phase turned it off", {"eval.reshard"},
+           {**_KDA2, "unshard": "explicit", "eval": "between-steps"}, quiet={"unshard": "hooks"},
+           patch=rp.reshard_after_forward_sticks),
+    _fault("not_last_backward_skips_sync", "FSDPModule.set_is_last_backward(False) also turns gradient "
+           "synchronization off: backwards before the last reduce-scatter nothing", {"collectives"},
+           {**_KDA2, "microbatches": 3, "finalize": "flagged"}, quiet={"finalize": "auto"},
+           patch=rp.not_last_backward_skips_sync),
+    _fault("finalize_skips_pending", "finalize_backward forgets the parameter groups left to it (FSDPState."
+           "finalize_backward): units whose forward inputs need no gradient (behind token ids) are never reduced",
+           {"collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
+            "trajectory.emulation", "checkpoint.same"},
+           {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
+           patch=rp.finalize_skips_pending),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=rp.placement_fn_dropped),

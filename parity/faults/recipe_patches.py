@@ -441,3 +441,74 @@ def unshard_in_backward_not_stored():
     from torch.distributed.fsdp import FSDPModule
 
     return swap_attr(FSDPModule, "set_unshard_in_backward", lambda orig: lambda self, unshard_in_backward: None)
+
+
+def explicit_unshard_regathers():
+    """``FSDPModule.unshard`` launches the all-gather but drops its result once it arrives
+    (the handle waits on nothing), so every unit's own pre-forward gathers it again: right
+    numbers, two all-gathers per unit per forward. Only a recipe that unshards by hand calls it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def make(orig):
+        def unshard(self, async_op=False):
+            handle = orig(self, async_op=True)
+            for group in self._get_fsdp_state()._fsdp_param_groups:
+                result, group._all_gather_result = group._all_gather_result, None
+                if result is not None and result.all_gather_work is not None:
+                    result.all_gather_work.wait()
+            return handle if async_op else None
+        return unshard
+    return swap_attr(FSDPModule, "unshard", make)
+
+
+def reshard_is_noop():
+    """``FSDPModule.reshard`` frees nothing: a recipe that resharded its units by hand after an
+    evaluation phase keeps every unit gathered (the memory it meant to free)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "reshard", lambda orig: lambda self: None)
+
+
+def reshard_after_forward_sticks():
+    """``FSDPModule.set_reshard_after_forward(True)`` is ignored once a unit was told False: after
+    an evaluation phase the units keep every later forward's parameters gathered until backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def make(orig):
+        def set_reshard_after_forward(self, reshard_after_forward, recurse=True):
+            if reshard_after_forward:
+                return None
+            return orig(self, reshard_after_forward, recurse)
+        return set_reshard_after_forward
+    return swap_attr(FSDPModule, "set_reshard_after_forward", make)
+
+
+def not_last_backward_skips_sync():
+    """``FSDPModule.set_is_last_backward(False)`` also turns gradient synchronization off: a
+    backward flagged as not the last reduce-scatters nothing (its gradients wait, unsharded,
+    for the last), although the recipe asked for a reduction after every micro-batch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def make(orig):
+        def set_is_last_backward(self, is_last_backward):
+            orig(self, is_last_backward)
+            if not is_last_backward:
+                self.set_requires_gradient_sync(False)
+        return set_is_last_backward
+    return swap_attr(FSDPModule, "set_is_last_backward", make)
+
+
+def finalize_skips_pending():
+    """``finalize_backward`` forgets the parameter groups whose post-backward it was left to (a
+    unit whose forward inputs need no gradient, e.g. the root behind token ids): their
+    gradients are never reduced, and no sharded gradient appears."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    def make(orig):
+        def finalize_backward(self, *args, **kwargs):
+            for state in self._state_ctx.all_states:
+                for group in state._fsdp_param_groups:
+                    group._post_backward_pending = False
+            return orig(self, *args, **kwargs)
+        return finalize_backward
+    return swap_attr(FSDPState, "finalize_backward", make)

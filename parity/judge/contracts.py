@@ -399,20 +399,34 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     """``eval.reshard``: right after each evaluation forward, every unit's parameters are in the
     state ``reshard_after_forward`` gives any forward (torch 2.15, passed explicitly to every
     unit, root included): sharded with reshard on, unsharded with it off -- a no_grad forward
-    has no backward to reshard after. A forward the cell owes and this rank did not run is missing."""
-    want = "sharded" if cell.reshard else "unsharded"
+    has no backward to reshard after. Under ``unshard = "explicit"`` the recipe turned it off for
+    the evaluation: every unit is unsharded after the forward, sharded after its ``reshard()``,
+    and holds the cell's ``reshard_after_forward`` again. A forward the cell owes and this rank
+    did not run is missing."""
+    explicit = cell.unshard == "explicit"
+    want = "unsharded" if explicit or not cell.reshard else "sharded"
+    expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
+                f"{cell.reshard} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}
     rows = []
     for step in range(cell.steps):
         for label in cell.eval_labels(step):
             e = seen.get((step, label))
             if e is None:
-                row = _row(base, "eval.reshard", label, False, f"every unit {want}", "no evaluation forward")
-            else:
-                wrong = {u: st for u, st in e.units.items() if st != want}
-                got = "; ".join(f"{u}: {st}" for u, st in wrong.items()) or f"every unit {want}"
-                row = _row(base, "eval.reshard", label, bool(e.units) and not wrong, f"every unit {want}",
-                           got if e.units else "no unit", f"reshard {'on' if cell.reshard else 'off'}")
+                rows.append(replace(_row(base, "eval.reshard", label, False, expected, "no evaluation forward"),
+                                    step=step))
+                continue
+            phases = [("after the forward", e.units, want)]
+            if explicit:
+                phases += [("after reshard()", e.resharded, "sharded"),
+                           ("reshard_after_forward", e.restored, str(cell.reshard))]
+            problems = []
+            for when, states, should in phases:
+                wrong = {u: st for u, st in (states or {}).items() if st != should}
+                problems += ([f"{when}: no unit"] if not states else
+                             [f"{when}: {u}: {st}" for u, st in wrong.items()])
+            setting = "explicit phase" if explicit else f"reshard {'on' if cell.reshard else 'off'}"
+            row = _row(base, "eval.reshard", label, not problems, expected, "; ".join(problems) or expected, setting)
             rows.append(replace(row, step=step))
     return rows
 

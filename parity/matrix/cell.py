@@ -33,9 +33,14 @@ PLACEMENTS = ("dim0", "dim1")
 CAST_INPUTS = ("fsdp", "model")
 #: Which units all-gather in backward (:attr:`Cell.unshard_in_backward`).
 UNSHARD_IN_BACKWARDS = ("all", "needed")
+#: Who gathers and reshards the units around forwards (:attr:`Cell.unshard`).
+UNSHARDS = ("hooks", "explicit")
+#: Who ends a backward: FSDP's final callback, the recipe's flag or the recipe's call (:attr:`Cell.finalize`).
+FINALIZES = ("auto", "flagged", "manual")
 #: The recipe knobs' axes and their values, each first value FSDP's default (:mod:`parity.execute.knobs`).
 KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
-               "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS}
+               "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS,
+               "unshard": UNSHARDS, "finalize": FINALIZES}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -47,7 +52,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
-               "cast_inputs": "ci", "unshard_in_backward": "ub"}
+               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +139,19 @@ class Cell:
     the units whose parameters no backward reads (``Fixture.backward_free``: an embedding, whose
     weight gradient only scatters the output's) do not -- ``set_unshard_in_backward(False)`` --
     as recipes set it. Runs only on a model that declares such units."""
+    unshard: str = "hooks"
+    """``hooks``: FSDP's pre-forward hooks gather each unit and its ``reshard_after_forward`` holds
+    for every forward; ``explicit``: the recipe drives them by hand -- every unit's
+    ``unshard(async_op=True)`` before each training forward (the root's handle waited by the
+    recipe, the others by FSDP's pre-forward), and evaluation as a phase of its own:
+    ``set_reshard_after_forward(False)`` before it, each unit's ``reshard()`` after it, then
+    ``set_reshard_after_forward`` back to the cell's ``reshard``. Runs on mesh ``fsdp``."""
+    finalize: str = "auto"
+    """``auto``: FSDP's final backward callback ends every backward; ``flagged``: the recipe calls
+    ``set_is_last_backward`` before each micro-batch (True only for the last, as pipeline
+    schedules do); ``manual``: ``set_manual_backward_finalization(True)`` on the root and
+    ``finalize_backward(async_op=True)`` after each backward that synchronizes, its handle waited
+    before the gradients are read. Runs on mesh ``fsdp``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -170,6 +188,10 @@ class Cell:
         if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError(f"placement {self.placement!r} runs on mesh 'fsdp' with weights 'none' (use placement "
                              "'dim0' for other compositions and quantized weights)")
+        for knob in ("unshard", "finalize"):
+            if getattr(self, knob) != KNOB_VALUES[knob][0] and self.mesh != "fsdp":
+                raise UsageError(f"{knob} {getattr(self, knob)!r} runs on mesh 'fsdp' (use {knob} "
+                                 f"{KNOB_VALUES[knob][0]!r} on {self.mesh!r})")
         if self.reduction != "mean" and self.mesh != "fsdp":
             raise UsageError(f"reduction {self.reduction!r} runs on mesh 'fsdp'; a summed reduction on {self.mesh!r} "
                              "is not emulated yet (use mesh 'fsdp' or reduction 'mean')")
