@@ -49,6 +49,8 @@ KNOB_HELP = {
                "set_reshard_after_forward(False), then reshard())",
     "finalize": "backward finalization (flagged: set_is_last_backward per micro-batch; manual: "
                 "set_manual_backward_finalization + finalize_backward(async_op=True))",
+    "offload": "offloading (cpu: CPUOffloadPolicy on every fully_shard call; on a CPU device FSDP still takes its "
+               "offload branches)",
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).

@@ -99,6 +99,8 @@ UNLOCALIZED = {
     "reshard_after_backward_sticks": "acts in step 2's gather (stale weights), which the step's collectives record "
                                      "sees; a step's collectives are one record, ordered after its forward, whose "
                                      "outputs fail first",
+    "offload_copy_in_stale": "acts in the all-gather's copy-in (stale host shards); parity records each all-gather's "
+                             "dtype and bytes, not its values: step 1's outputs are the first to differ",
 }
 
 

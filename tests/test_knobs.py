@@ -125,6 +125,9 @@ def test_the_knobs_matrix_passes_with_every_unit_holding_its_knobs(tmp_path):
     # parameters sharded on dimension 1 on both paths, read back from every rank
     placed = rows[(rows["check"] == "placement") & (rows["detail"].str.startswith("expected S(1)"))]
     assert len(placed) and set(placed["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(placed["path_taken"])
+    # every managed parameter offloaded to the CPU (FSDP's offload branches), read back, both paths
+    offloaded = policy[policy["detail"].str.contains("'offload': 'cpu'")]
+    assert len(offloaded) and set(offloaded["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(offloaded["path_taken"])
     # a summed run's checkpoint moved 2 -> 1 ranks and trained on
     moved = rows[(rows["check"] == "checkpoint.moved") & (rows["verdict"] == "PASS")]
     assert {n.split(":")[1] for n in moved["name"]} >= {"entry", "grad", "param"}
@@ -218,3 +221,42 @@ def test_units_gathered_and_backwards_ended_by_the_recipe_train_as_fsdps_hooks_d
     # accumulation inside both no-sync windows and per-micro-batch reductions was exercised
     manual = rows[two & rows["cell"].str.contains("/fin-manual") & (rows["check"] == "grad")]
     assert manual["microbatches"].astype(int).max() > 1
+
+
+def test_the_reduce_scatter_divide_factor_is_the_gradient_divide_factor():
+    """torch 2.15 keeps ``set_reduce_scatter_divide_factor`` as a deprecated alias: it sets the
+    gradient divide factor the ``sum`` reduction turns (and ``unit.policy`` reads back), so the
+    knob covers both spellings."""
+    import warnings
+
+    from torch.distributed.fsdp import FSDPModule
+
+    calls = []
+
+    class Unit:
+        def set_gradient_divide_factor(self, factor):
+            calls.append(factor)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        FSDPModule.set_reduce_scatter_divide_factor(Unit(), 1.0)
+    assert calls == [1.0]
+
+
+def test_offloading_reaches_only_a_path_that_takes_it(monkeypatch):
+    from parity.execute import knobs
+    from parity.paths import registry
+
+    cell = Cell(fixture="kda", path="native", ranks=2, offload="cpu")
+    assert knobs.unsupported(cell) == "" and set(knobs.sharding_options(cell)) == {"offload_policy"}
+    assert not knobs.sharding_options(Cell(fixture="kda", path="native", ranks=2))
+
+    class External:
+        name, contract, fallback = "external", "dtype-split", None
+
+        def apply(self, model, report, mesh, reshard_after_forward, ignored, *, shard_placement_fn=None):
+            raise AssertionError("not called")
+
+    monkeypatch.setattr(registry, "get_path", lambda name: External())
+    assert "offload 'cpu': path 'native' takes no offload_policy" in knobs.unsupported(cell)
+    with pytest.raises(UsageError, match="offload 'cpu' runs on mesh 'fsdp'"):
+        Cell(fixture="kda", path="native", ranks=4, mesh="hsdp", offload="cpu")

@@ -56,7 +56,7 @@ from dataclasses import replace
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from parity.matrix.cell import Cell
+from parity.matrix.cell import KNOB_VALUES, Cell
 from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
@@ -127,6 +127,23 @@ def placement_fn(cell: Cell):
     return lambda p: Shard(1) if shard_dim(cell, p.shape) == 1 else None
 
 
+def offload_policy(cell: Cell):
+    """The ``offload_policy`` every ``fully_shard`` call of the cell gets; None: FSDP's default
+    (no offloading). Pinned host memory needs an accelerator: pinned only on CUDA."""
+    if cell.offload == "none":
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=cell.device == "cuda")
+
+
+def sharding_options(cell: Cell) -> dict:
+    """The keyword arguments the cell's recipe adds to every ``fully_shard`` call (through the
+    path's ``apply``): only those a knob turns, so a path that takes none still runs the rest."""
+    options = {"shard_placement_fn": placement_fn(cell), "offload_policy": offload_policy(cell)}
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def units(cell: Cell, report: ShardReport) -> ShardReport:
     """The path's units as the recipe shards them: under ``cast_inputs = "model"`` no unit casts
     its forward inputs (the model does); the reference emulates exactly these units."""
@@ -140,14 +157,19 @@ def unsupported(cell: Cell) -> str:
     chains block units: with fewer than two there is nothing to prefetch, and a cell claiming
     it would pass without having prefetched anything. A shard placement reaches ``fully_shard``
     through the path's ``apply``, which must take it."""
-    if cell.placement != "dim0":
+    wanted = [k for k, axis in (("shard_placement_fn", "placement"), ("offload_policy", "offload"))
+              if getattr(cell, axis) != KNOB_VALUES[axis][0]]
+    if wanted:
         import inspect
 
         from parity.paths.registry import get_path
 
-        if "shard_placement_fn" not in inspect.signature(get_path(cell.path).apply).parameters:
-            return (f"placement {cell.placement!r}: path {cell.path!r} takes no shard_placement_fn "
-                    "(its apply() has no such keyword)")
+        taken = inspect.signature(get_path(cell.path).apply).parameters
+        for keyword in wanted:
+            if keyword not in taken:
+                axis = "placement" if keyword == "shard_placement_fn" else "offload"
+                return (f"{axis} {getattr(cell, axis)!r}: path {cell.path!r} takes no {keyword} "
+                        "(its apply() has no such keyword)")
     if (cell.unshard_in_backward, cell.cast_inputs, cell.prefetch) == ("all", "fsdp", "none"):
         return ""
     from parity.model.registry import get_fixture

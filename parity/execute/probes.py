@@ -115,6 +115,8 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
             out[unit.root]["gradient_divide_factor"] = ",".join(sorted({str(g.gradient_divide_factor) for g in groups}))
             out[unit.root]["force_sum_reduction_for_comms"] = ",".join(
                 sorted({str(g.force_sum_reduction_for_comms) for g in groups}))
+            out[unit.root]["offload"] = ",".join(
+                sorted({"cpu" if fp.offload_to_cpu else "none" for g in groups for fp in g.fsdp_params}))
         for pass_, states in (("forward", state._states_to_forward_prefetch),
                               ("backward", state._states_to_backward_prefetch)):
             out[unit.root][f"{pass_}_prefetch"] = ",".join(names.get(id(s._modules[0]), "?") for s in states)

@@ -90,7 +90,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
                    reshard_after_forward=cell.reshard, ignored=ignored, group=group,
-                   shard_placement_fn=knobs.placement_fn(cell))
+                   **knobs.sharding_options(cell))
     if meta:
         materialize(model, fixture.make(cell.seed), device)
         ignored = fixture.ignored(model)  # to_empty gave the plain (ignored) parameters new objects

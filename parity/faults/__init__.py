@@ -61,11 +61,11 @@ class Fault:
 STAGE_OF_FAULT = {
     **dict.fromkeys(("resolver_misses_strict_name", "cast_child_inputs", "cast_buffers", "wrap_module",
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
-                     "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params"), "setup"),
+                     "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped"), "setup"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off",
-                     "reshard_after_backward_sticks"), "gather"),
+                     "reshard_after_backward_sticks", "offload_copy_in_stale"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
@@ -247,6 +247,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
             "trajectory.emulation", "checkpoint.same"},
            {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
            patch=rp.finalize_skips_pending),
+    _fault("offload_policy_dropped", "fully_shard drops its offload_policy: the recipe's shards stay on the device",
+           {"unit.policy"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_policy_dropped),
+    _fault("offload_copy_in_stale", "with CPU offloading the all-gather copy-in reads a host copy of each shard taken "
+           "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
+           {"output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
+            "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=rp.placement_fn_dropped),

@@ -512,3 +512,35 @@ def finalize_skips_pending():
             return orig(self, *args, **kwargs)
         return finalize_backward
     return swap_attr(FSDPState, "finalize_backward", make)
+
+
+def offload_policy_dropped():
+    """``fully_shard`` drops its ``offload_policy``: the recipe's parameters and gradients stay
+    on the device (same numbers; the memory the recipe planned is not freed)."""
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, offload_policy=None, **kwargs):
+            return orig(module, *args, **kwargs)
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)
+
+
+def offload_copy_in_stale():
+    """With CPU offloading, FSDP's all-gather copy-in reads a host copy of each shard taken at
+    its first gather (``FSDPParam.all_gather_inputs``) instead of the shard the optimizer
+    updates: every step after the first computes with the initial weights."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+
+    prop = FSDPParam.__dict__["all_gather_inputs"]
+
+    def all_gather_inputs(self):
+        if (self.offload_to_cpu and self.sharded_state == ShardedState.SHARDED
+                and not hasattr(self._sharded_local_tensor, "fsdp_pre_all_gather")):
+            if not hasattr(self, "_parity_host_copy"):
+                self._parity_host_copy = self._sharded_param_data.detach().clone()
+            return [_to_dtype_if_needed(self._parity_host_copy.to(self.device), self.param_dtype)]
+        return prop.fget(self)
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)
+    return lambda: setattr(FSDPParam, "all_gather_inputs", prop)

@@ -178,7 +178,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     holding parameters keeps the cell's reduction knobs: no divide factor and FSDP's own
     collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
     prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise; no
-    unit casts its inputs when the model does (``cast_inputs = "model"``)."""
+    unit casts its inputs when the model does (``cast_inputs = "model"``); every parameter FSDP
+    manages offloads to the CPU exactly when the cell's ``offload`` says so."""
     config = plan.config
     prefetch = _prefetch_plan(cell, obs)
     rows = []
@@ -194,6 +195,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
             summed = cell.reduction == "sum"
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
+            want["offload"] = cell.offload
         want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:

@@ -37,10 +37,12 @@ UNSHARD_IN_BACKWARDS = ("all", "needed")
 UNSHARDS = ("hooks", "explicit")
 #: Who ends a backward: FSDP's final callback, the recipe's flag or the recipe's call (:attr:`Cell.finalize`).
 FINALIZES = ("auto", "flagged", "manual")
+#: Where FSDP keeps sharded parameters and gradients between uses (:attr:`Cell.offload`).
+OFFLOADS = ("none", "cpu")
 #: The recipe knobs' axes and their values, each first value FSDP's default (:mod:`parity.execute.knobs`).
 KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
                "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS,
-               "unshard": UNSHARDS, "finalize": FINALIZES}
+               "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -52,7 +54,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
-               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin"}
+               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +154,13 @@ class Cell:
     schedules do); ``manual``: ``set_manual_backward_finalization(True)`` on the root and
     ``finalize_backward(async_op=True)`` after each backward that synchronizes, its handle waited
     before the gradients are read. Runs on mesh ``fsdp``."""
+    offload: str = "none"
+    """``none``: sharded parameters and gradients stay on the cell's device; ``cpu``: every
+    ``fully_shard`` call gets ``CPUOffloadPolicy`` (pinned memory on CUDA): FSDP keeps them on
+    the CPU, copies each shard to the device for its all-gather and each reduced gradient back,
+    and the optimizer steps on the CPU. On device ``cpu`` nothing moves, but FSDP still takes
+    its offload branches (copy-in without the fused cast, gradient accumulation on the host).
+    Runs on mesh ``fsdp`` with weights ``none``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -188,7 +197,10 @@ class Cell:
         if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError(f"placement {self.placement!r} runs on mesh 'fsdp' with weights 'none' (use placement "
                              "'dim0' for other compositions and quantized weights)")
-        for knob in ("unshard", "finalize"):
+        if self.offload != "none" and self.weights != "none":
+            raise UsageError(f"offload {self.offload!r} runs with weights 'none' (use offload 'none' for quantized "
+                             "weights)")
+        for knob in ("unshard", "finalize", "offload"):
             if getattr(self, knob) != KNOB_VALUES[knob][0] and self.mesh != "fsdp":
                 raise UsageError(f"{knob} {getattr(self, knob)!r} runs on mesh 'fsdp' (use {knob} "
                                  f"{KNOB_VALUES[knob][0]!r} on {self.mesh!r})")

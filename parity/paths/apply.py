@@ -136,15 +136,15 @@ def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None
 def apply_sharding(
     model: nn.Module, report: ShardReport, plan: PrecisionPlan, *, mesh=None,
     reshard_after_forward: bool = True, ignored: set[nn.Parameter] | None = None,
-    group: dist.ProcessGroup | None = None, shard_placement_fn=None,
+    group: dist.ProcessGroup | None = None, **options,
 ) -> None:
     """Check the plan's rank consistency, let the taken path call ``fully_shard``, then check
     what FSDP resolved, on every rank of ``group`` (default: all), before anything reaches a
-    collective. ``shard_placement_fn`` (None: FSDP's dim 0) goes to a path whose ``apply``
-    takes it."""
+    collective. ``options``: keyword arguments of ``fully_shard`` the recipe adds
+    (``shard_placement_fn``, ``offload_policy``), passed to the path's ``apply``, which must
+    take them (:func:`parity.execute.knobs.unsupported` skips a cell whose path does not)."""
     check_rank_consistency(plan, group)
-    extra = {"shard_placement_fn": shard_placement_fn} if shard_placement_fn is not None else {}
-    get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()), **extra)
+    get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()), **options)
     check_resolved_consistency(model, group)
 
 

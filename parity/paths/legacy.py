@@ -123,5 +123,6 @@ class LegacyPath:
         units = plan_dtype_split(members, precision_plan, module_index(model))
         return ShardReport(requested=self.name, taken=self.name, contract=self.contract, units=units)
 
-    def apply(self, model, report, mesh, reshard_after_forward, ignored, *, shard_placement_fn=None) -> None:
-        apply_units(model, report, mesh, reshard_after_forward, ignored, shard_placement_fn)
+    def apply(self, model, report, mesh, reshard_after_forward, ignored, *, shard_placement_fn=None,
+              offload_policy=None) -> None:
+        apply_units(model, report, mesh, reshard_after_forward, ignored, shard_placement_fn, offload_policy)

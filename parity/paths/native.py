@@ -103,5 +103,6 @@ class NativePath:
         units = plan_per_parameter(members, precision_plan)
         return ShardReport(requested=self.name, taken=self.name, contract=self.contract, units=units)
 
-    def apply(self, model, report, mesh, reshard_after_forward, ignored, *, shard_placement_fn=None) -> None:
-        apply_units(model, report, mesh, reshard_after_forward, ignored, shard_placement_fn)
+    def apply(self, model, report, mesh, reshard_after_forward, ignored, *, shard_placement_fn=None,
+              offload_policy=None) -> None:
+        apply_units(model, report, mesh, reshard_after_forward, ignored, shard_placement_fn, offload_policy)

@@ -96,10 +96,11 @@ def unit_policy(unit: UnitSpec, params: dict[str, nn.Parameter]):
 
 def apply_units(
     model: nn.Module, report: ShardReport, mesh, reshard_after_forward: bool, ignored: set[nn.Parameter],
-    shard_placement_fn=None,
+    shard_placement_fn=None, offload_policy=None,
 ) -> None:
     """``fully_shard`` every unit of ``report`` in order (a tied group as one grouped call);
-    ``shard_placement_fn`` as ``fully_shard`` takes it (None: dimension 0)."""
+    ``shard_placement_fn`` and ``offload_policy`` as ``fully_shard`` takes them (None: FSDP's
+    defaults, dimension 0 and no offloading)."""
     import torch.distributed.fsdp as fsdp
 
     modules = module_index(model)
@@ -115,4 +116,5 @@ def apply_units(
             mp_policy=unit_policy(unit, params),
             ignored_params=set(ignored) if ignored else None,
             **({"shard_placement_fn": shard_placement_fn} if shard_placement_fn is not None else {}),
+            **({"offload_policy": offload_policy} if offload_policy is not None else {}),
         )
