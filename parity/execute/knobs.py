@@ -127,6 +127,12 @@ def placement_fn(cell: Cell):
     return lambda p: Shard(1) if shard_dim(cell, p.shape) == 1 else None
 
 
+def reshard_after_forward(cell: Cell) -> bool | int:
+    """What every ``fully_shard`` call of the cell gets as ``reshard_after_forward``: the cell's
+    ``reshard``, or under ``reshard_to = "half"`` the size of the groups units reshard over."""
+    return cell.ranks // 2 if cell.reshard_to == "half" else cell.reshard
+
+
 def offload_policy(cell: Cell):
     """The ``offload_policy`` every ``fully_shard`` call of the cell gets; None: FSDP's default
     (no offloading). Pinned host memory needs an accelerator: pinned only on CUDA."""

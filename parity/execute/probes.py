@@ -96,6 +96,13 @@ def ownership(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _post_forward(group) -> str:
+    """Where a parameter group reshards after forward: ``off`` (stays gathered), ``on`` (over
+    every rank it shards over) or ``N ranks`` (an int ``reshard_after_forward``: a smaller group)."""
+    info = group.post_forward_mesh_info
+    return "off" if info is None else "on" if info is group.mesh_info else f"{info.shard_mesh_size} ranks"
+
+
 def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
     """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned),
     and, for a unit that holds parameters, the reduction knobs its parameter groups hold
@@ -115,6 +122,7 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
             out[unit.root]["gradient_divide_factor"] = ",".join(sorted({str(g.gradient_divide_factor) for g in groups}))
             out[unit.root]["force_sum_reduction_for_comms"] = ",".join(
                 sorted({str(g.force_sum_reduction_for_comms) for g in groups}))
+            out[unit.root]["reshard_after_forward"] = ",".join(sorted({_post_forward(g) for g in groups}))
             out[unit.root]["offload"] = ",".join(
                 sorted({"cpu" if fp.offload_to_cpu else "none" for g in groups for fp in g.fsdp_params}))
         for pass_, states in (("forward", state._states_to_forward_prefetch),

@@ -89,7 +89,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
     apply_sharding(model, report, plan, mesh=parallel.fsdp_mesh(topo, composed, mesh),
-                   reshard_after_forward=cell.reshard, ignored=ignored, group=group,
+                   reshard_after_forward=knobs.reshard_after_forward(cell), ignored=ignored, group=group,
                    **knobs.sharding_options(cell))
     if meta:
         materialize(model, fixture.make(cell.seed), device)

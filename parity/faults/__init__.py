@@ -61,7 +61,8 @@ class Fault:
 STAGE_OF_FAULT = {
     **dict.fromkeys(("resolver_misses_strict_name", "cast_child_inputs", "cast_buffers", "wrap_module",
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
-                     "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped"), "setup"),
+                     "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped",
+                     "reshard_group_ignored"), "setup"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off",
@@ -253,6 +254,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
            {"output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
             "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
+    _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
+           "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
+           {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},
+           quiet={"reshard_to": "all"}, patch=rp.reshard_group_ignored),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=rp.placement_fn_dropped),

@@ -544,3 +544,18 @@ def offload_copy_in_stale():
         return prop.fget(self)
     FSDPParam.all_gather_inputs = property(all_gather_inputs)
     return lambda: setattr(FSDPParam, "all_gather_inputs", prop)
+
+
+def reshard_group_ignored():
+    """``fully_shard`` takes an int ``reshard_after_forward`` as True: after forward every unit
+    reshards over all its ranks instead of the smaller group the recipe chose (same numbers;
+    backward all-gathers over every rank again)."""
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, reshard_after_forward=None, **kwargs):
+            if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+                reshard_after_forward = True
+            return orig(module, *args, reshard_after_forward=reshard_after_forward, **kwargs)
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)

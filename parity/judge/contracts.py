@@ -179,7 +179,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
     prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise; no
     unit casts its inputs when the model does (``cast_inputs = "model"``); every parameter FSDP
-    manages offloads to the CPU exactly when the cell's ``offload`` says so."""
+    manages offloads to the CPU exactly when the cell's ``offload`` says so, and reshards after
+    forward as ``reshard`` and ``reshard_to`` say (off, over every rank, over half of them)."""
     config = plan.config
     prefetch = _prefetch_plan(cell, obs)
     rows = []
@@ -196,6 +197,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
             want["offload"] = cell.offload
+            want["reshard_after_forward"] = ("off" if not cell.reshard else f"{cell.ranks // 2} ranks"
+                                             if cell.reshard_to == "half" else "on")
         want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))
         reduces = {t.reduce for t in members if t.trainable}
         if len(reduces) == 1:
@@ -401,12 +404,14 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     """``eval.reshard``: right after each evaluation forward, every unit's parameters are in the
     state ``reshard_after_forward`` gives any forward (torch 2.15, passed explicitly to every
     unit, root included): sharded with reshard on, unsharded with it off -- a no_grad forward
-    has no backward to reshard after. Under ``unshard = "explicit"`` the recipe turned it off for
+    has no backward to reshard after (``reshard_to = "half"``: sharded over the smaller group,
+    ``sharded_post_forward``). Under ``unshard = "explicit"`` the recipe turned it off for
     the evaluation: every unit is unsharded after the forward, sharded after its ``reshard()``,
     and holds the cell's ``reshard_after_forward`` again. A forward the cell owes and this rank
     did not run is missing."""
     explicit = cell.unshard == "explicit"
-    want = "unsharded" if explicit or not cell.reshard else "sharded"
+    want = ("unsharded" if explicit or not cell.reshard else
+            "sharded_post_forward" if cell.reshard_to == "half" else "sharded")
     expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
                 f"{cell.reshard} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}

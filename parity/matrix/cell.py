@@ -39,10 +39,12 @@ UNSHARDS = ("hooks", "explicit")
 FINALIZES = ("auto", "flagged", "manual")
 #: Where FSDP keeps sharded parameters and gradients between uses (:attr:`Cell.offload`).
 OFFLOADS = ("none", "cpu")
+#: Over how many ranks a unit reshards after forward (:attr:`Cell.reshard_to`).
+RESHARD_TOS = ("all", "half")
 #: The recipe knobs' axes and their values, each first value FSDP's default (:mod:`parity.execute.knobs`).
 KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
                "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS,
-               "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS}
+               "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS, "reshard_to": RESHARD_TOS}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -54,7 +56,7 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
-               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off"}
+               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +163,13 @@ class Cell:
     and the optimizer steps on the CPU. On device ``cpu`` nothing moves, but FSDP still takes
     its offload branches (copy-in without the fused cast, gradient accumulation on the host).
     Runs on mesh ``fsdp`` with weights ``none``."""
+    reshard_to: str = "all"
+    """With ``reshard`` on: ``all``: after forward each unit reshards over every rank it shards
+    over (``reshard_after_forward=True``); ``half``: over groups of half of them
+    (``reshard_after_forward`` = ranks / 2, an int: the parameters stay sharded over the smaller
+    group, ``SHARDED_POST_FORWARD``, and backward all-gathers within it). Needs 4 or more ranks
+    (half of 2 is 1, which FSDP turns into reshard off) on mesh ``fsdp``; with ``reshard`` off
+    it does not apply (``all``)."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -197,6 +206,14 @@ class Cell:
         if self.placement != "dim0" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError(f"placement {self.placement!r} runs on mesh 'fsdp' with weights 'none' (use placement "
                              "'dim0' for other compositions and quantized weights)")
+        if not self.reshard:
+            object.__setattr__(self, "reshard_to", "all")  # nothing reshards after forward
+        if self.reshard_to == "half" and (self.mesh != "fsdp" or self.ranks < 4 or self.ranks % 2):
+            raise UsageError(f"reshard_to 'half' needs mesh 'fsdp' on an even number of ranks >= 4 (got {self.ranks} "
+                             f"on {self.mesh!r}; half of 2 is 1, which FSDP turns into reshard off)")
+        if self.reshard_to == "half" and self.unshard == "explicit":
+            raise UsageError("unshard 'explicit' restores reshard_after_forward with set_reshard_after_forward, which "
+                             "takes a bool in torch 2.15: use reshard_to 'all' with it")
         if self.offload != "none" and self.weights != "none":
             raise UsageError(f"offload {self.offload!r} runs with weights 'none' (use offload 'none' for quantized "
                              "weights)")
@@ -217,6 +234,8 @@ class Cell:
         """Whether this cell can run its ``move`` (``none`` always can)."""
         if self.move == "none":
             return True
+        if self.reshard_to != "all":  # another layout has another half
+            return False
         if not self.lifecycle or self.weights != "none" or self.init != "seeded":
             return False
         if self.move == "mesh":
