@@ -51,6 +51,7 @@ KNOB_HELP = {
                 "set_manual_backward_finalization + finalize_backward(async_op=True))",
     "offload": "offloading (cpu: CPUOffloadPolicy on every fully_shard call; on a CPU device FSDP still takes its "
                "offload branches)",
+    "reshard_to": "resharding after forward (half: reshard_after_forward as an int, half the ranks; 4 or more ranks)",
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).
