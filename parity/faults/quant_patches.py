@@ -68,3 +68,26 @@ def mx_exponents_misaligned():
             return orig(self, outputs, (meta, padded, rows), param_dtype, out=out)
         return fsdp_post_all_gather
     return swap_attr(_weight(), "fsdp_post_all_gather", make)
+
+
+def fp8_payload_misreported():
+    """The weight's extension says it sends E4M3 but hands FSDP the dequantized weight in BF16
+    (:func:`fp8_gather_off`, reporting ``uint8`` bytes in its statistics): the numbers stay
+    right, the wire carries twice the bytes -- only a measurement on the wire sees it."""
+    undo_payload = fp8_gather_off()
+
+    def make(orig):
+        def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+            out = orig(self, mesh, outer_size, outer_stride, module, mp_policy)
+            first = len(self.stats.payload) - (2 if self.fmt == "mxfp8" else 1)
+            dtype, size = self.stats.payload[first].split(":")
+            if dtype == "bfloat16":
+                self.stats.payload[first] = f"uint8:{int(size) // 2}"  # the claim: one byte per element
+            return out
+        return fsdp_pre_all_gather
+    undo = swap_attr(_weight(), "fsdp_pre_all_gather", make)
+
+    def restore():
+        undo()
+        undo_payload()
+    return restore

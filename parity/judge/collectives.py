@@ -44,7 +44,8 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
                graded: set | None = None) -> tuple[dict, dict]:
     """What each unit's collectives carry, from the plan, the path's units and the parameters'
     shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
-    all-gather (every parameter in its compute dtype) and of its reduce-scatter at ``step``
+    all-gather (every parameter in its compute dtype; a quantized weight in its one-byte E4M3
+    payload, :data:`parity.model.plan.TensorPlan.format`) and of its reduce-scatter at ``step``
     (padded on the dimension the recipe shards it on, :func:`parity.execute.knobs.shard_dim`)
     (each parameter trained then, in its reduce dtype; of those, only the ones in ``graded`` when
     given: a parameter that gets no gradient, e.g. behind an ``argmax``, is not reduced)."""
@@ -60,7 +61,7 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             dim = shard_dim(cell, shape)  # FSDP pads the dimension it shards to a multiple of the ranks
             rows = -(-shape[dim] // shard) * shard if len(shape) else 1
             padded = rows * (t.numel // shape[dim] if len(shape) and shape[dim] else 1)
-            g += padded * t.compute.itemsize
+            g += padded * (1 if t.format != "none" else t.compute.itemsize)
             if t.requires_grad and t.trainable_from <= step and t.reduce is not None and (graded is None or f in graded):
                 r += padded * t.reduce.itemsize
         gather[u.root], reduce[u.root] = g, r
@@ -134,8 +135,9 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
       scale, once for the gradient scaler's found-inf (on one rank too), nothing else;
     - otherwise nothing is issued on one rank;
     - what travels (bytes per call, :func:`_wire`): each all-gather one unit's parameters in their
-      compute dtypes, each synchronizing reduce-scatter one unit's trained parameters in their
-      reduce dtypes (unquantized weights; a reduction in BF16 carries half the bytes).
+      compute dtypes (a quantized weight's E4M3 payload, one byte per element), each
+      synchronizing reduce-scatter one unit's trained parameters in their reduce dtypes (a
+      reduction in BF16 carries half the bytes).
 
     HSDP: the same over the ``shard`` dimension, plus one all-reduce per unit across replicas in each
     backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. TP and EP add
@@ -192,7 +194,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
             if got.get(key, 0) < n:
                 problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
                                 "sharded again after the optimizer step)")
-        if cell.ranks > 1 and cell.weights == "none" and ref is not None and ref.params:
+        if cell.ranks > 1 and ref is not None and ref.params:
             problems += _wire(cell, obs, plan, ref, step)
         expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
                     "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "

@@ -1,7 +1,10 @@
 """Contracts of quantized weight groups (FP8 all-gather), per quantized parameter.
 
-- ``quant.gather``: what every rank contributed to every all-gather of the weight: E4M3 bytes
-  of its padded shard (plus one E8M0 byte per MX block), not the compute dtype;
+- ``quant.gather``: measured on the wire, where ``torch.distributed`` issues FSDP's all-gather
+  (not what the weight's extension reports it sends): every step's first forward all-gathers
+  the weight's unit at the bytes its E4M3 payload makes (one byte per element of every rank's
+  padded shard, the unit's other parameters in their compute dtypes), on every rank; one rank
+  issues no all-gather (SKIP). The MX exponents travel in the extension's own gather, beside;
 - ``quant.refresh``: the main weight was quantized exactly once per optimizer step, and no
   all-gather sent a quantization of an older main weight (a stale copy);
 - ``quant.scale`` (tensorwise): every rank's shard was scaled from the *global* amax -- the
@@ -41,11 +44,39 @@ def _expected_payload(t: TensorPlan, shape: torch.Size, world: int) -> list[str]
     return out
 
 
-def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, befores: list, base: dict) -> list[Record]:
+def _wire_row(cell: Cell, observations: list[Observation], t: TensorPlan, plan: PrecisionPlan, befores: list,
+              payload: str, base: dict) -> Record:
+    """``quant.gather`` from the bytes of FSDP's all-gathers as ``torch.distributed`` saw them."""
+    from parity.judge.collectives import unit_bytes
+    from parity.judge.rows import skipped
+
+    if cell.ranks == 1:
+        return skipped(base, "quant.gather", t.fqn, "one rank: FSDP issues no all-gather, nothing travels")
+    shapes = {f: tuple(w.shape) for f, w in befores[0].items()}
+    problems, expected = [], ""
+    for o in observations:
+        unit = next((u for u in o.report.units if t.fqn in u.params), None) if o.report else None
+        if unit is None:
+            problems.append(f"rank {o.rank}: no unit holds {t.fqn}")
+            continue
+        for step in range(len(befores)):
+            want = unit_bytes(cell, o, plan, shapes, step)[0][unit.root]
+            expected = (f"unit {unit.root or '<root>'} all-gathered at {want} bytes ({t.fqn}: {payload} per rank, "
+                        "one E4M3 byte per element)")
+            sizes = sorted({b for (s, label, kind), calls in o.contracts.collectives.items()
+                            if s == step and kind == "all-gather" and label.endswith("/forward") for b in calls})
+            if want not in sizes:
+                problems.append(f"step {step} rank {o.rank}: forward all-gathers of {sizes or 'nothing'} bytes")
+    return _row(base, "quant.gather", t.fqn, not problems, expected or f"{payload} per rank",
+                "; ".join(problems[:4]) or "as expected", f"{t.format}: on the wire", "float8_e4m3fn")
+
+
+def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, plan: PrecisionPlan, befores: list,
+                  base: dict) -> list[Record]:
     rows, fqn = [], t.fqn
     shape = befores[0][fqn].shape
     want_payload = _expected_payload(t, shape, cell.ranks)
-    seen_payload, refresh, scale, blocks, values = set(), [], [], [], []
+    refresh, scale, blocks, values = [], [], [], []
     for step, before in enumerate(befores):
         whole = before[fqn].float()
         want_scales = F.scales_of(whole, t.format)
@@ -56,7 +87,6 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, be
                 for problems in (refresh, scale, blocks, values):
                     problems.append(f"step {step} rank {o.rank}: no all-gather statistics")
                 continue
-            seen_payload.update(st.payload)
             if st.quantized != 1 or st.stale:
                 refresh.append(f"step {step} rank {o.rank}: quantized {st.quantized}x, {st.stale} stale all-gather(s)")
             if t.format == "fp8-tensorwise":
@@ -73,9 +103,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, be
                 values.append(f"step {step} rank {o.rank}: {len(off)} of {len(st.digests)} all-gathers differ "
                               f"(|W| sums {sorted(set(off))[:2]}, whole-tensor {want_digest})")
     fmt = t.format
-    rows.append(_row(base, "quant.gather", fqn, seen_payload == set(want_payload), ", ".join(want_payload),
-                     ", ".join(sorted(seen_payload)) or "nothing", f"{fmt}: bytes each rank contributed per all-gather",
-                     "float8_e4m3fn"))
+    rows.append(_wire_row(cell, observations, t, plan, befores, want_payload[0], base))
     rows.append(_row(base, "quant.refresh", fqn, not refresh, "one quantization per step, none stale",
                      "; ".join(refresh) or "held", fmt, "float8_e4m3fn"))
     if fmt == "fp8-tensorwise":
@@ -97,5 +125,5 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
     rows = []
     for t in plan.params:
         if t.format != "none":
-            rows += _param_checks(cell, observations, t, befores, base)
+            rows += _param_checks(cell, observations, t, plan, befores, base)
     return rows
