@@ -33,6 +33,8 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+import torch
+
 from parity.errors import OutputError, writing
 from parity.execute.pool import RankPool
 from parity.interrupt import Interrupted, Signals
@@ -94,7 +96,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
     pools = _Pools(device, tmp, signals)
     verdicts, judged, caught, inconclusive = Counter(), [], [], []
-    last_failure: list[tuple[dict, list]] = []
+    last_failure: list[tuple] = []  # (spec, values, failing cell, its bad records): the smallest so far
     ran, tries = [0], [0]
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
@@ -119,14 +121,18 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             inconclusive.append(f"{spec['name']}: {', '.join(blind)}")
         verdicts.update(str(r.verdict) for r in records)
         judged.extend(replace(r, detail="") for r in records if isinstance(r.ratio, float))  # for the ratio table
+        failing = _failing_cell(cells, bad)
         if fault:
             caught.append(bool(bad) or bool(blind))
+            if failing and not last_failure:  # the first example the fault failed: its reproducer
+                last_failure[:] = [(spec, values, *failing)]
             return
-        if bad:
-            last_failure[:] = [(spec, values)]
+        if failing:
+            last_failure[:] = [(spec, values, *failing)]
         assert not bad, f"{spec['name']} {values}: " + "; ".join(
             f"{r.cell} {r.check} {r.name} {r.verdict}: {str(r.detail)[:200]}" for r in bad[:3])
 
+    origin = f"the fuzz campaign (seed {seed}{', fault ' + fault if fault else ''}; torch {torch.__version__})"
     t0 = time.perf_counter()
     code = 0
     try:
@@ -135,17 +141,19 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             example()
     except Interrupted:
         if last_failure:  # interrupted while shrinking: the smallest failure found so far
-            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix)
+            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
     except OutputError:  # a full disk is not a generated model's failure: exit 74
         raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
-            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix)
+            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
         print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    if fault and last_failure:  # the fault's first failing example, in the same format
+        _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
@@ -170,14 +178,31 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     return code
 
 
-def _write_reproducer(out_dir: str, spec: dict, values: dict, reproducer, replay_matrix) -> None:
+def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
+    """The first of ``cells`` with a failing record, and its failing records."""
+    for cell in cells:
+        mine = [r for r in bad if r.cell == cell.id]
+        if mine:
+            return cell, mine
+    return None
+
+
+def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: list, reproducer, replay_matrix,
+                      origin: str) -> None:
+    """The failing example as a model file (``parity run --model FILE:parity_model``), a matrix
+    replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell."""
+    from parity.report.repro import render
+
+    with writing(os.path.join(out_dir, f"repro_{spec['name']}.py")):
+        with open(os.path.join(out_dir, f"repro_{spec['name']}.py"), "w") as fh:
+            fh.write(render(cell, bad, origin))
     stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
     with writing(stem + ".py"), open(stem + ".py", "w") as fh:
         fh.write(reproducer(spec))
     with writing(stem + ".toml"), open(stem + ".toml", "w") as fh:
         fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
-    print(f"fuzz: a generated model failed; minimal reproducer: {stem}.py "
-          f"(replay: python -m parity run --matrix {stem}.toml)")
+    print(f"fuzz: a generated model failed; reproducer: python {os.path.join(out_dir, 'repro_' + spec['name'])}.py "
+          f"(model: {stem}.py; replay both paths: python -m parity run --matrix {stem}.toml)")
 
 
 def add_fuzz_arguments(sub) -> None:

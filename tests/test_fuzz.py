@@ -59,6 +59,13 @@ def test_the_campaign_catches_a_deliberate_fault(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "parity", "fuzz", "--examples", "4", "--seed", "0", "--fault",
                            "perturb_grad", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert "fault perturb_grad flagged in 4 of 4 examples" in proc.stdout, proc.stdout[-2000:]
+    # the first failing example's reproducer, in `parity repro`'s format, finds the same first stage
+    repro = next(tmp_path.glob("repro_*.py"))
+    header = repro.read_text()
+    assert "CELL = Cell(" in header and "perturb_grad" in header and "From the fuzz campaign (seed 0" in header
+    stage = header.split("First divergent stage: ")[1].split("\n")[0]
+    rerun = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 1 and f"first divergent stage: {stage}" in rerun.stdout, rerun.stdout[-2000:]
 
 
 @pytest.mark.slow

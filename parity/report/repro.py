@@ -57,8 +57,14 @@ _LOCATORS = ("divergence", "stage")
 
 
 def script(cell: Cell, out: str) -> str:
-    """The reproducer's text."""
-    bad = _failing(out, cell.id)
+    """The reproducer's text for ``cell`` of the run recorded in ``out``."""
+    return render(cell, _failing(out, cell.id), f"{os.path.abspath(out)} (torch {torch.__version__})")
+
+
+def render(cell: Cell, bad: list, origin: str) -> str:
+    """The reproducer's text: ``cell`` as data, what failed (``bad``: its records that did not
+    pass) and where it was found (``origin``), and the call that re-runs it. The fuzz campaign
+    writes its failing examples in this format too."""
     found = [r for r in bad if r.check not in _LOCATORS]
     where = next((r for r in bad if r.check == "divergence"), None)
     stage = next((r for r in bad if r.check == "stage"), None)
@@ -68,7 +74,7 @@ def script(cell: Cell, out: str) -> str:
     header = "\n".join([
         f"parity reproducer: {cell.id}",
         "",
-        f"From {os.path.abspath(out)} (torch {torch.__version__}):",
+        f"From {origin}:",
         *(lines or ["  nothing failed there"]),
         f"First divergent stage: {stage.detail[:300] if stage else 'none'}",
         f"First divergence: {where.detail[:300] if where else 'not located'}",
