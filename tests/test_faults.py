@@ -95,12 +95,8 @@ def test_a_configuration_fault_of_the_second_half_is_silent_without_it(faults_b,
 #: Faults the stage record cannot place where they act, and why (the rest: :data:`FAULTS`' stages).
 UNLOCALIZED = {
     "meta_init_misplaced_shard": "acts while the full state dict is loaded after meta init (setup), but no setup "
-                                 "check reads parameter values: step 0's outputs are the first to differ",
-    "reshard_after_backward_sticks": "acts in step 2's gather (stale weights), which the step's collectives record "
-                                     "sees; a step's collectives are one record, ordered after its forward, whose "
-                                     "outputs fail first",
-    "offload_copy_in_stale": "acts in the all-gather's copy-in (stale host shards); parity records each all-gather's "
-                             "dtype and bytes, not its values: step 1's outputs are the first to differ",
+                                 "check reads parameter values: step 0's gather (the values against the initial "
+                                 "model) is the first to differ",
 }
 
 
@@ -133,7 +129,7 @@ def test_every_check_kind_has_a_fault():
             "optim.state", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory", "divergence",
             "dtype.tp_reduce", "ownership", "quant.gather", "quant.refresh", "quant.scale", "quant.blocks",
             "quant.values", "plan", "ranks", "clip", "eval", "eval.reshard", "state_dict", "collectives",
-            "checkpoint.moved"} <= flagged
+            "checkpoint.moved", "gathered", "placement", "dtype.grad"} <= flagged
 
 
 def test_no_fault_name_appears_in_production_modules():

@@ -108,6 +108,9 @@ class ContractsSeen:
     trained: NamesSnapshot | None = None
     compute: dict[str, str] = field(default_factory=dict)
     """Parameter FQN (per module alias) -> dtype read inside forward."""
+    gathered: dict[int, dict[str, tuple[str, float, float]]] = field(default_factory=dict)
+    """Step -> parameter FQN (per module alias) -> (dtype, sum of |values|, sum of values) of the
+    parameter as its module's forward read it in the step's first micro-batch (all-gathered)."""
     policies: dict[str, dict[str, object]] = field(default_factory=dict)
     """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)

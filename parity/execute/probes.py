@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -158,22 +159,41 @@ class Recorder:
         for name, mod in model.named_modules():
             self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
+        self.gathered: dict[int, dict[str, tuple[str, float, float]]] = {}
+        self._gather_step: int | None = None
         self.variants: dict[str, dict[str, set]] = {}
         self._handles += record_boundary_variants(model, self.variants)
         self._patch_reduce()
 
     def _read_params(self, fqn: str):
         def hook(module, args):
+            if self._gather_step is not None:
+                self._read_gathered(fqn, module)
             if self.active:
                 for local, p in module._parameters.items():
                     if p is not None:
                         self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
-                for child_name, child in module._modules.items():
-                    prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
+            for child_name, child in module._modules.items():
+                prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
+                if self._gather_step is not None and child is not None:
+                    self._read_gathered(prefix, child)  # read by this module directly (F.conv1d(x, child.weight))
+                if self.active:
                     for local, p in (child._parameters.items() if child is not None else ()):
                         if p is not None:
                             self._via_parent.setdefault(f"{prefix}.{local}", dtype_name(p.dtype))
         return hook
+
+    def _read_gathered(self, fqn: str, module: nn.Module) -> None:
+        """The values of ``module``'s own parameters as its forward reads them (unsharded by FSDP),
+        once per step: their dtype and two FP64 sums (:data:`ContractsSeen.gathered`)."""
+        seen = self.gathered.setdefault(self._gather_step, {})
+        for local, p in module._parameters.items():
+            key = f"{fqn}.{local}" if fqn else local
+            if p is None or key in seen or isinstance(p, DTensor):
+                continue
+            with torch.no_grad():
+                values = p.detach().double()
+                seen[key] = (dtype_name(p.dtype), float(values.abs().sum()), float(values.sum()))
 
     def _patch_reduce(self) -> None:
         pg = apply.reduction_module()
@@ -220,12 +240,15 @@ class Recorder:
 
     @contextlib.contextmanager
     def phase(self, step: int, mb: int):
-        """Record forward observations during the first forward only."""
+        """Record forward observations during the first forward only, and the parameters as
+        gathered during each step's first forward."""
         self.active = step == 0 and mb == 0
+        self._gather_step = step if mb == 0 else None
         try:
             yield
         finally:
             self.active = False
+            self._gather_step = None
         if step == 0 and mb == 0:
             self.lazy_init = lazy_init_snapshot(self.model)
 
@@ -256,6 +279,7 @@ class Recorder:
         self.close()
         seen.sharded, seen.lazy_init, seen.trained = self.sharded, self.lazy_init, names_snapshot(model)
         seen.compute = {**self._via_parent, **self.compute}
+        seen.gathered = self.gathered
         seen.policies = self.policies
         seen.boundaries = self.boundaries
         seen.boundary_variants = {m: {d: sorted(map(list, v)) for d, v in dirs.items()} for m, dirs in self.variants.items()}

@@ -170,7 +170,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"checkpointing": "full"}, patch=rp.recompute_skips_input_cast),
     _fault("meta_init_misplaced_shard",
            "loading a full state dict after meta init gives rank 1 rank 0's rows of one parameter (set_model_state_dict)",
-           {"output", "input_grad", "grad", "grad_norm", "param", "trajectory", "trajectory.emulation", "divergence"}, {**_KDA2, "init": "meta"},
+           {"gathered", "output", "input_grad", "grad", "grad_norm", "param", "trajectory", "trajectory.emulation",
+            "divergence"}, {**_KDA2, "init": "meta"},
            quiet={"init": "seeded"}, patch=rp.meta_init_misplaced_shard),
     _fault("uneven_grad_row", "the last rank's shard of an uneven parameter loses its last gradient row (FSDPParam.to_sharded_dtensor)",
            {"grad", "grad_norm", "trajectory", "trajectory.emulation"}, {"fixture": "uneven", "path": "native", "ranks": 2},
@@ -225,8 +226,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("reshard_after_backward_sticks", "FSDPModule.set_reshard_after_backward(True) is ignored after a False: "
            "the units stay gathered through the optimizer step and the next step computes with stale weights "
            "(from step 2: the state dict parity reads after step 0 reshards them, FSDP's pre-save hook)",
-           {"collectives", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation"},
-           {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
+           {"collectives", "gathered", "output", "input_grad", "grad", "grad_norm", "trajectory",
+            "trajectory.emulation"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=rp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
            "gathers it again", {"collectives"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
@@ -252,8 +253,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"unit.policy"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_policy_dropped),
     _fault("offload_copy_in_stale", "with CPU offloading the all-gather copy-in reads a host copy of each shard taken "
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
-           {"output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
-            "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
+           {"gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
+            "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from parity.execute.observation import Observation
-from parity.judge import composition, contracts, coverage, quantized, stages
+from parity.judge import composition, contracts, coverage, gathered, quantized, stages
 from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
@@ -117,7 +117,10 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         records += agreement_records(observations, plan, base)
     records += contracts.check(cell, observations, ref, base)
     records += composition.check(cell, observations, plan, base)
-    records += quantized.check(cell, observations, plan, [before for before, _ in replayed], base)
+    befores = [before for before, _ in replayed]
+    records += quantized.check(cell, observations, plan, befores, base)
+    # what each step gathered from: the initial model, then the masters the ranks held after each step
+    records += gathered.check(cell, observations, plan, [befores[0], *run.params][:len(befores)], base)
     silent = _no_gradient(cell, plan, ref)
     if silent:
         records = [_as_finding(r, silent) for r in records] + [coverage.no_gradient_record(sorted(silent), base)]

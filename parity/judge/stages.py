@@ -8,7 +8,7 @@ the failing records the way training runs and names the earliest:
 - ``setup``: what sharding built, before anything ran (the plan, names, identities,
   ownership, placements, storage dtypes, unit policies, buffers, FP32 markers);
 - per step, in order: ``gather`` (the parameters as all-gathered for compute: their dtypes,
-  quantized copies), ``forward`` (outputs, boundary and output dtypes, evaluation forwards,
+  their values against the masters they were gathered from, quantized copies), ``forward`` (outputs, boundary and output dtypes, evaluation forwards,
   tensor-parallel reductions), ``backward`` (the input's gradient), ``collectives`` (the
   step's all-gathers and reductions: counts, bytes, reduce, accumulation and kept gradient
   dtypes),
@@ -38,7 +38,7 @@ _STEPPED = ("gather", "forward", "backward", "collectives", "gradients", "optimi
 STAGE_OF = {
     **dict.fromkeys(("plan", "names", "identity", "ownership", "placement", "dtype.storage", "unit.policy",
                      "buffer", "marker", "expected_error", "fallback"), "setup"),
-    **dict.fromkeys(("dtype.compute", "quant.gather", "quant.scale", "quant.blocks", "quant.values",
+    **dict.fromkeys(("dtype.compute", "gathered", "quant.gather", "quant.scale", "quant.blocks", "quant.values",
                      "quant.refresh"), "gather"),
     **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce"), "forward"),
     "input_grad": "backward",
