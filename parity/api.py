@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -114,6 +115,7 @@ def _argv(command: str, options: dict) -> list[str]:
 def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     from parity.cli import _command, _parser
 
+    _refuse_in_bootstrap(command)
     argv = _argv(command, options)
     if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
         out = options["from_dir"]
@@ -124,6 +126,20 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
         code = _command(_parser().parse_args(argv))
     return Result(out=out, code=max(0, code))
+
+
+def _refuse_in_bootstrap(command: str) -> None:
+    """A script calling :func:`run` without an ``if __name__ == "__main__":`` guard is imported
+    again by every rank process multiprocessing starts: refuse there, in one line, instead of
+    starting runs inside ranks."""
+    import multiprocessing
+
+    from parity.errors import UsageError
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False) or (
+            getattr(sys.modules.get("__main__"), "__name__", "") == "__mp_main__"):
+        raise UsageError(f"parity.{command}() was called while a rank process imported your script; put the call "
+                         "under `if __name__ == \"__main__\":`")
 
 
 def select(*, matrix: str = "smoke", **options):

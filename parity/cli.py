@@ -521,10 +521,14 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
     with writing(out):
         gate.write(out, decisions, records, meta=meta)
         write_html(out, records)
+    from parity.report.gate import clip
+
     width = max((len(d.model) for d in decisions), default=5)
+    matrix = scope.get("matrix", "")
     for d in decisions:
         why = "; ".join(d.reasons or d.notes)
-        print(f"{d.model:<{width}}  {d.decision:<14}  {why[:200]}")
+        decided = f"{d.decision} ({matrix})" if matrix else d.decision
+        print(f"{d.model:<{width}}  {decided:<14}  {clip(why, 200, 'gate.md has every reason')}")
     print(f"gate: {out}/gate.md, {out}/gate.json")
     if signals():  # arrived while the gate's files were written: they were completed first
         print(f"parity: interrupted by {signals.name} while writing the gate's files (they are complete)",

@@ -48,7 +48,9 @@ class IsolationError(ValueError):
             prefix + f"{path} dtype-split cannot isolate "
             + ", ".join(params)
             + ": each shares its owning module with parameters of another (storage, compute) "
-            "dtype; move it into its own submodule (a holder module) or use the native path"
+            "dtype; move it into a submodule of its own whose forward() uses it (a holder module), use the "
+            "native path, or declare the outcome: Fixture.expect={'dtype-split': 'isolation-error:"
+            + ",".join(params) + "'}"
         )
 
 

@@ -40,3 +40,17 @@ def test_bad_input_raises_what_the_cli_prints():
         parity.run(from_dir="x")
     with pytest.raises(TypeError, match="colour"):
         parity.gate(colour="red")
+
+
+def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line(monkeypatch):
+    """Ranks start as processes that import the caller's main script: a call without an
+    ``if __name__ == "__main__":`` guard would start runs inside ranks."""
+    import multiprocessing
+
+    import pytest
+
+    from parity.errors import UsageError
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(UsageError, match='put the call under `if __name__ == "__main__":`'):
+        parity.run(matrix="smoke")

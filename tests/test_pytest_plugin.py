@@ -76,3 +76,24 @@ def test_under_xdist_loadgroup_a_pair_runs_on_one_worker(pytester):
     pytester.makepyfile(test_cells=MARKED)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-k", "test_kda")
     result.assert_outcomes(passed=2)
+
+
+def test_an_unpaired_cell_the_model_declares_passes_as_the_cli_does():
+    """A native cell judged against the reference alone because legacy raised the isolation error
+    the model declares: UNPAIRED by design, exit 0 on the CLI, a passing test here."""
+    import pytest
+
+    from parity.judge.record import Record, Unpaired, Verdict
+    from parity.matrix.cell import Cell
+    from parity.pytest_plugin import CellOutcome
+
+    cell = Cell(fixture="unisolatable", path="native", ranks=2)
+    base = dict(cell=cell.id, fixture="unisolatable", path="native", path_taken="native", ranks=2)
+
+    def outcome(reason):
+        return CellOutcome(cell, [Record(**base, check="grad", name="w", verdict=Verdict.PASS),
+                                  Record(**{**base, "path": "legacy~native"}, check="pair", name=str(reason),
+                                         verdict=Verdict.UNPAIRED, detail="why")], out="")
+    outcome(Unpaired.EXPECTED_ISOLATION_ERROR).check()
+    with pytest.raises(pytest.fail.Exception):
+        outcome(Unpaired.DID_NOT_FINISH).check()

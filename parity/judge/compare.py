@@ -11,7 +11,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.record import Record, Verdict, conclusive, judge, vacuity
+from parity.judge.record import Record, Verdict, conclusive, explained, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
 
@@ -155,7 +155,8 @@ class Comparison:
         verdict = conclusive(verdict, self.allowance.allowed, signal)
         if _missing(self.actual, self.expected):
             detail = "missing: the run produced nothing to compare"
-        detail = "; ".join(x for x in (detail, self.allowance.basis) if x)
+        detail = explained(verdict, self.allowance.allowed, signal,
+                           "; ".join(x for x in (detail, self.allowance.basis) if x))
         fp64 = ""
         if self.truth is not None:
             fp64 = max_abs(self.actual, self.truth) if isinstance(self.actual, torch.Tensor) else abs(self.actual - self.truth)

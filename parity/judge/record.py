@@ -115,3 +115,12 @@ def conclusive(verdict: Verdict, allowed: float, signal: float) -> Verdict:
     if verdict == Verdict.PASS and vacuity(allowed, signal) >= BAR:
         return Verdict.INCONCLUSIVE
     return verdict
+
+
+def explained(verdict: Verdict, allowed: float, signal: float, detail: str) -> str:
+    """``detail``, led for an INCONCLUSIVE record by why: its ratio alone reads as a pass."""
+    if verdict != Verdict.INCONCLUSIVE:
+        return detail
+    why = (f"inconclusive: the allowance is {vacuity(allowed, signal):.2g} of the change it judges ({signal:.3g}), "
+           f"at least {BAR:g}: too small a change to tell a bug from rounding (more steps settle it)")
+    return "; ".join(x for x in (why, detail) if x)

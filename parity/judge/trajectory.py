@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from parity.judge.record import Record, Verdict, conclusive, judge, vacuity
+from parity.judge.record import Record, Verdict, conclusive, explained, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.dtypes import dtype_name, unit_roundoff
 from parity.model.plan import PrecisionPlan
@@ -62,7 +62,8 @@ def trajectory_records(sharded: list[dict[str, torch.Tensor]], own: ReferenceRun
                  f"1 x u({dtype_name(t.storage)}) x |fp64| {floor:.3g}")
         rows.append(Record(**base, step=last, check="trajectory", name=t.fqn, observed=d_s, allowed=allowed,
                            ratio=ratio, dtype=dtype_name(t.storage), verdict=verdict,
-                           detail="; ".join(x for x in (how, basis) if x), signal=signal,
+                           detail=explained(verdict, allowed, signal, "; ".join(x for x in (how, basis) if x)),
+                           signal=signal,
                            allowed_over_signal=vacuity(allowed, signal)))
         rows.append(_direct(base, last, t, s, own.params[last][t.fqn], allowed, signal, d_e, floor))
     return rows
@@ -81,4 +82,5 @@ def _direct(base: dict, last: int, t, s: torch.Tensor, e: torch.Tensor, allowed:
              f"1 x u({dtype_name(t.storage)}) x |fp64| {floor:.3g}")
     return Record(**base, step=last, check="trajectory.emulation", name=t.fqn, observed=d_se, allowed=allowed,
                   ratio=ratio, dtype=dtype_name(t.storage), verdict=verdict,
-                  detail="; ".join(x for x in (how, basis) if x), signal=signal, allowed_over_signal=vacuity(allowed, signal))
+                  detail=explained(verdict, allowed, signal, "; ".join(x for x in (how, basis) if x)), signal=signal,
+                  allowed_over_signal=vacuity(allowed, signal))

@@ -208,6 +208,12 @@ def validate(spec: object, where: str) -> Fixture:
             raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model")
     if not spec.unit_roots:
         raise UsageError(f"{where}: Fixture.unit_roots is empty; declare the modules handed to fully_shard")
+    for i, outer in enumerate(spec.unit_roots):  # FSDP shards bottom-up: a root after every root inside it
+        inner = next((r for r in spec.unit_roots[i + 1:] if r != outer and (outer == "" or r.startswith(outer + "."))), None)
+        if inner is not None:
+            name = repr(outer) if outer else 'the root ""'
+            raise UsageError(f"{where}: Fixture.unit_roots lists {name} before {inner!r}, which it contains; list "
+                             'inner roots first and the root "" last (fully_shard goes bottom-up)')
     params = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params[n] = p

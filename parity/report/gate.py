@@ -45,6 +45,11 @@ class Decision:
     counts: dict[str, int] = field(default_factory=dict)
 
 
+def clip(text: str, n: int, more: str = "") -> str:
+    """``text`` cut to ``n`` characters, saying so (and where the rest is, ``more``)."""
+    return text if len(text) <= n else text[: n - 1] + "…" + (f" ({more})" if more else "")
+
+
 def _worst_failures(rows: list[Record]) -> list[str]:
     by_check: dict[str, list[Record]] = defaultdict(list)
     for r in rows:
@@ -55,7 +60,7 @@ def _worst_failures(rows: list[Record]) -> list[str]:
         rated = [r for r in bad if isinstance(r.ratio, float)]
         worst = max(rated, key=lambda r: r.ratio) if rated else bad[0]
         ratio = f", worst ratio {worst.ratio:.3g}" if rated else ""
-        out.append(f"{check}: {len(bad)} {verdict}{ratio} ({worst.cell} {worst.name}; {worst.detail[:160]})")
+        out.append(f"{check}: {len(bad)} {verdict}{ratio} ({worst.cell} {worst.name}; {clip(worst.detail, 160)})")
     return out
 
 
@@ -97,12 +102,14 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if undeclared:
         why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
         d.reasons.append(f"native not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
-                         f"({'; '.join(why)[:300]})")
+                         f"({clip('; '.join(why), 300)})")
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
     if failed_base:
-        d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}); "
-                         f"{candidate} cannot be compared with it there")
+        first = next(r for r in own if r.cell == failed_base[0] and r.verdict in BAD)
+        d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}: {first.check} "
+                         f"{first.verdict}: {clip(first.detail.split(' | ')[0], 240)}); {candidate} cannot be "
+                         "compared with it there")
     d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
     unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
     accepted = [r for r in unpaired if r.name == Unpaired.EXPECTED_ISOLATION_ERROR]
@@ -162,7 +169,7 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
           "| model | decision | reasons / notes |", "|---|---|---|"]
     for d in decisions:
         text = "; ".join(d.reasons or d.notes) or "every check passed"
-        md.append(f"| {d.model} | **{d.decision}** | {md_text(text[:400], cell=True)} |")
+        md.append(f"| {d.model} | **{d.decision}** | {md_text(clip(text, 400, 'gate.json has every reason'), cell=True)} |")
     md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", ""]
     md += ["## What ran", ""] + _scope_lines(meta.get("scope", {}), meta) + ["", "## Evidence", ""]
     for d in decisions:
