@@ -408,3 +408,17 @@ def test_gate_md_carries_no_raw_html_from_details(tmp_path):
     md = (tmp_path / "gate.md").read_text()
     assert "<img" not in md and "| **NO-GO** | native: grad: 1 ERROR (&lt;img src=x&gt; a\\|b) |" in md
     assert "- reason: native: grad: 1 ERROR (&lt;img src=x&gt; a|b)" in md
+
+
+def test_unit_roots_out_of_bottom_up_order_are_one_line():
+    """fully_shard goes bottom-up: a root listed before a root inside it is refused, naming both."""
+    import dataclasses
+
+    from parity.errors import UsageError
+    from parity.model.registry import get_fixture
+    from parity.model.spec import validate
+
+    spec = get_fixture("kda")
+    inner = [r for r in spec.unit_roots if r]
+    with pytest.raises(UsageError, match=f'lists the root "" before {inner[0]!r}, which it contains'):
+        validate(dataclasses.replace(spec, unit_roots=("", *inner)), "test")
