@@ -11,7 +11,6 @@ from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.reference import ReferenceRun
 from parity.judge.rows import contract_row as _row
-from parity.judge.rows import skipped as _skip
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 from parity.model.registry import get_fixture
@@ -140,10 +139,10 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
       reduction in BF16 carries half the bytes).
 
     HSDP: the same over the ``shard`` dimension, plus one all-reduce per unit across replicas in each
-    backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. TP and EP add
-    their own collectives (SKIP with the reason)."""
-    if cell.mesh not in ("fsdp", "hsdp"):
-        return [_skip(base, "collectives", "per step", f"mesh {cell.mesh!r}: its own collectives are not derived yet")]
+    backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. FSDP x TP and EP:
+    the same counts for FSDP's own collectives (over the data-parallel dimension; TP's and the
+    experts' exchanges go through DTensor's functional collectives, which are not counted);
+    their bytes (local tensor-parallel shards) are not derived: counts only."""
     counts = obs.contracts.collectives
     units = sum(1 for u in obs.report.units if u.params)
     ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
@@ -194,7 +193,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
             if got.get(key, 0) < n:
                 problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
                                 "sharded again after the optimizer step)")
-        if cell.ranks > 1 and ref is not None and ref.params:
+        if cell.ranks > 1 and ref is not None and ref.params and cell.mesh in ("fsdp", "hsdp"):
             problems += _wire(cell, obs, plan, ref, step)
         expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
                     "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
