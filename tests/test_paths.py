@@ -52,7 +52,9 @@ def test_isolation_error_names_every_parameter_and_the_fix():
     with pytest.raises(IsolationError) as err:
         _report("unisolatable", "legacy")
     assert err.value.params == ["blocks.0.lin.gain", "blocks.1.lin.gain"]
-    assert "own submodule" in str(err.value)
+    assert "submodule of its own whose forward() uses it" in str(err.value)
+    # the declaration that makes it the expected outcome, spelled for these parameters
+    assert "Fixture.expect={'dtype-split': 'isolation-error:blocks.0.lin.gain,blocks.1.lin.gain'}" in str(err.value)
 
 
 def test_native_falls_back_for_mixed_trainable_storage_without_changing_dtypes():
