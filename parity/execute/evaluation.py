@@ -32,15 +32,21 @@ def unit_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
     return out
 
 
+def post_forward(group) -> str:
+    """Where a parameter group reshards after forward, as FSDP holds it: ``off`` (stays gathered),
+    ``on`` (over every rank it shards over) or ``N ranks`` (an int ``reshard_after_forward``)."""
+    info = group.post_forward_mesh_info
+    return "off" if info is None else "on" if info is group.mesh_info else f"{info.shard_mesh_size} ranks"
+
+
 def reshard_settings(model: nn.Module, report: ShardReport) -> dict[str, str]:
-    """Unit root -> whether FSDP reshards it after a forward, as its parameter group holds it
-    (``post_forward_mesh_info``: None keeps the parameters gathered)."""
+    """Unit root -> where FSDP reshards it after a forward (:func:`post_forward`)."""
     modules = module_index(model)
     out = {}
     for unit in report.units:
         group = modules[unit.modules[0]]._get_fsdp_state()._fsdp_param_group if unit.params else None
         if group is not None:
-            out[unit.modules[0] or "<root>"] = str(group.post_forward_mesh_info is not None)
+            out[unit.modules[0] or "<root>"] = post_forward(group)
     return out
 
 

@@ -99,9 +99,9 @@ def evaluation_phase(cell: Cell, model: nn.Module):
     """Under ``unshard = "explicit"``: an evaluation forward keeps every unit gathered
     (``set_reshard_after_forward(False)``); the body reads their state, then calls the yielded
     function, which reshards each unit (``reshard()``) and restores the cell's setting. Under
-    ``hooks`` the yielded function does nothing."""
+    ``hooks`` it yields None: FSDP's hooks end the forward."""
     if cell.unshard != "explicit":
-        yield lambda: None
+        yield None
         return
     model.set_reshard_after_forward(False)
 

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
+from parity.execute.evaluation import post_forward
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
 from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
@@ -97,13 +98,6 @@ def ownership(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _post_forward(group) -> str:
-    """Where a parameter group reshards after forward: ``off`` (stays gathered), ``on`` (over
-    every rank it shards over) or ``N ranks`` (an int ``reshard_after_forward``: a smaller group)."""
-    info = group.post_forward_mesh_info
-    return "off" if info is None else "on" if info is group.mesh_info else f"{info.shard_mesh_size} ranks"
-
-
 def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[str, object]]:
     """The MixedPrecisionPolicy each unit's FSDP state actually holds (read back, not planned),
     and, for a unit that holds parameters, the reduction knobs its parameter groups hold
@@ -123,7 +117,7 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
             out[unit.root]["gradient_divide_factor"] = ",".join(sorted({str(g.gradient_divide_factor) for g in groups}))
             out[unit.root]["force_sum_reduction_for_comms"] = ",".join(
                 sorted({str(g.force_sum_reduction_for_comms) for g in groups}))
-            out[unit.root]["reshard_after_forward"] = ",".join(sorted({_post_forward(g) for g in groups}))
+            out[unit.root]["reshard_after_forward"] = ",".join(sorted({post_forward(g) for g in groups}))
             out[unit.root]["offload"] = ",".join(
                 sorted({"cpu" if fp.offload_to_cpu else "none" for g in groups for fp in g.fsdp_params}))
         for pass_, states in (("forward", state._states_to_forward_prefetch),
@@ -156,17 +150,20 @@ class Recorder:
         self.segments = collectives.Segments()
         """Collectives per (step, segment of the training loop, kind) (:mod:`.collectives`)."""
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+        self.gathered: dict[int, dict[str, tuple[str, float, float]]] = {}
+        self._gather_step: int | None = None
+        """The step whose first forward is running (its parameters are read as gathered); else None."""
         for name, mod in model.named_modules():
             self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
-        self.gathered: dict[int, dict[str, tuple[str, float, float]]] = {}
-        self._gather_step: int | None = None
         self.variants: dict[str, dict[str, set]] = {}
         self._handles += record_boundary_variants(model, self.variants)
         self._patch_reduce()
 
     def _read_params(self, fqn: str):
         def hook(module, args):
+            if not self.active and self._gather_step is None:  # every later forward: nothing to read
+                return
             if self._gather_step is not None:
                 self._read_gathered(fqn, module)
             if self.active:

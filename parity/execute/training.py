@@ -152,8 +152,7 @@ def _evaluate(cell: Cell, s: Sharded, fixture, step: int, label: str, rank: int,
     index = cell.eval_labels(step).index(label)
     batch = fixture.eval_batch(cell.seed, step, cell.topology().data_rank(rank), index).to(device)
     with knobs.evaluation_phase(cell, s.model) as end:
-        seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label,
-                                   end=end if cell.unshard == "explicit" else None)
+        seen = evaluation.evaluate(s.model, s.report, batch.inputs, fixture.output, step=step, label=label, end=end)
     seen.output = _local(seen.output)
     obs.evals.append(seen)
     if state_dicts and f"after-eval-{label}" in cell.state_dict_points(step):

@@ -402,17 +402,23 @@ def reshard_after_backward_sticks():
     return swap_attr(FSDPModule, "set_reshard_after_backward", make)
 
 
+def _fully_shard_drops(keyword: str):
+    """``fully_shard`` ignores its ``keyword`` argument (FSDP's default takes its place)."""
+    import torch.distributed.fsdp as fsdp
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            kwargs.pop(keyword, None)
+            return orig(module, *args, **kwargs)
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)
+
+
 def placement_fn_dropped():
     """``fully_shard`` drops its ``shard_placement_fn``: every parameter is sharded on dimension 0
     whatever the recipe asked (the numbers are the same; memory layout and collectives are not
     what the recipe planned)."""
-    import torch.distributed.fsdp as fsdp
-
-    def make(orig):
-        def fully_shard(module, *args, shard_placement_fn=None, **kwargs):
-            return orig(module, *args, **kwargs)
-        return fully_shard
-    return swap_attr(fsdp, "fully_shard", make)
+    return _fully_shard_drops("shard_placement_fn")
 
 
 def casts_inputs_anyway():
@@ -517,13 +523,7 @@ def finalize_skips_pending():
 def offload_policy_dropped():
     """``fully_shard`` drops its ``offload_policy``: the recipe's parameters and gradients stay
     on the device (same numbers; the memory the recipe planned is not freed)."""
-    import torch.distributed.fsdp as fsdp
-
-    def make(orig):
-        def fully_shard(module, *args, offload_policy=None, **kwargs):
-            return orig(module, *args, **kwargs)
-        return fully_shard
-    return swap_attr(fsdp, "fully_shard", make)
+    return _fully_shard_drops("offload_policy")
 
 
 def offload_copy_in_stale():

@@ -413,7 +413,7 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     want = ("unsharded" if explicit or not cell.reshard else
             "sharded_post_forward" if cell.reshard_to == "half" else "sharded")
     expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
-                f"{cell.reshard} again" if explicit else f"every unit {want}")
+                f"{'on' if cell.reshard else 'off'} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}
     rows = []
     for step in range(cell.steps):
@@ -426,7 +426,7 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
             phases = [("after the forward", e.units, want)]
             if explicit:
                 phases += [("after reshard()", e.resharded, "sharded"),
-                           ("reshard_after_forward", e.restored, str(cell.reshard))]
+                           ("reshard_after_forward", e.restored, "on" if cell.reshard else "off")]
             problems = []
             for when, states, should in phases:
                 wrong = {u: st for u, st in (states or {}).items() if st != should}

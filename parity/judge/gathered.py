@@ -27,7 +27,7 @@ from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.rows import contract_row
 from parity.matrix.cell import Cell
-from parity.model.dtypes import parse_dtype
+from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionPlan
 
 _REL = 1e-12
@@ -77,5 +77,5 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
             problems.append("never read as gathered on any rank, although dtype.compute saw it in forward")
         rows.append(contract_row(base, "gathered", t.fqn, not problems,
                                  "every step's gather = the master before the step, cast (FP64 sums, rel 1e-12)",
-                                 "; ".join(problems[:4]) or "as expected", dtype=str(t.compute).replace("torch.", "")))
+                                 "; ".join(problems[:4]) or "as expected", dtype=dtype_name(t.compute)))
     return rows
