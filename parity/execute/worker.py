@@ -34,6 +34,12 @@ def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bo
     return True
 
 
+def _steps(cell: Cell) -> int:
+    """A traced re-run (:mod:`parity.judge.divergence`) reads rank 0's first micro-batch only: it
+    trains the first step and skips the checkpoint lifecycle; a cell trains all its steps."""
+    return 1 if cell.trace else cell.steps
+
+
 def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
              heartbeat: Heartbeat | None = None) -> Observation:
     """Build, shard and train the cell; then the checkpoint lifecycle and marker contract."""
@@ -59,7 +65,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         t1 = time.perf_counter()
         try:
             with collectives.counting(recorder.segments.calls, recorder.segments.key):
-                for step in range(cell.steps):
+                for step in range(_steps(cell)):
                     train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
                                heartbeat=beat, tp=tp)
                     if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
@@ -71,7 +77,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             if tp is not None:
                 obs.contracts.tp_reduce = tp.close()
         obs.timings["steps"] = time.perf_counter() - t1
-    if cell.lifecycle:
+    if cell.lifecycle and not cell.trace:
         t2 = time.perf_counter()
         with inject.active("lifecycle"):
             obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
