@@ -38,19 +38,27 @@ def writing(path: str):
 class IsolationError(ValueError):
     """A dtype-split path cannot give a distinct-dtype parameter its own FSDP unit."""
 
-    def __init__(self, params: list[str], fallback_reason: str = "", *, path: str = "legacy"):
+    def __init__(self, params: list[str], fallback_reason: str = "", *, path: str = "legacy",
+                 read_by: dict[str, str] | None = None):
         self.params = params
         self.fallback_reason = fallback_reason
         self.path = path
         """The path whose plan raised (after any fallback)."""
+        self.read_by = read_by or {}
+        """Parameter -> the module whose forward reads it outside its own unit's forward (empty:
+        the parameters share their owning module with another dtype's)."""
         prefix = f"fell back to {path} ({fallback_reason}); " if fallback_reason else ""
+        if self.read_by:
+            why = ("; ".join(f"{p} is read by {m or '<root>'}'s forward, outside the forward of the unit holding it"
+                             for p, m in sorted(self.read_by.items()))
+                   + " (FSDP gathers a unit's parameters only inside that forward); read each only in its "
+                   "holder's forward() (return what the parent needs)")
+        else:
+            why = ("each shares its owning module with parameters of another (storage, compute) dtype; move it "
+                   "into a submodule of its own whose forward() uses it (a holder module)")
         super().__init__(
-            prefix + f"{path} dtype-split cannot isolate "
-            + ", ".join(params)
-            + ": each shares its owning module with parameters of another (storage, compute) "
-            "dtype; move it into a submodule of its own whose forward() uses it (a holder module), use the "
-            "native path, or declare the outcome: Fixture.expect={'dtype-split': 'isolation-error:"
-            + ",".join(params) + "'}"
+            prefix + f"{path} dtype-split cannot isolate " + ", ".join(params) + f": {why}, use the native path, "
+            "or declare the outcome: Fixture.expect={'dtype-split': 'isolation-error:" + ",".join(params) + "'}"
         )
 
 

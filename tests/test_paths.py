@@ -7,7 +7,9 @@ from parity_fixtures import FIXTURES
 from parity.errors import IsolationError, RankMismatchError
 from parity.paths import check_rank_consistency, plan_sharding
 from parity.paths import native as native_mod
+from parity.model.markers import set_compute_dtype
 from parity.model.plan import PrecisionConfig, resolve_plan
+from parity.paths.reads import check_reads
 
 
 def _report(fixture: str, path: str, config=PrecisionConfig()):
@@ -138,3 +140,44 @@ def test_rank_consistency_names_parameters_and_ranks(monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", fake_gather)
     with pytest.raises(RankMismatchError, match=r"blocks\.1\.q_proj\.weight \(rank 0: bfloat16, rank 1: float32\)"):
         check_rank_consistency(plan)
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(8))
+        set_compute_dtype(self.A_log, torch.float32)
+
+    def forward(self, x):
+        return x.float() * torch.exp(self.A_log.float())
+
+
+class _Block(nn.Module):
+    def __init__(self, parent_reads: bool):
+        super().__init__()
+        self.lin, self.holder, self.parent_reads = nn.Linear(8, 8), _Holder(), parent_reads
+
+    def forward(self, x):
+        if self.parent_reads:  # the parent reads the holder's parameter itself: FSDP never gathers it here
+            return self.lin(x) + x * self.holder.A_log
+        return self.lin(x) + self.holder(x).to(x.dtype)
+
+
+@pytest.mark.parametrize("parent_reads", [True, False])
+def test_a_holder_parameter_read_by_its_parent_is_an_isolation_error_naming_the_reader(parent_reads):
+    """The legacy path isolates the holder as a unit of its own; a parent reading its parameter
+    would meet a sharded DTensor (torch: "got mixed torch.Tensor and DTensor"), so the probe
+    forward names the parameter and the module that reads it before anything is sharded."""
+    model = nn.Sequential(_Block(parent_reads))
+    plan = resolve_plan(model, PrecisionConfig(), set())
+    report = plan_sharding(model, ("0", ""), plan, "legacy")
+    assert "0.holder" in [u.root for u in report.units]
+    if not parent_reads:
+        check_reads(model, (torch.randn(2, 8),), report, ("0", ""))
+        return
+    with pytest.raises(IsolationError) as err:
+        check_reads(model, (torch.randn(2, 8),), report, ("0", ""))
+    assert err.value.read_by == {"0.holder.A_log": "0"}
+    assert "0.holder.A_log is read by 0's forward, outside the forward of the unit holding it" in str(err.value)
+    # the declared roots are the user's units: nothing to check when the path made none of its own
+    check_reads(model, (torch.randn(2, 8),), plan_sharding(model, ("0", ""), plan, "native"), ("0", ""))

@@ -27,6 +27,7 @@ from parity.model.quantized import main_weight, quantize_weights, take_stats
 from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
+from parity.paths.reads import check_reads
 
 #: Called with a short label whenever the worker makes progress (hang detection).
 Heartbeat = Callable[[str], None]
@@ -85,6 +86,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     plan = inject.site("plan", plan)
     apply_checkpointing(model, cell.checkpointing, fixture.blocks)
     report = knobs.units(cell, plan_sharding(model, fixture.unit_roots, plan, path, ignored))
+    _check_reads(cell, fixture, report)
     if obs is not None:
         obs.report = report
         obs.contracts.unsharded = probes.before_sharding(model)
@@ -113,6 +115,21 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
         owners=owners, group=group,
     )
+
+
+#: (fixture, source, seed, units) whose forward reads every parameter inside its unit's forward.
+_READS_CHECKED: set = set()
+
+
+def _check_reads(cell: Cell, fixture, report: ShardReport) -> None:
+    """Units the path created must hold parameters only their own forward reads
+    (:mod:`parity.paths.reads`); checked once per worker per model and set of units."""
+    key = (cell.fixture, cell.source, cell.seed, tuple((u.modules, u.params) for u in report.units))
+    if key in _READS_CHECKED:
+        return
+    inputs = tuple(x.float() if x.is_floating_point() else x for x in fixture.batch(cell.seed, 0, 0, 0).inputs)
+    check_reads(fixture.make(cell.seed).float(), inputs, report, fixture.unit_roots)
+    _READS_CHECKED.add(key)
 
 
 def _subgroup(mesh):

@@ -47,7 +47,7 @@ def plan_sharding(
             except Ineligible as exc:
                 reason = "; ".join(exc.reasons)
             except IsolationError as exc:
-                raise IsolationError(exc.params, "; ".join(reasons), path=path) from None
+                raise IsolationError(exc.params, "; ".join(reasons), path=path, read_by=exc.read_by) from None
             else:
                 return replace(report, requested=requested, taken=path, contract=impl.contract,
                                fallback_reason="; ".join(reasons))
