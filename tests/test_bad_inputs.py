@@ -422,3 +422,6 @@ def test_unit_roots_out_of_bottom_up_order_are_one_line():
     inner = [r for r in spec.unit_roots if r]
     with pytest.raises(UsageError, match=f'lists the root "" before {inner[0]!r}, which it contains'):
         validate(dataclasses.replace(spec, unit_roots=("", *inner)), "test")
+    # a tuple of tuples (one per unit) instead of FQN strings names the expected shape
+    with pytest.raises(UsageError, match=r"Fixture.unit_roots = \(\('blocks.0',\),\); it is a tuple of module FQN strings"):
+        validate(dataclasses.replace(spec, unit_roots=(("blocks.0",),)), "test")

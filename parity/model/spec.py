@@ -203,6 +203,9 @@ def validate(spec: object, where: str) -> Fixture:
         raise UsageError(f"{where}: building the model failed: {type(exc).__name__}: {exc}") from None
     modules = {n for n, _ in model.named_modules()}
     for what, names in (("unit_roots", spec.unit_roots), ("blocks", spec.blocks)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise UsageError(f"{where}: Fixture.{what} = {names!r}; it is a tuple of module FQN strings, "
+                             "e.g. ('blocks.0', 'blocks.1', '')")
         missing = [n for n in names if n not in modules]
         if missing:
             raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model")
