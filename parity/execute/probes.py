@@ -139,6 +139,7 @@ class Recorder:
         self.reduce: dict[str, set[str]] = {}
         self.replicas: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
+        self.accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.reduce_observable = True
         self._orig_reduce = None
         self.sharded = names_snapshot(model)
@@ -249,7 +250,9 @@ class Recorder:
         if step == 0 and mb == 0:
             self.lazy_init = lazy_init_snapshot(self.model)
 
-    def after_backward(self, model: nn.Module, step: int, mb: int, last: bool) -> None:
+    def after_backward(self, model: nn.Module, step: int, mb: int, last: bool, scale: float = 1.0) -> None:
+        """While sync is off: each unsharded gradient's dtype and value (divided by the loss
+        ``scale``, a power of two: exact) after micro-batch ``mb``'s backward."""
         if last:
             return
         for fp in _fsdp_params(model):
@@ -260,6 +263,9 @@ class Recorder:
             if grad is not None:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
+                if not isinstance(grad, DTensor):
+                    value = grad.detach().cpu()
+                    self.accumulated.setdefault((step, mb), {})[fqn] = value / scale if scale != 1.0 else value.clone()
 
     def close(self) -> None:
         """Remove hooks and restore FSDP's reduction functions (idempotent)."""
@@ -285,4 +291,5 @@ class Recorder:
         seen.ownership = {"sharded": self.owned, "trained": ownership(model)}
         seen.reduce_observable = self.reduce_observable
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
+        seen.accumulated = self.accumulated
         seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

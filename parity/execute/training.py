@@ -223,7 +223,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             grad = grad / s.scaler.get_scale()  # a power of two: exact
         obs.input_grads.append(None if grad is None else _local(grad))
         if recorder:
-            recorder.after_backward(s.model, step, mb, last)
+            recorder.after_backward(s.model, step, mb, last, s.scaler.get_scale() if s.scaler else 1.0)
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
         if not last and cell.eval == "between-microbatches":

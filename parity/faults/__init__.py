@@ -106,9 +106,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("holder_dt_bias_bf16", "FSDP all-gathers one holder's FP32 dt_bias (blocks.1.holder) in BF16",
            {"grad", "grad_norm", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.holder_dt_bias_bf16),
     _fault("bf16_reduce", "FSDP reduces every gradient in BF16 (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "collectives"}, {**_KDA2, **_ACCUM}, patch=p.bf16_reduce),
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "grad.accum", "collectives"}, {**_KDA2, **_ACCUM},
+           patch=p.bf16_reduce),
     _fault("bf16_reduce_tied", "FSDP reduces the tied embedding/head gradient in BF16 (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "collectives"}, {"fixture": "lm", "path": "native", "ranks": 2, **_ACCUM},
+           {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "grad.accum", "collectives"},
+           {"fixture": "lm", "path": "native", "ranks": 2, **_ACCUM},
            patch=p.bf16_reduce_tied),
     _fault("drop_output_dtype", "FSDP skips the outermost unit's output cast (FSDPState._cast_output_dtype)",
            {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32"}, patch=p.drop_output_dtype),
@@ -178,7 +180,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"fixture": "lm"}, patch=rp.uneven_grad_row),
     _fault("unused_drops_accumulated",
            "a parameter unused in the synchronizing micro-batch is reduced as zero, dropping earlier accumulation",
-           {"grad", "grad_norm", "trajectory", "trajectory.emulation"}, {"fixture": "routed", "path": "native", "ranks": 2, **_ACCUM},
+           {"grad", "grad.accum", "grad_norm", "trajectory", "trajectory.emulation"},
+           {"fixture": "routed", "path": "native", "ranks": 2, **_ACCUM},
            quiet={"sync": "every"}, patch=rp.unused_drops_accumulated),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
            {"grad", "grad_norm", "dtype.reduce", "dtype.grad", "optim.state", "checkpoint.same", "checkpoint.cross",
@@ -226,7 +229,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("reshard_after_backward_sticks", "FSDPModule.set_reshard_after_backward(True) is ignored after a False: "
            "the units stay gathered through the optimizer step and the next step computes with stale weights "
            "(from step 2: the state dict parity reads after step 0 reshards them, FSDP's pre-save hook)",
-           {"collectives", "gathered", "output", "input_grad", "grad", "grad_norm", "trajectory",
+           {"collectives", "gathered", "output", "input_grad", "grad", "grad.accum", "grad_norm", "trajectory",
             "trajectory.emulation"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=rp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "

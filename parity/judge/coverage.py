@@ -13,6 +13,7 @@ the observations) it derives the records the cell owes:
   ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
+- ``grad.accum`` when unsharded gradients accumulate without sync on a 1-D or HSDP mesh;
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle; ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -66,6 +67,9 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         if fmt != "none":
             kind = "quant.scale" if fmt == "fp8-tensorwise" else "quant.blocks"
             out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
+    if cell.accumulating and cell.mesh in ("fsdp", "hsdp") and any(
+            t.ownership == "managed" and t.trainable_from == 0 for t in trained):
+        out.append(("grad.accum", None, None))
     if cell.lifecycle:
         out.append(("checkpoint.same", None, None))
         if cell.crossload_targets:

@@ -64,6 +64,11 @@ class ReferenceRun:
     """Per step of a clipping cell, the coefficient the gradients were scaled by."""
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
+    accumulated: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    """(step, micro-batch) -> per emulated rank, each FSDP-managed parameter's unsharded gradient
+    accumulated (reduce dtype) after that micro-batch, while sync is off (every one but the last)."""
+    accumulated_scale: dict[tuple[int, int], list[dict[str, float]]] = field(default_factory=dict)
+    """The same keys -> per rank and parameter, the sum of the max |term| accumulated so far."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -119,6 +124,15 @@ def _clip(run: ReferenceRun, params: list[nn.Parameter], max_norm: float, norm: 
     run.clip_coefs.append(clip_coefficient(max_norm, total))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     run.clipped_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
+
+
+def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[dict], scales: list[dict],
+                      entries: dict) -> None:
+    """What each emulated rank has accumulated (FSDP-managed parameters) after micro-batch ``key``,
+    as the ranks record it after that micro-batch's backward."""
+    managed = {f for f, t in entries.items() if t.ownership == "managed"}
+    run.accumulated[key] = [{f: g.detach().cpu().clone() for f, g in u.items() if f in managed} for u in unsynced]
+    run.accumulated_scale[key] = [{f: s for f, s in sc.items() if f in managed} for sc in scales]
 
 
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
@@ -212,6 +226,7 @@ def run_reference(
         synced: dict[str, torch.Tensor] = {}  # sharded gradient, its kept (gradient) dtype
         partial: dict[str, list] = {}  # per replica group, reduce dtype (``replicas-last``)
         unsynced = [dict() for _ in range(world)]  # per-rank accumulation, reduce dtype
+        unsynced_scale = [dict() for _ in range(world)]  # per rank: sum of max |term| accumulated
         terms_scale = {f: 0.0 for f in trainable}
         for mb in range(micro):
             outs, in_grads, per_rank = [], [], []
@@ -262,6 +277,7 @@ def run_reference(
                         if f in g:
                             prev = unsynced[r].get(f)
                             unsynced[r][f] = g[f].to(rd) if prev is None else prev + g[f].to(rd)
+                            unsynced_scale[r][f] = unsynced_scale[r].get(f, 0.0) + float(g[f].double().abs().max())
                     continue
                 sums = _group_sums({r: g[f] for r, g in enumerate(per_rank) if f in g}, rd, groups)
                 if deferred:  # HSDP without the replica all-reduce: shard-group sums held in rd
@@ -273,6 +289,8 @@ def run_reference(
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
                 reduced = (total / mean if mean > 1 else total).to(masters[f].grad_dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
+            if accumulate_unsharded and not fp64 and mb < micro - 1:
+                _keep_accumulated(run, (step, mb), unsynced, unsynced_scale, entries)
         for f in trainable:
             if f in synced:
                 masters[f].grad = synced[f]

@@ -42,7 +42,7 @@ STAGE_OF = {
                      "quant.refresh"), "gather"),
     **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce"), "forward"),
     "input_grad": "backward",
-    **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "dtype.grad"), "collectives"),
+    **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "dtype.grad"), "collectives"),
     **dict.fromkeys(("grad", "grad_norm", "clip", "ranks"), "gradients"),
     **dict.fromkeys(("param", "trajectory", "trajectory.emulation"), "optimizer"),
     "state_dict": "state-dict",
