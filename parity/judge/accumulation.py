@@ -4,7 +4,7 @@ With ``set_requires_gradient_sync(False)`` FSDP keeps each parameter's unsharded
 every rank and adds the next micro-batch's into it; only the last micro-batch reduces. The
 gradient the optimizer steps with (``grad``) shows a fault in that window only after the
 reduction, mixed with every rank's; this check reads the window itself. After every
-micro-batch but the last, each rank's unsharded gradient (the ranks record it,
+micro-batch but the last, each rank's unsharded gradient (FSDP and HSDP meshes, :func:`judged`) (the ranks record it,
 :meth:`parity.execute.probes.Recorder.after_backward`) is compared with the emulated rank's
 accumulation in the reduce dtype (:attr:`parity.judge.reference.ReferenceRun.accumulated`),
 with the allowance of a sum of that many terms. One record per step, micro-batch and
@@ -32,7 +32,15 @@ def _badness(r: Record) -> tuple[bool, float]:
     return r.verdict != Verdict.PASS, ratio
 
 
+def judged(cell: Cell) -> bool:
+    """Cells whose window is judged: accumulating, on a mesh where every rank's unsharded gradient
+    is the whole parameter's (FSDP, HSDP; a tensor-parallel or expert-parallel rank holds a part)."""
+    return cell.accumulating and cell.mesh in ("fsdp", "hsdp")
+
+
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
+    if not judged(cell):
+        return []
     rows = []
     topo = cell.topology()
     for (step, mb), per_rank in sorted(ref.accumulated.items()):

@@ -129,10 +129,12 @@ def _clip(run: ReferenceRun, params: list[nn.Parameter], max_norm: float, norm: 
 def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[dict], scales: list[dict],
                       entries: dict) -> None:
     """What each emulated rank has accumulated (FSDP-managed parameters) after micro-batch ``key``,
-    as the ranks record it after that micro-batch's backward."""
-    managed = {f for f, t in entries.items() if t.ownership == "managed"}
-    run.accumulated[key] = [{f: g.detach().cpu().clone() for f, g in u.items() if f in managed} for u in unsynced]
-    run.accumulated_scale[key] = [{f: s for f, s in sc.items() if f in managed} for sc in scales]
+    as the ranks record it after that micro-batch's backward. A parameter no micro-batch of the
+    window used yet on that rank holds no gradient there (the zeros an unused parameter is
+    reduced as are the reduce-scatter's, not the window's): it has no term of any size."""
+    keep = [{f for f, s in sc.items() if s > 0 and entries[f].ownership == "managed"} for sc in scales]
+    run.accumulated[key] = [{f: g.detach().cpu().clone() for f, g in u.items() if f in k} for u, k in zip(unsynced, keep)]
+    run.accumulated_scale[key] = [{f: s for f, s in sc.items() if f in k} for sc, k in zip(scales, keep)]
 
 
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
