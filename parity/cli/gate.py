@@ -1,0 +1,170 @@
+"""``gate`` and ``merge``: decide GO / NO-GO / PARTIAL per model on a run's records, and what a
+run's evidence covers of the complete matrix it names (docs/gate.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+
+from parity.cli.parser import AXIS_OPTIONS, RUN_DEFAULTS
+from parity.cli.run import _execute, _run_settings, _select
+from parity.errors import UsageError
+from parity.interrupt import Signals
+
+#: Run options whose value, when given, may make a run narrower than its matrix; cell ids
+#: show what ``-k``/``--ranks``/``--paths`` and the axis options left out, but not ``--steps``.
+NARROWING = ("filter", "ranks", "paths", "steps", "shard", *AXIS_OPTIONS)
+_FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "paths", "steps", "shard", *AXIS_OPTIONS)}}
+
+
+_FAULT_TAG = re.compile(r"/fault-[^/]+$")
+
+
+def _scope(opts: dict | None, ran: list[str]) -> dict:
+    """What a gate's evidence covers against the complete matrix its run names: the matrix,
+    a digest of its complete cell list, the options that narrowed it, the counts run vs
+    expected and the cells left out. ``complete`` only when every cell of the matrix ran with
+    the matrix's step count and no fault (docs/gate.md, rule "complete matrix")."""
+    if not isinstance(opts, dict) or not opts.get("matrix"):
+        return {"complete": False, "left_out": ["the run records no options (not run by parity run/gate)"]}
+    opts = {**RUN_DEFAULTS, **opts}
+    full = {**opts, **{k: None for k in NARROWING}, "fault": []}
+    matrix, cells = _select(full)
+    expected = sorted(c.id for c in cells)
+    steps = cells[0].steps if cells else 0
+    ran = {_FAULT_TAG.sub("", c) for c in ran}  # an injected fault is reported below, not as a missing cell
+    missing = sorted(set(expected) - ran)
+    given = {k: opts[k] for k in NARROWING if opts.get(k) not in (None, [])}
+    left_out = [f"{len(missing)} of {len(expected)} cells not run (e.g. {missing[0]})"] if missing else []
+    if given.get("steps") not in (None, steps):
+        left_out.append(f"--steps {given['steps']} instead of the matrix's {steps}")
+    if opts["fault"]:
+        left_out.append(f"faults injected: {', '.join(opts['fault'])}")
+    digest = hashlib.sha256(f"steps={steps}\n".encode() + "\n".join(expected).encode()).hexdigest()[:16]
+    return {"complete": not left_out, "left_out": left_out, "matrix": matrix.name, "matrix_digest": digest,
+            "cells_expected": len(expected), "cells_run": len(ran & set(expected)), "steps": opts["steps"] or steps,
+            "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
+
+
+def _gate_baseline(directory: str | None) -> dict | None:
+    """The digest ``gate --compare-to`` compares with (a complete run's), or ``None``."""
+    if not directory:
+        return None
+    from parity.report.compare import digest_of
+
+    return digest_of(directory, "--compare-to", baseline=True)
+
+
+def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> None:
+    """A gate compares like with like: ``--compare-to``'s results must be of the matrix it judges."""
+    if baseline and baseline.get("matrix") and matrix and baseline["matrix"] != matrix:
+        raise UsageError(f"--compare-to {directory}: those results are of matrix {baseline['matrix']!r}, this gate "
+                         f"judges {matrix!r}; compare like with like (gate --matrix {baseline['matrix']})")
+
+
+def cmd_gate(args) -> int:
+    """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO / PARTIAL per model."""
+    from parity.execute.torchrun import under_torchrun
+    from parity.paths import check_path
+    from parity.report import outdir
+
+    candidate = check_path(args.candidate)
+    if args.fault:
+        raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
+                         "test the checks with python -m parity run --fault NAME")
+    baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
+    if args.from_dir:
+        out = args.from_dir
+        if not os.path.isfile(os.path.join(out, outdir.CELLS)):
+            raise UsageError(f"--from {out}: no {outdir.CELLS} there; give the --out directory of a parity run")
+        manifest = outdir.read_manifest(out)
+        if manifest.get("status") != "complete":
+            raise UsageError(f"--from {out}: that run is {manifest.get('status', 'unfinished')}; "
+                             f"finish it with python -m parity run --resume {out}")
+        _same_matrix(args.compare_to, baseline, str((manifest.get("options") or {}).get("matrix", "")))
+        with Signals() as signals:
+            return _decide(args, out, manifest, candidate, baseline, signals)
+    opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+    _same_matrix(args.compare_to, baseline, opts["matrix"])
+    matrix, cells = _select(opts)
+    with Signals(enabled=not under_torchrun()) as signals:  # the run's cells and files, then the gate's
+        code = _execute(args, opts, matrix, cells)
+        if code < 0:
+            return 0  # a torchrun peer: rank 0 decides
+        out = opts["out"]
+        manifest = outdir.read_manifest(out)
+        if manifest.get("status") != "complete":
+            return code  # interrupted: the run already said so
+        if opts["shard"]:  # one part decides nothing: the merged parts do
+            print(f"gate: part {opts['shard']} recorded in {out}; decide on every part: "
+                  f"python -m parity merge PART_DIRS... --out DIR --gate")
+            return code
+        return _decide(args, out, manifest, candidate, baseline, signals)
+
+
+def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | None, signals: Signals) -> int:
+    """Judge ``out``'s records (against ``baseline``, ``--compare-to``'s digest, when given) and
+    the scope of its run, write the gate's files, print the decisions."""
+    from parity.errors import writing
+    from parity.report import gate, outdir
+    from parity.report.records import read_records
+
+    records = read_records(os.path.join(out, outdir.CELLS))
+    decisions = gate.evaluate(records, candidate)
+    if baseline is not None:
+        from parity.report.compare import compare, concerns, digest_of
+
+        bad, _ = compare(baseline, digest_of(out, "gate"))
+        for d in decisions:
+            mine = [b for b in bad if concerns(b, d.model)]
+            if mine:
+                d.decision = gate.NO_GO
+                d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
+    scope = _scope(manifest.get("options"), list(manifest.get("cells") or []))
+    gate.apply_scope(decisions, scope)
+    env = manifest.get("environment") or {}
+    meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
+            "matrix": scope.get("matrix", ""), "cells": len(manifest.get("cells", [])), "records": len(records),
+            "scope": scope, "device": manifest.get("device", ""),
+            "versions": {k: env.get(k, "") for k in ("torch", "cuda", "nccl", "python")}}
+    from parity.report.html import write_html
+
+    with writing(out):
+        gate.write(out, decisions, records, meta=meta)
+        write_html(out, records)
+    from parity.report.gate import clip
+
+    width = max((len(d.model) for d in decisions), default=5)
+    matrix = scope.get("matrix", "")
+    for d in decisions:
+        why = "; ".join(d.reasons or d.notes)
+        decided = f"{d.decision} ({matrix})" if matrix else d.decision
+        print(f"{d.model:<{width}}  {decided:<14}  {clip(why, 200, 'gate.md has every reason')}")
+    print(f"gate: {out}/gate.md, {out}/gate.json")
+    if signals():  # arrived while the gate's files were written: they were completed first
+        print(f"parity: interrupted by {signals.name} while writing the gate's files (they are complete)",
+              file=sys.stderr)
+        return signals.code
+    return 0 if gate.is_go(decisions) else 1
+
+
+def cmd_merge(args) -> int:
+    """Join a sharded run's parts (:mod:`parity.report.merge`); with ``--gate``, decide on them."""
+    from parity.report.merge import merge
+    from parity.runner import verdict_code
+
+    if args.junit:
+        from parity.report.outdir import writable_file
+
+        writable_file(args.junit, "--junit")
+    with Signals() as signals:
+        manifest, records = merge(args.parts, args.out, overwrite=args.overwrite, junit=args.junit or "")
+        print(f"merge: {manifest['merged']['parts']} parts, {len(manifest['cells'])} cells, {len(records)} records "
+              f"in {args.out}")
+        if args.gate:
+            from parity.paths import check_path
+
+            return _decide(args, args.out, manifest, check_path(args.candidate), None, signals)
+    return verdict_code(records)

@@ -1,0 +1,120 @@
+"""Commands that read and write no run: ``plan``, ``fixtures``, ``report``, ``compare``, ``repro``."""
+
+from __future__ import annotations
+
+from parity.cli.parser import RUN_DEFAULTS
+from parity.cli.run import _select
+from parity.errors import UsageError
+
+def _models_for_plan(args) -> list:
+    from parity.model.registry import get_fixture, load_source
+
+    if not args.fixture and not args.model:
+        raise UsageError("plan: give --fixture NAME, --model pkg.module:factory, or both (a model of that source)")
+    if args.model and not args.fixture:
+        return list(load_source(args.model))  # every model the factory returns
+    return [get_fixture(args.fixture, args.model or "")]
+
+
+def cmd_plan(args) -> int:
+    from parity.model.dtypes import parse_dtype
+    from parity.model.plan import PrecisionConfig
+
+    config = PrecisionConfig(
+        param_dtype=parse_dtype(args.param_dtype, what="--param-dtype"),
+        reduce_dtype=parse_dtype(args.reduce_dtype, what="--reduce-dtype", allow_natural=True),
+        output_dtype=parse_dtype(args.output_dtype, what="--output-dtype", allow_natural=True),
+    )
+    for i, fixture in enumerate(_models_for_plan(args)):
+        print(("\n" if i else "") + _describe_plan(fixture, config))
+    return 0
+
+
+def _describe_plan(fixture, config) -> str:
+    """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
+    FP32 name rules resolve differently, and every path's units."""
+    from parity.judge.plan import declared_fp32
+    from parity.model.plan import canonical_fqn, fp32_disagreements, matches
+    from parity.paths import path_names, plan_sharding
+
+    model = fixture.make(0)
+    ignored = fixture.ignored(model)
+    plan = fixture.resolve(model, config, ignored)
+    out = [f"fixture {fixture.name}: {fixture.description}", "", plan.table(), ""]
+    resolved = declared_fp32(plan)
+    if fixture.expect_fp32 is None:
+        out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; "
+                   "declared: not declared (Fixture.expect_fp32)")
+    else:
+        declared = set(fixture.expect_fp32)
+        differ = sorted(resolved ^ declared)
+        out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; declared "
+                   + ("the same" if not differ else f"differently for {', '.join(differ)} (the plan check fails)"))
+    tensors = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
+    for pattern in fixture.keep_fp32:  # a generic pattern may select nothing; a typo always does
+        if not any(matches(fqn, pattern, fixture.fp32_rule) for fqn in tensors):
+            out.append(f"note: Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer "
+                       f"(rule {fixture.fp32_rule}); a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch it)")
+    for fqn, by_framework, by_tokens in fp32_disagreements(model, fixture.keep_fp32):
+        out.append(f"rules disagree: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' rule, "
+                   f"{'FP32' if by_tokens else 'not FP32'} under whole name parts (Fixture.fp32_rule)")
+    for path in path_names():
+        out.append("")
+        try:
+            out.append(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
+        except ValueError as exc:
+            out.append(f"path requested={path}: error: {exc}")
+    return "\n".join(out)
+
+
+def cmd_fixtures(args) -> int:
+    from parity.matrix import available, load
+    from parity.model.registry import registry
+    from parity.paths import paths
+
+    for f in registry().values():
+        print(f"{f.name:<14} {f.description}")
+    print()
+    for name, path in paths().items():
+        fallback = f", falls back to {path.fallback}" if path.fallback else ""
+        print(f"{name:<14} path ({path.contract}{fallback})")
+    print()
+    for name in available():
+        try:
+            m = load(name)
+        except UsageError as exc:  # e.g. a matrix of optional plugin models not installed here
+            print(f"{name:<14} {'-':>5}        unavailable here: {exc}")
+            continue
+        print(f"{name:<14} {len(m.cells):>5} cells  {m.description}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from parity.report.html import report_dir
+
+    print(report_dir(args.dir))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from parity.report.compare import compare_dirs
+
+    return compare_dirs(args.old, args.new, factor=args.factor, write_digest=args.write_digest or "")
+
+
+def cmd_repro(args) -> int:
+    """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
+    from parity.report.repro import find_cell, script
+
+    text = script(find_cell(args.cell, args.from_dir, lambda options: _select({**RUN_DEFAULTS, **options})[1]),
+                  args.from_dir)
+    if not args.out:
+        print(text, end="")
+        return 0
+    try:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot write ({exc.strerror}); choose a writable file") from None
+    print(f"wrote {args.out}: python {args.out} re-runs {args.cell}")
+    return 0

@@ -1,0 +1,188 @@
+"""``run``: the options in effect (given, recorded by an interrupted run, defaults), the cells they
+select, and the run itself (on its own ranks, or as a torchrun peer)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import sys
+
+from parity.arguments import csv_list as _csv
+from parity.cli.parser import AXIS_OPTIONS, RUN_IDENTITY, _run_arguments, RUN_DEFAULTS
+from parity.errors import UsageError
+
+def _run_settings(args, defaults: dict) -> dict:
+    """The effective run options: given > recorded (``--resume``) > defaults."""
+    given = {k: getattr(args, k) for k in defaults if getattr(args, k) not in (None, [])}
+    if not args.resume:
+        return {**defaults, **given}
+    from parity.report.outdir import read_manifest
+
+    if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(args.resume):
+        raise UsageError(f"--resume {args.resume} writes into that directory; drop --out {given['out']}")
+    if args.overwrite:
+        raise UsageError("--resume continues a run and --overwrite replaces one; give only one of them")
+    recorded = read_manifest(args.resume).get("options")
+    if not isinstance(recorded, dict):
+        raise UsageError(f"--resume {args.resume}: run.json records no options (not a parity run directory)")
+    wrong = [k for k in RUN_IDENTITY if k in recorded and not _as_parsed(k, recorded[k])]
+    if wrong:
+        raise UsageError(f"--resume {args.resume}: run.json records {wrong[0]} {recorded[wrong[0]]!r}, which that "
+                         "option cannot be (the file was edited); start a new run with --overwrite")
+    for key, value in given.items():
+        if key in RUN_IDENTITY and recorded.get(key) != value:
+            raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
+                             f"({recorded.get(key)!r} recorded, {value!r} given); drop it or start a new run")
+    return {**defaults, **recorded, **given, "out": args.resume}
+
+
+@functools.cache
+def _run_actions() -> dict[str, argparse.Action]:
+    p = argparse.ArgumentParser()
+    _run_arguments(p, "smoke")
+    return {a.dest: a for a in p._actions}
+
+
+def _as_parsed(key: str, value) -> bool:
+    """Whether ``value`` (recorded in ``run.json``) is what ``run``'s option ``key`` parses to: the same
+    argument types and choices decide (no second table of option types)."""
+    action = _run_actions()[key]
+    if value is None:
+        return True
+    if action.nargs == 0:  # a flag
+        return isinstance(value, bool)
+    if isinstance(action, argparse._AppendAction):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return False
+    try:
+        parsed = (action.type or str)(str(value))
+    except (argparse.ArgumentTypeError, ValueError):
+        return False
+    return parsed == value and (not action.choices or value in action.choices)
+
+
+def _select(opts: dict):
+    """(matrix, cells) the options select."""
+    from parity.faults import check_faults
+    from parity.matrix import load, select
+    from parity.paths import check_path, path_names
+
+    matrix = load(opts["matrix"], tuple(opts["model"]))
+    cells = list(matrix.cells)
+    paths = _csv(opts["paths"], "--paths", path_names())
+    ranks = _csv(opts["ranks"], "--ranks", [1, 2, 4, 8], int)
+    faults = check_faults(opts["fault"])
+    baseline = check_path(opts["baseline"])
+    if paths:  # the path axis becomes exactly these paths, for every pair group of the matrix
+        groups = list(dict.fromkeys(dataclasses.replace(c, path=paths[0]) for c in cells))
+        cells = [dataclasses.replace(g, path=p) for g in groups for p in paths]
+    if ranks:
+        cells = [c for c in cells if c.ranks in ranks]
+    given = {k: opts[k] for k in AXIS_OPTIONS if opts[k] is not None}
+    if given:
+        seen, unique = set(), []
+        for c in (dataclasses.replace(c, **given) for c in cells):
+            if c.id not in seen:
+                seen.add(c.id)
+                unique.append(c)
+        cells = unique
+    if opts["steps"] is not None:
+        cells = [dataclasses.replace(c, steps=opts["steps"]) for c in cells]
+    cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
+    return matrix, select(cells, opts["filter"])
+
+
+def _execute(args, opts: dict, matrix, cells) -> int:
+    from parity.execute.torchrun import TorchrunExecutor, under_torchrun
+    from parity.runner import RunOptions, resolve_device, run_cells
+
+    if not cells:
+        raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
+    if opts["junit"]:
+        from parity.report.outdir import writable_file
+
+        writable_file(opts["junit"], "--junit")
+    from parity.report.identity import difference, identity
+
+    device = resolve_device(opts["device"])
+    selection, shard = cells, {}
+    if opts["shard"]:
+        cells, shard = _part_of(cells, opts["shard"], matrix.name)
+    manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": _torch_version(), "device": device,
+                "cells": [c.id for c in cells], **shard, **identity(matrix.path, selection)}
+    if args.resume:
+        from parity.report.outdir import read_manifest
+
+        if under_torchrun():
+            raise UsageError("--resume is not supported under torchrun; resume without torchrun or rerun the matrix")
+        recorded = read_manifest(args.resume)
+        for key in ("torch", "device"):
+            if recorded.get(key) != manifest[key]:
+                raise UsageError(f"--resume {args.resume}: the interrupted run used {key} {recorded.get(key)!r}, this "
+                                 f"one would use {manifest[key]!r}; resume where it ran or start a new run")
+        if recorded.get("cells") != manifest["cells"]:
+            raise UsageError(f"--resume {args.resume}: the matrix now selects different cells than the interrupted "
+                             "run (the matrix file or a plugin changed); start a new run with --overwrite")
+        changed = difference(recorded, manifest)
+        if changed:
+            raise UsageError(f"--resume {args.resume}: {changed}; resume with the parity, model and matrix files "
+                             "it ran with, or start a new run with --overwrite")
+    _warn_rule_disagreements(cells)
+    options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
+                         title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
+                         require_native=opts["require_native"], junit=opts["junit"] or "")
+    if under_torchrun():
+        executor = TorchrunExecutor(device)
+        skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731
+        code = run_cells(cells, options, skip_reason=skip, executor=executor)
+        return code if executor.rank == 0 else -1
+    return run_cells(cells, options, skip_reason=matrix.skip_reason)
+
+
+def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
+    """The cells of part ``text`` ("I/N") and its ``run.json`` entry (:func:`parity.matrix.shard.part_of`)."""
+    from parity.matrix.shard import parse_shard, part_of
+
+    shard = parse_shard(text)
+    part, record = part_of(cells, shard, title)
+    if not part:  # a small selection over many parts: nothing owed here, the merge checks the whole
+        print(f"parity: --shard {shard}: this part holds none of the selection's {len(cells)} cells "
+              "(fewer pair groups than parts take); it records an empty part for parity merge", file=sys.stderr)
+    return part, {"shard": record}
+
+
+def _warn_rule_disagreements(cells) -> None:
+    """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
+    the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
+    from parity.model.plan import fp32_disagreements
+    from parity.model.registry import get_fixture
+
+    for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
+        fixture = get_fixture(name, source)
+        for fqn, by_framework, _ in fp32_disagreements(fixture.make(0), fixture.keep_fp32):
+            print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
+                  f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "
+                  f"fp32_rule={fixture.fp32_rule!r} (see python -m parity plan)", file=sys.stderr)
+
+
+def cmd_run(args) -> int:
+    opts = _run_settings(args, RUN_DEFAULTS)
+    matrix, cells = _select(opts)
+    if args.list and opts["shard"]:
+        cells = _part_of(cells, opts["shard"], matrix.name)[0]
+    if args.list:
+        for c in cells:
+            reason = matrix.skip_reason(c)
+            print(c.id + (f"  [SKIP: {reason}]" if reason else ""))
+        print(f"{len(cells)} cells")
+        return 0
+    return max(0, _execute(args, opts, matrix, cells))
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
