@@ -559,3 +559,22 @@ def reshard_group_ignored():
             return orig(module, *args, reshard_after_forward=reshard_after_forward, **kwargs)
         return fully_shard
     return swap_attr(fsdp, "fully_shard", make)
+
+
+def window_replays_accumulation():
+    """Inside a no-sync window FSDP adds a unit's unsharded gradients to themselves once more after
+    a micro-batch's backward (a replayed accumulation, FSDPParamGroup._set_unsharded_grad_dtypes):
+    the window holds twice what its micro-batches computed, and the reduction sends that."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def make(orig):
+        def _set_unsharded_grad_dtypes(self, defer_upcast):
+            orig(self, defer_upcast)
+            if self.reduce_grads:
+                return
+            for fsdp_param in self.fsdp_params:
+                param = getattr(fsdp_param, "_unsharded_param", None)
+                if param is not None and param.grad is not None:
+                    param.grad.add_(param.grad)
+        return _set_unsharded_grad_dtypes
+    return swap_attr(FSDPParamGroup, "_set_unsharded_grad_dtypes", make)
