@@ -71,3 +71,17 @@ def test_each_nox_session_exists():
     for where, command in (c for c in COMMANDS if c[1].startswith("nox -s")):
         name = shlex.split(command)[2].split("(")[0]
         assert name in sessions, f"{where}: `{command}`: no nox session {name!r} ({sorted(sessions)})"
+
+
+#: Commands that read no results and run no cell: each is run as written, in this process.
+READ_ONLY = [(w, c) for w, c in COMMANDS if not c.startswith("nox")
+             and (_parity_argv(c)[0] in ("plan", "fixtures") or "--list" in _parity_argv(c))]
+
+
+@pytest.mark.parametrize("where, command", READ_ONLY, ids=lambda v: v[:80])
+def test_each_command_that_runs_nothing_runs_as_written(where, command, monkeypatch, capsys):
+    from parity.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(_parity_argv(command)) == 0, f"{where}: `{command}`: {capsys.readouterr().err[-500:]}"
+    assert capsys.readouterr().out.strip(), f"{where}: `{command}` printed nothing"
