@@ -10,7 +10,7 @@ import os
 import sys
 
 from parity.arguments import csv_list as _csv
-from parity.cli.parser import AXIS_OPTIONS, RUN_IDENTITY, _run_arguments, RUN_DEFAULTS
+from parity.cli.parser import AXIS_OPTIONS, RUN_DEFAULTS, RUN_IDENTITY, _run_arguments
 from parity.errors import UsageError
 
 def _run_settings(args, defaults: dict) -> dict:

@@ -3,9 +3,9 @@
 With ``set_requires_gradient_sync(False)`` FSDP keeps each parameter's unsharded gradient on
 every rank and adds the next micro-batch's into it; only the last micro-batch reduces. The
 gradient the optimizer steps with (``grad``) shows a fault in that window only after the
-reduction, mixed with every rank's; this check reads the window itself. After every
-micro-batch but the last, each rank's unsharded gradient (FSDP and HSDP meshes, :func:`judged`) (the ranks record it,
-:meth:`parity.execute.probes.Recorder.after_backward`) is compared with the emulated rank's
+reduction, mixed with every rank's; this check reads the window itself. On FSDP and HSDP meshes
+(:func:`judged`), after every micro-batch but the last, each rank's unsharded gradient (recorded
+by :meth:`parity.execute.probes.Recorder.after_backward`) is compared with the emulated rank's
 accumulation in the reduce dtype (:attr:`parity.judge.reference.ReferenceRun.accumulated`),
 with the allowance of a sum of that many terms. One record per step, micro-batch and
 parameter: the worst rank's, every rank judged. A rank that recorded nothing where the
@@ -21,7 +21,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison, amax
+from parity.judge.compare import Comparison
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
@@ -48,11 +48,10 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
             worst = None
             for o in observations:
                 d = topo.data_rank(o.rank)
-                want = per_rank[d].get(fqn)
-                if want is None:  # this rank's data gave it nothing to accumulate yet
+                if fqn not in per_rank[d]:  # this rank's data gave it nothing to accumulate yet
                     continue
+                want, scale = per_rank[d][fqn]
                 got = o.contracts.accumulated.get((step, mb), {}).get(fqn, torch.zeros(0))
-                scale = ref.accumulated_scale[(step, mb)][d].get(fqn, amax(want))
                 allow = tolerance.gradient(want.dtype, want.dtype, mb + 1, scale)
                 row = Comparison(step, "grad.accum", fqn, got, want, allow).record(base)
                 row = dataclasses.replace(row, detail=f"rank {o.rank} after micro-batch {mb}: {row.detail}")

@@ -64,11 +64,10 @@ class ReferenceRun:
     """Per step of a clipping cell, the coefficient the gradients were scaled by."""
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
-    accumulated: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = field(default_factory=dict)
+    accumulated: dict[tuple[int, int], list[dict[str, tuple[torch.Tensor, float]]]] = field(default_factory=dict)
     """(step, micro-batch) -> per emulated rank, each FSDP-managed parameter's unsharded gradient
-    accumulated (reduce dtype) after that micro-batch, while sync is off (every one but the last)."""
-    accumulated_scale: dict[tuple[int, int], list[dict[str, float]]] = field(default_factory=dict)
-    """The same keys -> per rank and parameter, the sum of the max |term| accumulated so far."""
+    accumulated (reduce dtype) after that micro-batch, while sync is off (every one but the last),
+    with the sum of the max |term| accumulated so far."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -132,9 +131,8 @@ def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[di
     as the ranks record it after that micro-batch's backward. A parameter no micro-batch of the
     window used yet on that rank holds no gradient there (the zeros an unused parameter is
     reduced as are the reduce-scatter's, not the window's): it has no term of any size."""
-    keep = [{f for f, s in sc.items() if s > 0 and entries[f].ownership == "managed"} for sc in scales]
-    run.accumulated[key] = [{f: g.detach().cpu().clone() for f, g in u.items() if f in k} for u, k in zip(unsynced, keep)]
-    run.accumulated_scale[key] = [{f: s for f, s in sc.items() if f in k} for sc, k in zip(scales, keep)]
+    run.accumulated[key] = [{f: (u[f].detach().cpu().clone(), s) for f, s in sc.items()
+                             if s > 0 and entries[f].ownership == "managed"} for u, sc in zip(unsynced, scales)]
 
 
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:

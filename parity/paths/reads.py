@@ -12,6 +12,8 @@ so a model storing some parameters in BF16 runs without FSDP's casts).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -22,7 +24,7 @@ from parity.paths.base import ShardReport
 
 
 class _Reads(TorchFunctionMode):
-    """Records (parameter name, innermost running module) for every read outside ``inside``."""
+    """Records (parameter name, innermost running module) for every read outside its unit's forward."""
 
     def __init__(self, names: dict[int, str], owner: dict[str, tuple[str, ...]], running: list[str]):
         super().__init__()
@@ -45,8 +47,8 @@ def read_outside_units(model: nn.Module, inputs: tuple, report: ShardReport, roo
     if not owner:
         return {}
     named = list(model.named_parameters(remove_duplicate=False))
-    tied = {id(p) for p in {id(p): p for _, p in named}.values() if sum(q is p for _, q in named) > 1}
-    names = {id(p): n for n, p in named if n in owner and id(p) not in tied}
+    uses = Counter(id(p) for _, p in named)  # a tied parameter (two names) is not judged
+    names = {id(p): n for n, p in named if n in owner and uses[id(p)] == 1}
     running: list[str] = []
     handles = []
 
