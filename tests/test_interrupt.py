@@ -3,7 +3,6 @@ the same for ``gate``, ``bench``, ``fuzz`` and while a run's result files are wr
 workers that die with their parent before they import torch; a disk that fills up."""
 
 import csv
-import glob
 import json
 import multiprocessing as mp
 import os

@@ -114,11 +114,18 @@ def test_clipping_is_judged_after_the_clip_and_must_clip_something(one_rank):
     judged = judge_cell(clipping, obs).records
     assert _clip_rows(judged) == [(0, "PASS"), (1, "PASS")]
     assert all(r.signal > 0 for r in judged if r.check == "clip")  # it removed part of the norm
-    # the clipped gradients are what the grad check judges: unclipped ones are far from them
-    assert {r.verdict for r in judged if r.check == "grad"} == {"PASS"}
+    # grad judges each gradient as reduced, grad.clipped what the optimizer stepped with
+    assert {r.verdict for r in judged if r.check in ("grad", "grad.clipped")} == {"PASS"}
+    assert {r.name for r in judged if r.check == "grad"} == {r.name for r in judged if r.check == "grad.clipped"}
     unclipped = _observe(one_rank, dataclasses.replace(clipping, clip=0.0))
+    clipped = [o.grads for o in obs]
     for o, u in zip(obs, unclipped):
-        o.grads = u.grads
+        o.grads = u.grads  # an optimizer fed unclipped gradients: unclipped ones are far from them
+    rows = judge_cell(clipping, obs).records
+    assert {r.verdict for r in rows if r.check == "grad"} == {"PASS"}
+    assert "FAIL" in {r.verdict for r in rows if r.check == "grad.clipped"}
+    for o, c in zip(obs, clipped):
+        o.reduced = c  # a reduction that delivered the clipped values before clipping ran
     assert "FAIL" in {r.verdict for r in judge_cell(clipping, obs).records if r.check == "grad"}
     # a max-norm above the norm clips nothing: its PASS would be vacuous
     loose = dataclasses.replace(clipping, clip=1e6)

@@ -20,7 +20,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import resource
 import time
 from collections import Counter
@@ -105,7 +104,7 @@ def measure_rank(task: BenchTask, *, rank: int, world: int, mesh, device, heartb
 
     def step(k: int) -> None:
         train_step(cell, s, k, rank=rank, world=world, device=device, obs=obs)
-        obs.outputs.clear(), obs.input_grads.clear(), obs.grads.clear(), obs.params.clear()
+        obs.outputs.clear(), obs.input_grads.clear(), obs.grads.clear(), obs.reduced.clear(), obs.params.clear()
 
     for k in range(task.warmup):
         step(k)

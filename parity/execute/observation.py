@@ -209,7 +209,12 @@ class Observation:
     """Per (step, micro-batch), this rank's model output."""
     input_grads: list[torch.Tensor | None] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    """Per step, fqn -> local gradient shard (full tensor for ignored parameters)."""
+    """Per step, fqn -> local gradient shard (full tensor for ignored parameters): what the
+    optimizer steps with (unscaled and clipped)."""
+    reduced: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step of a clipping or loss-scaled cell, fqn -> the gradient as the reduction left it,
+    before the scaler unscaled and clipping scaled it, divided by the loss scale (a power of
+    two: exact). Empty for other cells, whose ``grads`` are that gradient."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step, fqn -> local parameter shard after the optimizer step."""
     state_dicts: list[StateDictSeen] = field(default_factory=list)

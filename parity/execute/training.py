@@ -240,8 +240,9 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
 
 
 def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture) -> None:
-    """After the last micro-batch: the ignored parameters' owner reduction, the gradient norm (and
-    clipping), the optimizer step; records gradients and parameters."""
+    """After the last micro-batch: the ignored parameters' owner reduction, (unscaling,) the
+    gradient norm (and clipping), the optimizer step; records gradients (as reduced, when
+    unscaling or clipping changes them after, and as stepped with) and parameters."""
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
     # a set's order follows object addresses, which differ across ranks (same-shape
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
@@ -250,6 +251,9 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
             group, dtype = parallel.owner_reduce(
                 p, world=world, reduction=owner_reduction(cell.reduction, fixture.ignored_reduction), group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
+    if cell.clip or s.scaler:  # the reduction's output, before anything scales it
+        factor = s.scaler.get_scale() if s.scaler else 1.0
+        obs.reduced.append({s.names[id(p)]: keep(p.grad) / factor for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.unscale_(s.opt)
     norm = parallel.global_grad_norm(s.params)

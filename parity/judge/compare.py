@@ -23,6 +23,8 @@ class Assembled:
     outputs: list[list[torch.Tensor]] = field(default_factory=list)
     input_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    reduced: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step of a clipping or loss-scaled cell, the gradients before unscaling and clipping."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     clipped_norms: list[float] = field(default_factory=list)
@@ -66,6 +68,8 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     for step in range(len(observations[0].grads)):
         run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
         run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
+    for step in range(min(len(o.reduced) for o in observations)):
+        run.reduced.append({f: full(f, [o.reduced[step] for o in observations]) for f in observations[0].reduced[step]})
     return run
 
 
@@ -199,16 +203,21 @@ def plan_comparisons(
     for step, grads in enumerate(ref.grads):
         spread = clipped_spread = 0.0  # sum over gradients of numel x allowance^2
         coef = ref.clip_coefs[step] if step < len(ref.clip_coefs) else 1.0
+        staged = step < len(ref.reduced)  # unscaling or clipping comes between reduction and step
         for f, expected in grads.items():
             entry = plan[f]
             scale = ref.grad_scale[step].get(f, amax(expected))
             allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, ref.grad_terms, scale)
             spread += expected.numel() * allow.allowed ** 2
+            if staged:
+                actual = run.reduced[step].get(f, torch.zeros(0)) if step < len(run.reduced) else torch.zeros(0)
+                t = truth.reduced[step][f] if truth else None
+                out.append(Comparison(step, "grad", f, actual, ref.reduced[step][f], allow, t))
             allow = tolerance.clipped(allow, coef, entry.kept_grad, scale)
             clipped_spread += expected.numel() * allow.allowed ** 2
             actual = run.grads[step].get(f, torch.zeros(0))
             t = truth.grads[step][f] if truth else None
-            out.append(Comparison(step, "grad", f, actual, expected, allow, t))
+            out.append(Comparison(step, "grad.clipped" if staged else "grad", f, actual, expected, allow, t))
         for f in sorted(set(run.grads[step]) - set(grads)):  # a gradient the plan says cannot exist
             allow = tolerance.gradient(torch.float32, torch.float32, ref.grad_terms, 0.0)
             out.append(Comparison(step, "grad", f, run.grads[step][f], torch.zeros(0), allow))
@@ -273,7 +282,10 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             k = step * micro + int(mb[2:])
             other = (second.outputs if c.check == "output" else second.input_grads)[k][int(r[4:])]
             other = other if other is not None else torch.zeros(0)  # missing: judged as such
-        elif c.check == "grad":
+        elif c.check == "grad":  # as reduced: before unscaling and clipping where they ran
+            grads = second.reduced if second.reduced else second.grads
+            other = grads[step].get(c.name, torch.zeros(0)) if step < len(grads) else torch.zeros(0)
+        elif c.check == "grad.clipped":
             other = second.grads[step].get(c.name, torch.zeros(0))
         elif c.check == "param":
             other = second.params[step][c.name]

@@ -23,7 +23,7 @@ from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import loss_scale, optimizer_recipe
+from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
 from parity.judge.collectives import collective_checks
 from parity.judge.rows import contract_row as _row

@@ -6,8 +6,9 @@ the observations) it derives the records the cell owes:
 
 - ``output`` and, unless the model's input is integer tokens, ``input_grad`` for every step,
   rank and micro-batch;
-- ``grad`` and ``param`` for every trainable parameter at every step it trains, ``grad_norm``
-  at every step, ``trajectory`` for every parameter trained by the last step;
+- ``grad`` and ``param`` for every trainable parameter at every step it trains (and
+  ``grad.clipped`` where clipping or a loss scale changes the gradient after its reduction),
+  ``grad_norm`` at every step, ``trajectory`` for every parameter trained by the last step;
 - ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps,
   ``dtype.grad`` for every parameter trained within them (ignored ones too),
   ``plan`` for every parameter;
@@ -30,6 +31,7 @@ from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan
+from parity.model.recipe import loss_scale
 
 #: Owed records a cell's coverage row names at most (the count says how many more).
 NAMED = 8
@@ -56,9 +58,10 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:
             out.append(("clip", "global", step))
+        staged = cell.clip or loss_scale(plan.config.param_dtype) != 1.0  # reduced, then unscaled/clipped
         for t in trained:
             if t.trainable_from <= step:
-                out += [("grad", t.fqn, step), ("param", t.fqn, step)]
+                out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
     out += [("trajectory", t.fqn, cell.steps - 1) for t in trained if t.trainable_from < cell.steps]
     out += [("plan", t.fqn, None) for t in plan.params]
     out += [("dtype.reduce", t.fqn, None) for t in plan.params

@@ -24,7 +24,7 @@ from parity.model.registry import get_fixture
 from parity.model.trace import Trace
 
 #: Checks whose failure asks where the cell diverged first.
-NUMERIC = ("output", "input_grad", "grad", "grad_norm", "param", "trajectory")
+NUMERIC = ("output", "input_grad", "grad", "grad.clipped", "grad_norm", "param", "trajectory")
 
 
 def _first_over(actual: dict, expected: dict, skipped: list[str]) -> tuple[str, float, float, float] | None:

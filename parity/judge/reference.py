@@ -60,6 +60,8 @@ class ReferenceRun:
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     """Per step, the global gradient norm before clipping."""
+    reduced: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """Per step of a clipping or loss-scaled cell, each gradient before clipping (unscaled)."""
     clip_coefs: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the coefficient the gradients were scaled by."""
     clipped_norms: list[float] = field(default_factory=list)
@@ -302,6 +304,9 @@ def run_reference(
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
         run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
+        if cell.clip or loss_scale(plan.config.param_dtype) != 1.0:  # as the ranks record it
+            run.reduced.append({f: masters[f].grad.detach().cpu().clone() for f in trainable
+                                if masters[f].grad is not None})
         if cell.clip and grads:
             _clip(run, [masters[f] for f in trainable], cell.clip,
                   clip_norms[step] if clip_norms is not None and step < len(clip_norms) else run.grad_norms[-1], fp64)

@@ -12,8 +12,10 @@ the failing records the way training runs and names the earliest:
   tensor-parallel reductions), ``backward`` (the input's gradient), ``collectives`` (the
   step's all-gathers and reductions: counts, bytes, reduce, accumulation and kept gradient
   dtypes),
-  ``gradients`` (the gradient the optimizer steps with: reduced, unscaled and clipped, the
-  global norm, clipping), ``optimizer`` (the updated parameters and their trajectory);
+  ``gradients`` (each gradient as the reduction left it, divided by the loss scale, and
+  the global norm after the scaler unscaled), ``clipping`` (the clipped norm and the gradient
+  the optimizer steps with, where unscaling or clipping changed it: ``grad.clipped``),
+  ``optimizer`` (the updated parameters and their trajectory);
 - ``state-dict`` (state dicts taken during training), ``trained`` (the trained model's
   names, identities and dtypes), ``checkpoint`` (optimizer state as DCP maps it, saving,
   loading and resuming).
@@ -32,9 +34,9 @@ from __future__ import annotations
 from parity.judge.record import Record, Verdict
 
 #: The stages in training order (:data:`STAGE_OF` maps checks to them).
-STAGES = ("setup", "gather", "forward", "backward", "collectives", "gradients", "optimizer", "state-dict",
-          "trained", "checkpoint")
-_STEPPED = ("gather", "forward", "backward", "collectives", "gradients", "optimizer")
+STAGES = ("setup", "gather", "forward", "backward", "collectives", "gradients", "clipping", "optimizer",
+          "state-dict", "trained", "checkpoint")
+_STEPPED = ("gather", "forward", "backward", "collectives", "gradients", "clipping", "optimizer")
 STAGE_OF = {
     **dict.fromkeys(("plan", "names", "identity", "ownership", "placement", "dtype.storage", "unit.policy",
                      "buffer", "marker", "expected_error", "fallback"), "setup"),
@@ -43,7 +45,8 @@ STAGE_OF = {
     **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce"), "forward"),
     "input_grad": "backward",
     **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "dtype.grad"), "collectives"),
-    **dict.fromkeys(("grad", "grad_norm", "clip", "ranks"), "gradients"),
+    **dict.fromkeys(("grad", "grad_norm", "ranks"), "gradients"),
+    **dict.fromkeys(("clip", "grad.clipped"), "clipping"),
     **dict.fromkeys(("param", "trajectory", "trajectory.emulation"), "optimizer"),
     "state_dict": "state-dict",
     **dict.fromkeys(("optim.state", "checkpoint.same", "checkpoint.cross", "checkpoint.moved"), "checkpoint"),
