@@ -75,6 +75,8 @@ class RunOptions:
     """A fallback the fixture does not declare (an unsupported build included) is a FAIL."""
     junit: str = ""
     """Also write JUnit XML here (one test case per cell x check)."""
+    op_log: bool = False
+    """Traced re-runs also write rank 0's operator log in DebugMode's format (``traces/<cell>.ops.json``)."""
 
 
 def resolve_device(device: str) -> str:
@@ -257,9 +259,11 @@ class _Run:
             return [Record(**base, check="divergence", name="-", verdict=Verdict.SKIP,
                            detail="not located under torchrun (re-run the cell without torchrun)")]
         try:
-            traced = self._observe(replace(cell, trace=True), signals)
+            traced = self._observe(replace(cell, trace=True, op_log=self.options.op_log), signals)
             document: dict = {}
             record = locate(cell, traced, base, device=_ref_device(self.device), document=document)
+            if self.options.op_log:
+                document["op_log"] = outdir.write_op_log(self.options.out_dir, cell.id, traced[0].op_log)
             outdir.write_trace(self.options.out_dir, cell.id, document)
             return [record]
         except CellFailure as exc:

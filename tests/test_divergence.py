@@ -3,6 +3,10 @@ nothing wrong names no module (it once named ``blocks.1.norm``, ``blocks.1.lora`
 ``blocks.1.adapter`` whatever the fault: a hook on a module's input summed the gradients of the
 input's other readers, e.g. the residual connection, on one side only)."""
 
+import dataclasses
+import io
+import os
+
 import pytest
 
 from parity.execute.pool import RankPool
@@ -40,7 +44,7 @@ def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
 
     cell = Cell(fixture="kda", path="native", ranks=1, steps=1, faults=("perturb_output",))
     out = str(tmp_path / "run")
-    assert run_cells([cell], RunOptions(out_dir=out, timeout=120, progress=False)) == 1
+    assert run_cells([cell], RunOptions(out_dir=out, timeout=120, progress=False, op_log=True)) == 1
     located = next(r for r in read_records(out) if r["check"] == "divergence")
     doc = json.load(open(outdir.trace_path(out, cell.id)))
     assert doc["format"] == TRACE_FORMAT and doc["cell"] == cell.id and doc["tensors"]
@@ -49,3 +53,30 @@ def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
     assert named[0]["sharded"]["sha256"] != named[0]["reference"]["sha256"]
     first = doc["tensors"][0]
     assert set(first["sharded"]) >= {"dtype", "shape", "sha256", "min", "max", "mean", "l2"}
+    # --op-log: rank 0's operators in DebugMode's own format, beside the trace
+    from torch.utils._debug_mode import DebugMode
+
+    logged = DebugMode.load_logs(os.path.join(os.path.dirname(outdir.trace_path(out, cell.id)), doc["op_log"]))
+    assert any("addmm" in str(c) or "mm" in str(c) for c in logged)
+
+
+def test_two_op_logs_of_a_cell_diff_with_debugmodes_own_tool():
+    """Two runs of one cell log the same hashes (views, collectives' in-flight outputs and fresh
+    buffers are not hashed); a run on other data differs, from its first computed value."""
+    from torch.utils._debug_mode import DebugMode
+
+    def log(pool, cell):
+        text = pool.run(cell, 120)[0].op_log["log"]
+        return DebugMode.load_logs(io.StringIO(text))
+
+    pool = RankPool(2)
+    try:
+        cell = Cell(fixture="kda", path="native", ranks=2, steps=1, trace=True, op_log=True)
+        first, again = log(pool, cell), log(pool, cell)
+        other = log(pool, dataclasses.replace(cell, seed=1))
+    finally:
+        pool.stop()
+    assert any("all_gather" in str(c) for c in first) and any("reduce_scatter" in str(c) for c in first)
+    assert DebugMode.check_hash_mismatches(first, again) == []
+    moved = DebugMode.check_hash_mismatches(first, other)
+    assert moved and all(m["rel_diff"] > 0 for m in moved[:1])

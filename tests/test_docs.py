@@ -59,7 +59,7 @@ def test_each_parity_command_parses_and_selects(where, command, monkeypatch):
     if args.command in ("run", "gate") and not getattr(args, "resume", None) and not getattr(args, "from_dir", None):
         options = {k: v for k, v in vars(args).items()
                    if k not in ("command", "list", "out", "overwrite", "resume", "from_dir", "candidate", "compare_to",
-                                "junit", "timeout", "fp64", "require_native", "device", "baseline", "shard")
+                                "junit", "timeout", "fp64", "require_native", "device", "baseline", "shard", "op_log")
                    and v not in (None, [], False)}
         _, cells, _ = api.select(**options)
         assert cells, f"{where}: `{command}` selects no cells"

@@ -49,7 +49,7 @@ RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
                 "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS), "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
-                "timeout": 60.0, "out": "results/latest", "junit": None}
+                "timeout": 60.0, "out": "results/latest", "junit": None, "op_log": False}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +88,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
     p.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
     p.add_argument("--junit", metavar="FILE", help="also write JUnit XML (one test case per cell x check)")
+    p.add_argument("--op-log", action="store_true", default=None,
+                   help="failing cells' traced re-runs also write rank 0's operator log in DebugMode's format")
     p.add_argument("--require-native", action="store_true", default=None,
                    help="a fallback the fixture does not declare (unsupported build included) is a FAIL")
     p.add_argument("--shard", type=_shard, metavar="I/N",

@@ -133,7 +133,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     _warn_rule_disagreements(cells)
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
-                         require_native=opts["require_native"], junit=opts["junit"] or "")
+                         require_native=opts["require_native"], junit=opts["junit"] or "", op_log=bool(opts["op_log"]))
     if under_torchrun():
         executor = TorchrunExecutor(device)
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731

@@ -228,4 +228,7 @@ class Observation:
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
     trace: Trace | None = None
     """Rank 0 of a traced run: per-module outputs and input gradients of the first micro-batch."""
+    op_log: dict = field(default_factory=dict)
+    """Rank 0 of a traced run with ``op_log``: ``log`` (DebugMode's serialized log of the traced
+    step) or ``note`` (why there is none); :mod:`parity.execute.oplog`."""
     timings: dict[str, float] = field(default_factory=dict)

@@ -8,12 +8,13 @@ gradient norm, the shard report and the contract observations.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import collectives, lifecycle, moves, parallel, probes
+from parity.execute import collectives, lifecycle, moves, oplog, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -64,7 +65,9 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         obs.timings["build"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            with collectives.counting(recorder.segments.calls, recorder.segments.key):
+            logging = cell.trace and cell.op_log and rank == 0
+            with collectives.counting(recorder.segments.calls, recorder.segments.key), \
+                    oplog.recording(obs.op_log) if logging else contextlib.nullcontext():
                 for step in range(_steps(cell)):
                     train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
                                heartbeat=beat, tp=tp)

@@ -179,6 +179,8 @@ class Cell:
     """The path other paths are compared with (``baseline~path`` rows)."""
     trace: bool = False
     """Also record per-module outputs and input gradients (re-runs of failing cells)."""
+    op_log: bool = False
+    """A traced re-run also logs rank 0's operators (:mod:`parity.execute.oplog`)."""
     crossload: str = ""
     """The paths (comma-separated) the checkpoint lifecycle loads this cell's checkpoint into;
     empty: the baseline (for the baseline itself: no cross-load)."""
@@ -339,7 +341,7 @@ class Cell:
 
     def axes(self) -> dict:
         d = asdict(self)
-        for run_level in ("faults", "source", "baseline", "crossload", "trace"):
+        for run_level in ("faults", "source", "baseline", "crossload", "trace", "op_log"):
             d.pop(run_level)
         d["reshard"] = "on" if self.reshard else "off"
         d["output_dtype"] = dtype_name(self.precision().output_dtype)

@@ -146,6 +146,19 @@ def write_trace(out: str, cell_id: str, document: dict) -> None:
             json.dump(document, fh, indent=1)
 
 
+def write_op_log(out: str, cell_id: str, op_log: dict) -> str:
+    """Write a traced re-run's operator log (:mod:`parity.execute.oplog`) beside its trace as
+    ``traces/<cell>.ops.json``; returns that file's name, or why there is none."""
+    if "log" not in op_log:
+        return f"not written: {op_log.get('note') or 'rank 0 recorded no operator log'}"
+    path = trace_path(out, cell_id).removesuffix(".json") + ".ops.json"
+    with writing(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(op_log["log"])
+    return os.path.basename(path)
+
+
 def write_manifest(out: str, manifest: dict) -> None:
     """Replace ``run.json`` atomically (a full disk leaves the previous one)."""
     tmp = os.path.join(out, MANIFEST + ".tmp")
