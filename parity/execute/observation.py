@@ -111,6 +111,11 @@ class ContractsSeen:
     gathered: dict[int, dict[str, tuple[str, float, float]]] = field(default_factory=dict)
     """Step -> parameter FQN (per module alias) -> (dtype, sum of |values|, sum of values) of the
     parameter as its module's forward read it in the step's first micro-batch (all-gathered)."""
+    all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = field(default_factory=dict)
+    """Per step, per segment of the loop (``mb1/forward``, ``mb0/backward`` ...), per parameter:
+    each distinct (dtype, sum of |values|, sum of values) an all-gather's output held once FSDP
+    copied it out -- every all-gather of the training loop, later micro-batches' forwards and
+    backward re-gathers included."""
     policies: dict[str, dict[str, object]] = field(default_factory=dict)
     """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)

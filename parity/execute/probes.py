@@ -159,7 +159,12 @@ class Recorder:
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
         self.variants: dict[str, dict[str, set]] = {}
         self._handles += record_boundary_variants(model, self.variants)
+        self.all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = {}
+        """Step -> segment (``mb0/forward``, ``mb0/backward`` ...) -> FQN -> each distinct value an
+        all-gather handed compute there (:data:`ContractsSeen.all_gathers`)."""
+        self._orig_wait = None
         self._patch_reduce()
+        self._patch_gathers()
 
     def _read_params(self, fqn: str):
         def hook(module, args):
@@ -192,6 +197,39 @@ class Recorder:
             with torch.no_grad():
                 values = p.detach().double()
                 seen[key] = (dtype_name(p.dtype), float(values.abs().sum()), float(values.sum()))
+
+    def _patch_gathers(self) -> None:
+        """Read every all-gather's output once FSDP has copied it out (``wait_for_unshard``):
+        each parameter's unsharded value as compute gets it, in every forward and backward of
+        the training loop (the first forward's module reads are :meth:`_read_gathered`)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self._group_cls, self._orig_wait = FSDPParamGroup, FSDPParamGroup.wait_for_unshard
+        recorder, orig = self, self._orig_wait
+
+        def wait_for_unshard(group, *args, **kwargs):
+            pending = bool(getattr(group, "_all_gather_result", None))
+            out = orig(group, *args, **kwargs)
+            if pending:
+                recorder._read_all_gather(group)
+            return out
+        FSDPParamGroup.wait_for_unshard = wait_for_unshard
+
+    def _read_all_gather(self, group) -> None:
+        step, label = self.segments.current
+        if step < 0 or not label.startswith("mb"):  # evaluation forwards and state dicts: other masters
+            return
+        seen = self.all_gathers.setdefault(step, {}).setdefault(label, {})
+        for fp in group.fsdp_params:
+            t = fp.unsharded_param
+            if isinstance(t, DTensor) or type(t.data) is not torch.Tensor:  # a TP shard, a quantized copy
+                continue
+            fqn = self._fqn_of.get(id(fp.sharded_param), getattr(fp, "_param_fqn", "?"))
+            with torch.no_grad():
+                values = t.detach().double()
+                read = (dtype_name(t.dtype), float(values.abs().sum()), float(values.sum()))
+            if read not in seen.setdefault(fqn, []):
+                seen[fqn].append(read)
 
     def _patch_reduce(self) -> None:
         pg = apply.reduction_module()
@@ -272,6 +310,8 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._orig_wait is not None:
+            self._group_cls.wait_for_unshard, self._orig_wait = self._orig_wait, None
         if self.reduce_observable and self._orig_reduce is not None:
             self._pg.foreach_reduce = self._orig_reduce
             dist.reduce_scatter_single, dist.all_reduce = self._orig_rs, self._orig_ar
@@ -282,7 +322,7 @@ class Recorder:
         self.close()
         seen.sharded, seen.lazy_init, seen.trained = self.sharded, self.lazy_init, names_snapshot(model)
         seen.compute = {**self._via_parent, **self.compute}
-        seen.gathered = self.gathered
+        seen.gathered, seen.all_gathers = self.gathered, self.all_gathers
         seen.policies = self.policies
         seen.boundaries = self.boundaries
         seen.boundary_variants = {m: {d: sorted(map(list, v)) for d, v in dirs.items()} for m, dirs in self.variants.items()}

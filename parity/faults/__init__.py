@@ -66,7 +66,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_payload_misreported",
-                     "reshard_after_backward_sticks", "offload_copy_in_stale"), "gather"),
+                     "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
@@ -263,6 +263,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
            {"gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
             "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
+    _fault("backward_gather_stale", "FSDP's backward all-gather hands compute the values its first backward gathered "
+           "(FSDPParamGroup.wait_for_unshard): later steps' gradients use the initial weights",
+           {"gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
+            "checkpoint.cross"}, {**_KDA2}, quiet={"reshard": False}, patch=rp.backward_gather_stale),
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},

@@ -578,3 +578,29 @@ def window_replays_accumulation():
                     param.grad.add_(param.grad)
         return _set_unsharded_grad_dtypes
     return swap_attr(FSDPParamGroup, "_set_unsharded_grad_dtypes", make)
+
+
+def backward_gather_stale():
+    """FSDP's backward all-gather hands compute the values its first backward gathered (a copy-out
+    buffer reused across steps, FSDPParamGroup.wait_for_unshard): every step after the first
+    computes its gradients with the initial weights while its forward reads the current ones.
+    With reshard off nothing is gathered again in backward."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def make(orig):
+        def wait_for_unshard(self, *args, **kwargs):
+            gathering = bool(getattr(self, "_all_gather_result", None))
+            out = orig(self, *args, **kwargs)
+            if gathering and self._training_state == TrainingState.PRE_BACKWARD:
+                first = self.__dict__.setdefault("_parity_first_backward", {})
+                with torch.no_grad():
+                    for fsdp_param in self.fsdp_params:
+                        unsharded = fsdp_param.unsharded_param
+                        if id(fsdp_param) in first:
+                            unsharded.data.copy_(first[id(fsdp_param)])
+                        else:
+                            first[id(fsdp_param)] = unsharded.detach().clone()
+            return out
+        return wait_for_unshard
+    return swap_attr(FSDPParamGroup, "wait_for_unshard", make)

@@ -2,7 +2,9 @@
 gathered from.
 
 A rank records, in the first forward of every step, each parameter its module's forward
-reads: its dtype and two FP64 sums of its values (:attr:`ContractsSeen.gathered`). The
+reads: its dtype and two FP64 sums of its values (:attr:`ContractsSeen.gathered`); and the same
+of every all-gather's output in the loop's forwards and backwards, once FSDP copied it out
+(:attr:`ContractsSeen.all_gathers`: later micro-batches, backward re-gathers). The
 expectation is the run's *own* master before that step (the initial model before step 0, the
 parameters the ranks recorded after the previous step otherwise) cast to the dtype the forward
 read: gathering is copying and casting, both exact, so the sums must agree to the last bit of
@@ -20,6 +22,7 @@ routed expert may go unread), at least once, and every rank records some gather 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -49,33 +52,58 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
     if cell.mesh not in ("fsdp", "hsdp") or not befores:
         return []
     owed = {f for o in observations for f in o.contracts.compute}  # read in forward (``dtype.compute``)
+    gathered = {f for o in observations for segments in o.contracts.all_gathers.values()
+                for reads in segments.values() for f in reads}
     rows = []
     for t in plan.params:
-        if t.ownership != "managed" or t.format != "none" or t.fqn not in owed:
+        if t.ownership != "managed" or t.format != "none" or t.fqn not in owed | gathered:
             continue
-        problems, judged = [], 0
+        problems, judged, first_bad = [], 0, None
         for step, before in enumerate(befores):
             master = before.get(t.fqn)
             for o in observations:
-                step_seen = o.contracts.gathered.get(step)
-                if not step_seen:
-                    problems.append(f"step {step} rank {o.rank}: no parameter recorded as gathered")
-                    continue
-                seen = step_seen.get(t.fqn)
-                if seen is None:  # not read this step on this rank (routing, a branch): nothing gathered to judge
-                    continue
-                if master is None:
-                    problems.append(f"step {step} rank {o.rank}: no master recorded before the step")
-                    continue
-                judged += 1
-                dtype, *got = seen
-                want = _sums(master.to(parse_dtype(dtype)))
-                if not _close(tuple(got), want):
-                    problems.append(f"step {step} rank {o.rank}: |values| sum {got[0]:.9g}, the master before the "
-                                    f"step gives {want[0]:.9g} in {dtype}")
-        if not judged:
+                for where, dtype, got in _reads(o, step, t.fqn, t.fqn in owed, problems):
+                    if master is None:
+                        problems.append(f"step {step} rank {o.rank}: no master recorded before the step")
+                        continue
+                    judged += 1
+                    want = _sums(master.to(parse_dtype(dtype)))
+                    if not _close(tuple(got), want):
+                        problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "
+                                        f"before the step gives {want[0]:.9g} in {dtype}")
+                        first_bad = step if first_bad is None else first_bad
+        if t.fqn in owed and not judged:
             problems.append("never read as gathered on any rank, although dtype.compute saw it in forward")
-        rows.append(contract_row(base, "gathered", t.fqn, not problems,
-                                 "every step's gather = the master before the step, cast (FP64 sums, rel 1e-12)",
-                                 "; ".join(problems[:4]) or "as expected", dtype=dtype_name(t.compute)))
-    return rows
+        row = contract_row(base, "gathered", t.fqn, not problems,
+                           "every step's gather = the master before the step, cast (FP64 sums, rel 1e-12): as the "
+                           "first forward's modules read it and as every all-gather of the step's forwards and "
+                           "backwards handed it over", "; ".join(problems[:4]) or "as expected",
+                           dtype=dtype_name(t.compute))
+        rows.append(row if first_bad is None else replace(row, step=first_bad))  # the stage's step
+    return rows + _absent(observations, len(befores), base)
+
+
+def _reads(o: Observation, step: int, fqn: str, owed: bool, problems: list[str]):
+    """(where, dtype, sums) of each read of ``fqn`` on rank ``o`` in ``step``: the first forward's
+    module read (owed where ``dtype.compute`` saw it; a rank that recorded no read at all that
+    step is missing evidence) and each distinct value an all-gather handed over."""
+    step_seen = o.contracts.gathered.get(step)
+    if owed and not step_seen:
+        problems.append(f"step {step} rank {o.rank}: no parameter recorded as gathered")
+    elif owed and fqn in step_seen:  # not read this step on this rank (routing, a branch): nothing to judge
+        dtype, *got = step_seen[fqn]
+        yield "first forward", dtype, got
+    for segment, reads in sorted(o.contracts.all_gathers.get(step, {}).items()):
+        for dtype, *got in reads.get(fqn, ()):
+            yield f"{segment} all-gather", dtype, got
+
+
+def _absent(observations: list[Observation], steps: int, base: dict) -> list[Record]:
+    """Every step's first forward all-gathers (the previous step's backward resharded every unit):
+    a rank with no all-gather read in a step is missing evidence, one ``gathered`` row naming it."""
+    missing = [f"step {step} rank {o.rank}" for step in range(steps) for o in observations
+               if not o.contracts.all_gathers.get(step)]
+    if not missing:
+        return []
+    return [contract_row(base, "gathered", "all-gathers", False, "every step's all-gathers read on every rank",
+                         "no all-gather output read at " + ", ".join(missing[:4]), dtype="")]
