@@ -140,6 +140,21 @@ def test_a_clipping_cell_without_its_clipped_norms_fails(one_rank):
     assert _clip_rows(records) == [(0, "FAIL")]
 
 
+def test_gradients_as_reduced_and_all_gathers_are_owed(one_rank):
+    """A clipping cell whose ranks recorded no gradient before clipping, or no all-gather's output,
+    is missing evidence: FAIL, not a pass by absence."""
+    cell = Cell(fixture="kda", path="native", steps=1, clip=0.01)
+    obs = _observe(one_rank, cell)
+    obs[0].reduced = []
+    obs[0].contracts.all_gathers = {}
+    records = judge_cell(cell, obs).records
+    grads = [r for r in records if r.check == "grad"]
+    assert grads and all(r.verdict == "FAIL" and "missing" in r.detail for r in grads)
+    assert {r.verdict for r in records if r.check == "grad.clipped"} == {"PASS"}
+    gathers = [r for r in records if r.check == "gathered" and r.name == "all-gathers"]
+    assert [r.verdict for r in gathers] == ["FAIL"] and "step 0 rank 0" in gathers[0].detail
+
+
 def test_evaluation_forwards_are_judged_and_owed(one_rank):
     cell = Cell(fixture="kda", path="native", steps=2, microbatches=2, sync="last", eval="between-microbatches",
                 reshard=False)
