@@ -85,3 +85,36 @@ def test_each_command_that_runs_nothing_runs_as_written(where, command, monkeypa
     monkeypatch.chdir(ROOT)
     assert main(_parity_argv(command)) == 0, f"{where}: `{command}`: {capsys.readouterr().err[-500:]}"
     assert capsys.readouterr().out.strip(), f"{where}: `{command}` printed nothing"
+
+
+#: README's use block, the commands that train or read results: each run as written, in order, in
+#: a fresh workspace (the repository's examples, fixtures and baselines beside an empty
+#: ``results/``), the ones after the first reading what it wrote. The rest train far more
+#: (``full``, ``fuzz``, ``bench``, the real model classes) or need GPUs; cheaper forms of them
+#: run elsewhere in the suite.
+WALK = [
+    ["python -m parity run --matrix smoke",
+     "python -m parity compare results/baselines/smoke-torch-2.15.0-cpu results/latest",
+     "python -m parity report results/latest",
+     "python -m parity gate --from results/latest",
+     "python -m parity run --resume results/latest"],
+    ["python -m parity run --matrix default -k \"fixture == 'kda' and ranks == 2\" --paths native"],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("docs-walk")
+@pytest.mark.parametrize("commands", WALK, ids=lambda c: c[0][:60])
+def test_the_readme_commands_that_train_or_read_results_run_as_written(commands, tmp_path, monkeypatch, capsys):
+    from parity.cli import main
+
+    for name in ("examples", "fixtures"):
+        (tmp_path / name).symlink_to(os.path.join(ROOT, name))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "baselines").symlink_to(os.path.join(ROOT, "results", "baselines"))
+    monkeypatch.chdir(tmp_path)
+    shown = {c for w, c in COMMANDS if w == "README.md"}
+    for command in commands:
+        assert command in shown, f"`{command}` is no longer in README.md: update WALK"
+        assert main(_parity_argv(command)) == 0, f"`{command}`: {capsys.readouterr().err[-500:]}"
+    assert os.path.isfile(tmp_path / "results" / "latest" / "cells.csv")

@@ -130,8 +130,9 @@ class ContractsSeen:
     """Parameter FQN -> dtypes of its unsharded gradient while sync was off."""
     accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     """(step, micro-batch) -> parameter FQN -> this rank's unsharded accumulated gradient after that
-    micro-batch's backward, while sync was off (unscaled; plain tensors only: a tensor-parallel
-    parameter's is a DTensor and is not recorded)."""
+    micro-batch's backward, while sync was off, and at the window's last micro-batch what its
+    reductions took as input (unscaled; plain tensors only: a tensor-parallel parameter's is a
+    DTensor and is not recorded)."""
     buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)

@@ -58,6 +58,12 @@ def before_sharding(model: nn.Module) -> NamesSnapshot:
     return snap
 
 
+def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """A gradient divided by the loss scale, in FP64: a power of two divides exactly there, not in
+    float16, whose subnormals would round the quotient (a window's first term may still be one)."""
+    return grad.double() / scale if scale != 1.0 else grad.clone()
+
+
 def _fsdp_params(model: nn.Module):
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
@@ -159,6 +165,10 @@ class Recorder:
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
         self.variants: dict[str, dict[str, set]] = {}
         self._handles += record_boundary_variants(model, self.variants)
+        self.window_end = False
+        """Set by the training loop around the backward that ends a no-sync window: each reduction's
+        input is read (:meth:`after_backward` files it with the window's other reads)."""
+        self._reduce_inputs: dict[str, torch.Tensor] = {}
         self.all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = {}
         """Step -> segment (``mb0/forward``, ``mb0/backward`` ...) -> FQN -> each distinct value an
         all-gather handed compute there (:data:`ContractsSeen.all_gathers`)."""
@@ -254,6 +264,11 @@ class Recorder:
 
         def foreach_reduce(fsdp_params, *args, **kwargs):
             current[:] = list(fsdp_params)
+            if recorder.window_end and args:  # args[0]: the unsharded gradients it reduces
+                for fp, grad in zip(fsdp_params, args[0]):
+                    if not isinstance(grad, DTensor):
+                        fqn = recorder._fqn_of.get(id(fp.sharded_param), "?")
+                        recorder._reduce_inputs[fqn] = grad.detach().cpu().clone()
             out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
             group = args[1] if len(args) > 1 else None
             if group is None or group.size() == 1:  # no collective: the buffer it would reduce
@@ -290,8 +305,12 @@ class Recorder:
 
     def after_backward(self, model: nn.Module, step: int, mb: int, last: bool, scale: float = 1.0) -> None:
         """While sync is off: each unsharded gradient's dtype and value (divided by the loss
-        ``scale``, a power of two: exact) after micro-batch ``mb``'s backward."""
+        ``scale``, a power of two: exact) after micro-batch ``mb``'s backward; after the backward
+        that ends the window (``last``), what its reductions took as input, read as they began."""
         if last:
+            if self._reduce_inputs:
+                self.accumulated[(step, mb)] = {f: _unscaled(v, scale) for f, v in self._reduce_inputs.items()}
+            self._reduce_inputs = {}
             return
         for fp in _fsdp_params(model):
             # torch <= 2.14 keeps a separate accumulator; 2.15 accumulates in the leaf's grad
@@ -303,7 +322,7 @@ class Recorder:
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
                 if not isinstance(grad, DTensor):
                     value = grad.detach().cpu()
-                    self.accumulated.setdefault((step, mb), {})[fqn] = value / scale if scale != 1.0 else value.clone()
+                    self.accumulated.setdefault((step, mb), {})[fqn] = _unscaled(value, scale)
 
     def close(self) -> None:
         """Remove hooks and restore FSDP's reduction functions (idempotent)."""

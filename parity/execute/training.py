@@ -214,6 +214,8 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
                 with segment("state-dict"):
                     _state_dicts(cell, s, step, "after-forward", obs)
+            if recorder:  # the backward that ends a no-sync window: read what its reductions take
+                recorder.window_end = last and cell.accumulating
             with segment(f"mb{mb}/backward"):
                 (s.scaler.scale(loss) if s.scaler else loss).backward()
                 knobs.after_backward(cell, s.model, last or cell.sync != "last")
@@ -223,6 +225,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             grad = grad / s.scaler.get_scale()  # a power of two: exact
         obs.input_grads.append(None if grad is None else _local(grad))
         if recorder:
+            recorder.window_end = False
             recorder.after_backward(s.model, step, mb, last, s.scaler.get_scale() if s.scaler else 1.0)
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")

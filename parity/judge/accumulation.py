@@ -5,7 +5,8 @@ every rank and adds the next micro-batch's into it; only the last micro-batch re
 gradient the optimizer steps with (``grad``) shows a fault in that window only after the
 reduction, mixed with every rank's; this check reads the window itself. On FSDP and HSDP meshes
 (:func:`judged`), after every micro-batch but the last, each rank's unsharded gradient (recorded
-by :meth:`parity.execute.probes.Recorder.after_backward`) is compared with the emulated rank's
+by :meth:`parity.execute.probes.Recorder.after_backward`), and at the last what the window's
+reductions take as input (read as ``foreach_reduce`` begins), is compared with the emulated rank's
 accumulation in the reduce dtype (:attr:`parity.judge.reference.ReferenceRun.accumulated`),
 with the allowance of a sum of that many terms. One record per step, micro-batch and
 parameter: the worst rank's, every rank judged. A rank that recorded nothing where the
@@ -54,7 +55,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                 got = o.contracts.accumulated.get((step, mb), {}).get(fqn, torch.zeros(0))
                 allow = tolerance.gradient(want.dtype, want.dtype, mb + 1, scale)
                 row = Comparison(step, "grad.accum", fqn, got, want, allow).record(base)
-                row = dataclasses.replace(row, detail=f"rank {o.rank} after micro-batch {mb}: {row.detail}")
+                where = "the reduce-scatter's input after micro-batch" if mb == cell.microbatches - 1 else "after micro-batch"
+                row = dataclasses.replace(row, detail=f"rank {o.rank} {where} {mb}: {row.detail}")
                 if worst is None or _badness(row) > _badness(worst):
                     worst = row
             if worst is not None:

@@ -68,8 +68,8 @@ class ReferenceRun:
     """Per step of a clipping cell, the global gradient norm after clipping."""
     accumulated: dict[tuple[int, int], list[dict[str, tuple[torch.Tensor, float]]]] = field(default_factory=dict)
     """(step, micro-batch) -> per emulated rank, each FSDP-managed parameter's unsharded gradient
-    accumulated (reduce dtype) after that micro-batch, while sync is off (every one but the last),
-    with the sum of the max |term| accumulated so far."""
+    accumulated (reduce dtype) after that micro-batch of a no-sync window (after the last: what
+    the window's reduction takes as input), with the sum of the max |term| accumulated so far."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -291,7 +291,7 @@ def run_reference(
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
                 reduced = (total / mean if mean > 1 else total).to(masters[f].grad_dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
-            if accumulate_unsharded and not fp64 and mb < micro - 1:
+            if accumulate_unsharded and not fp64:  # the last: the window's reduce-scatter input
                 _keep_accumulated(run, (step, mb), unsynced, unsynced_scale, entries)
         for f in trainable:
             if f in synced:
