@@ -34,9 +34,16 @@ def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(faili
     assert main(["repro", CELL.id, "--from", str(failing_run), "--out", str(script)]) == 0
     text = script.read_text()
     assert "faults=('perturb_output',)" in text and _divergence(failing_run)[:80] in text
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    ops = tmp_path / "ops.json"
+    done = subprocess.run([sys.executable, str(script), "--op-log", str(ops)], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"first divergence: {_divergence(failing_run)}" in done.stdout
+    from torch.utils._debug_mode import DebugMode
+
+    assert DebugMode.load_logs(str(ops))  # the failing step, op by op, for the bug report
+    usage = subprocess.run([sys.executable, str(script), "--verbose"], capture_output=True, text=True, timeout=300)
+    assert usage.returncode == 2 and usage.stderr.count("\n") == 1 and "--op-log FILE" in usage.stderr
 
 
 def test_a_cell_the_run_did_not_have_is_a_one_line_error(failing_run, capsys):

@@ -10,6 +10,8 @@ report; it needs parity and the torch build the header names.
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -80,19 +82,35 @@ def render(cell: Cell, bad: list, origin: str) -> str:
         f"First divergence: {where.detail[:300] if where else 'not located'}",
         "",
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cell.ranks} rank(s), {cell.device})",
+        "     python <this file> --op-log FILE  also writes the failing step's operator log (DebugMode's format)",
     ])
-    return (f'"""{header}\n"""\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
-            f"CELL = {cell!r}\n\nif __name__ == \"__main__\":\n    raise SystemExit(rerun(CELL))\n")
+    return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
+            f"CELL = {cell!r}\n\nif __name__ == \"__main__\":\n    raise SystemExit(rerun(CELL, sys.argv[1:]))\n")
 
 
-def rerun(cell: Cell) -> int:
+def rerun(cell: Cell, argv: list[str] | None = None) -> int:
     """Run ``cell`` alone (traced where it fails), print what failed and where it diverged first;
-    the cell's verdict code (0: it passed now)."""
+    the cell's verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
+    FILE`` also copies the traced step's operator log there (:mod:`parity.execute.oplog`);
+    anything else is a one-line usage error (2)."""
+    from parity.report.outdir import trace_path
     from parity.runner import RunOptions, run_cells
 
+    argv = list(argv or [])
+    if argv and (len(argv) != 2 or argv[0] != "--op-log"):
+        print(f"usage: python <reproducer> [--op-log FILE]; got {' '.join(argv)}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="parity-repro-") as out:
-        code = run_cells([cell], RunOptions(out_dir=os.path.join(out, "run"), progress=False))
-        bad = _failing(os.path.join(out, "run"), cell.id)
+        run_dir = os.path.join(out, "run")
+        code = run_cells([cell], RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv)))
+        bad = _failing(run_dir, cell.id)
+        logged = trace_path(run_dir, cell.id).removesuffix(".json") + ".ops.json"
+        if argv:
+            if os.path.isfile(logged):
+                shutil.copyfile(logged, argv[1])
+                print(f"operator log: {argv[1]} (DebugMode.load_logs reads it)")
+            else:
+                print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
     for r in (r for r in bad if r.check not in _LOCATORS):
         print(_line(r)[:300])
     stage = next((r for r in bad if r.check == "stage"), None)
