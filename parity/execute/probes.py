@@ -165,9 +165,9 @@ class Recorder:
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
         self.variants: dict[str, dict[str, set]] = {}
         self._handles += record_boundary_variants(model, self.variants)
-        self.window_end = False
-        """Set by the training loop around the backward that ends a no-sync window: each reduction's
-        input is read (:meth:`after_backward` files it with the window's other reads)."""
+        self.reading_reduce = False
+        """Set by the training loop around a backward that synchronizes: each reduction's input is
+        read (:meth:`after_backward` files it with a no-sync window's reads)."""
         self._reduce_inputs: dict[str, torch.Tensor] = {}
         self.all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = {}
         """Step -> segment (``mb0/forward``, ``mb0/backward`` ...) -> FQN -> each distinct value an
@@ -264,7 +264,7 @@ class Recorder:
 
         def foreach_reduce(fsdp_params, *args, **kwargs):
             current[:] = list(fsdp_params)
-            if recorder.window_end and args:  # args[0]: the unsharded gradients it reduces
+            if recorder.reading_reduce and args:  # args[0]: the unsharded gradients it reduces
                 for fp, grad in zip(fsdp_params, args[0]):
                     if not isinstance(grad, DTensor):
                         fqn = recorder._fqn_of.get(id(fp.sharded_param), "?")
@@ -303,11 +303,11 @@ class Recorder:
         if step == 0 and mb == 0:
             self.lazy_init = lazy_init_snapshot(self.model)
 
-    def after_backward(self, model: nn.Module, step: int, mb: int, last: bool, scale: float = 1.0) -> None:
-        """While sync is off: each unsharded gradient's dtype and value (divided by the loss
-        ``scale``, a power of two: exact) after micro-batch ``mb``'s backward; after the backward
-        that ends the window (``last``), what its reductions took as input, read as they began."""
-        if last:
+    def after_backward(self, model: nn.Module, step: int, mb: int, synced: bool, scale: float = 1.0) -> None:
+        """After a backward that synchronized: what its reductions took as input, read as they
+        began. While sync is off: each unsharded gradient's dtype and value after micro-batch
+        ``mb``'s backward. Values divided by the loss ``scale`` (a power of two: exact)."""
+        if synced:
             if self._reduce_inputs:
                 self.accumulated[(step, mb)] = {f: _unscaled(v, scale) for f, v in self._reduce_inputs.items()}
             self._reduce_inputs = {}

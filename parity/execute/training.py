@@ -214,19 +214,20 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
                 with segment("state-dict"):
                     _state_dicts(cell, s, step, "after-forward", obs)
-            if recorder:  # the backward that ends a no-sync window: read what its reductions take
-                recorder.window_end = last and cell.accumulating
+            synced = last or cell.sync != "last"
+            if recorder:  # a backward that synchronizes: read what its reductions take
+                recorder.reading_reduce = synced
             with segment(f"mb{mb}/backward"):
                 (s.scaler.scale(loss) if s.scaler else loss).backward()
-                knobs.after_backward(cell, s.model, last or cell.sync != "last")
+                knobs.after_backward(cell, s.model, synced)
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
         if grad is not None and s.scaler:
             grad = grad / s.scaler.get_scale()  # a power of two: exact
         obs.input_grads.append(None if grad is None else _local(grad))
         if recorder:
-            recorder.window_end = False
-            recorder.after_backward(s.model, step, mb, last, s.scaler.get_scale() if s.scaler else 1.0)
+            recorder.reading_reduce = False
+            recorder.after_backward(s.model, step, mb, synced, s.scaler.get_scale() if s.scaler else 1.0)
         if heartbeat:
             heartbeat(f"step {step} micro-batch {mb}")
         if not last and cell.eval == "between-microbatches":

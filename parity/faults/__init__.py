@@ -103,9 +103,9 @@ _GRAD_DTYPE = {"fixture": "bf16_grads", "path": "native", "ranks": 2, "optimizer
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("drop_override", "FSDP resolves FP32 parameters to BF16 compute (FSDPParam.init_dtype_attrs)",
-           {"grad", "grad_norm", "trajectory", "trajectory.emulation", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.drop_override),
+           {"grad.accum", "grad", "grad_norm", "trajectory", "trajectory.emulation", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.drop_override),
     _fault("holder_dt_bias_bf16", "FSDP all-gathers one holder's FP32 dt_bias (blocks.1.holder) in BF16",
-           {"grad", "grad_norm", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.holder_dt_bias_bf16),
+           {"grad.accum", "grad", "grad_norm", "dtype.compute", "divergence", "collectives"}, _KDA2, patch=p.holder_dt_bias_bf16),
     _fault("bf16_reduce", "FSDP reduces every gradient in BF16 (FSDPParam.init_dtype_attrs)",
            {"grad", "grad_norm", "dtype.reduce", "dtype.accum", "grad.accum", "collectives"}, {**_KDA2, **_ACCUM},
            patch=p.bf16_reduce),
@@ -120,7 +120,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("detach_input", "the root's input cast detaches the input: it gets no gradient (FSDPState._cast_forward_inputs)",
            {"input_grad"}, _KDA2, patch=p.detach_input),
     _fault("hide_reduction", "a torch build without FSDP's private reduction module (_fsdp_param_group.foreach_reduce): the probe is blind",
-           {"dtype.reduce"}, _KDA2, patch=p.hide_reduction, scopes=_MAIN),
+           {"grad.accum", "dtype.reduce"}, _KDA2, patch=p.hide_reduction, scopes=_MAIN),
     _fault("resolver_misses_strict_name", "the ranks' plan resolution misses the strict-FP32 name dt_bias "
            "(everything downstream, the reference included, follows the wrong plan)",
            {"plan"}, _KDA2, patch=p.resolver_misses_strict_name),
@@ -141,9 +141,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("cast_child_inputs", "a sharding helper lets FP32 child units cast their inputs (unit policy)",
            {"unit.policy", "dtype.boundary"}, {**_KDA2, "path": "legacy"}, patch=p.cast_child_inputs),
     _fault("cast_buffers", "fully_shard casts the floating buffers of what it shards to BF16",
-           {"buffer", "grad", "grad_norm", "divergence"}, _KDA2, patch=p.cast_buffers),
+           {"grad.accum", "buffer", "grad", "grad_norm", "divergence"}, _KDA2, patch=p.cast_buffers),
     _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
-           {"names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "grad",
+           {"grad.accum", "names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "grad",
             "param", "trajectory", "trajectory.emulation"},
            _KDA2, patch=p.wrap_module),
     _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
@@ -157,7 +157,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"run"}, _KDA2, site="plan", hook=p.rank_dependent, patch=p.skip_rank_check),
     _fault("perturb_output", "the model's output on rank 0's first micro-batch is off by 1% of its max",
            # the lifecycle's own training is not perturbed, so resuming from it differs too
-           {"output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "checkpoint.same",
+           {"grad.accum", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "checkpoint.same",
             "checkpoint.cross"}, _KDA2,
            site="sharded", hook=p.perturb_output, scopes=_MAIN),
     _fault("rename_param", "a parameter is renamed after training", {"names", "identity", "dtype.storage"}, _KDA2,
@@ -173,7 +173,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"checkpointing": "full"}, patch=rp.recompute_skips_input_cast),
     _fault("meta_init_misplaced_shard",
            "loading a full state dict after meta init gives rank 1 rank 0's rows of one parameter (set_model_state_dict)",
-           {"gathered", "output", "input_grad", "grad", "grad_norm", "param", "trajectory", "trajectory.emulation",
+           {"grad.accum", "gathered", "output", "input_grad", "grad", "grad_norm", "param", "trajectory", "trajectory.emulation",
             "divergence"}, {**_KDA2, "init": "meta"},
            quiet={"init": "seeded"}, patch=rp.meta_init_misplaced_shard),
     _fault("uneven_grad_row", "the last rank's shard of an uneven parameter loses its last gradient row (FSDPParam.to_sharded_dtensor)",
@@ -190,7 +190,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad.accum", "grad", "grad_norm", "trajectory", "trajectory.emulation"}, {**_KDA2, **_ACCUM},
            quiet={"sync": "every"}, patch=rp.window_replays_accumulation),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
-           {"grad", "grad_norm", "dtype.reduce", "dtype.grad", "optim.state", "checkpoint.same", "checkpoint.cross",
+           {"grad.accum", "grad", "grad_norm", "dtype.reduce", "dtype.grad", "optim.state", "checkpoint.same", "checkpoint.cross",
             "collectives"}, {"fixture": "staged", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
            patch=rp.unfrozen_stays_frozen),
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
@@ -249,12 +249,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {**_KDA2, "unshard": "explicit", "eval": "between-steps"}, quiet={"unshard": "hooks"},
            patch=rp.reshard_after_forward_sticks),
     _fault("not_last_backward_skips_sync", "FSDPModule.set_is_last_backward(False) also turns gradient "
-           "synchronization off: backwards before the last reduce-scatter nothing", {"collectives"},
+           "synchronization off: backwards before the last reduce-scatter nothing", {"grad.accum", "collectives"},
            {**_KDA2, "microbatches": 3, "finalize": "flagged"}, quiet={"finalize": "auto"},
            patch=rp.not_last_backward_skips_sync),
     _fault("finalize_skips_pending", "finalize_backward forgets the parameter groups left to it (FSDPState."
            "finalize_backward): units whose forward inputs need no gradient (behind token ids) are never reduced",
-           {"collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
+           {"grad.accum", "collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
             "trajectory.emulation", "checkpoint.same"},
            {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
            patch=rp.finalize_skips_pending),
@@ -262,11 +262,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"unit.policy"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_policy_dropped),
     _fault("offload_copy_in_stale", "with CPU offloading the all-gather copy-in reads a host copy of each shard taken "
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
-           {"gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
+           {"grad.accum", "gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
             "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
     _fault("backward_gather_stale", "FSDP's backward all-gather hands compute the values its first backward gathered "
            "(FSDPParamGroup.wait_for_unshard): later steps' gradients use the initial weights",
-           {"gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
+           {"grad.accum", "gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
             "checkpoint.cross"}, {**_KDA2}, quiet={"reshard": False}, patch=rp.backward_gather_stale),
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
@@ -276,7 +276,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=rp.placement_fn_dropped),
     _fault("casts_inputs_anyway", "FSDP casts a unit's inputs to its BF16 param_dtype although its policy says "
-           "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"dtype.boundary", "grad", "grad_norm", "divergence"},
+           "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"grad.accum", "dtype.boundary", "grad", "grad_norm", "divergence"},
            {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
            quiet={"cast_inputs": "fsdp"}, patch=rp.casts_inputs_anyway),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
@@ -321,15 +321,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
     # quantized weight groups (FP8 all-gather)
     _fault("local_amax", "tensorwise FP8 scales from each shard's own amax (no all-reduce over the shard group)",
-           {"quant.scale", "quant.values", "grad", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
+           {"grad.accum", "quant.scale", "quant.values", "grad", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
     _fault("stale_quantized_copy", "the FP8 copy is not refreshed after the optimizer step (QuantizedWeight._outdated)",
-           {"quant.refresh", "quant.values", "quant.blocks", "output", "input_grad", "grad", "grad_norm",
+           {"grad.accum", "quant.refresh", "quant.values", "quant.blocks", "output", "input_grad", "grad", "grad_norm",
             "trajectory", "trajectory.emulation", "checkpoint.same", "checkpoint.cross"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"}, patch=qp.stale_quantized_copy),
     _fault("mx_tiles_cut_by_shard", "MX scales from 32x32 tiles of the local shard, cut by the shard boundary",
-           {"quant.blocks", "quant.values", "grad"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "fp8-tensorwise"}, patch=qp.mx_tiles_cut_by_shard),
+           {"grad.accum", "quant.blocks", "quant.values", "grad"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "fp8-tensorwise"}, patch=qp.mx_tiles_cut_by_shard),
     _fault("mx_exponents_misaligned", "the MX all-gather is right but each row block is dequantized with its "
            "neighbour's exponents (QuantizedWeight.fsdp_post_all_gather): only what the GEMM consumed shows it",
-           {"quant.blocks", "quant.values", "output", "input_grad", "grad", "grad_norm", "trajectory",
+           {"grad.accum", "quant.blocks", "quant.values", "output", "input_grad", "grad", "grad_norm", "trajectory",
             "trajectory.emulation", "divergence"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "fp8-tensorwise"},
            patch=qp.mx_exponents_misaligned),
     _fault("fp8_gather_off", "the all-gather carries the dequantized weight in BF16 (FP8 all-gather off)",

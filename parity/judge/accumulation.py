@@ -1,16 +1,16 @@
-"""``grad.accum``: what each rank has accumulated inside a no-sync window, micro-batch by micro-batch.
+"""``grad.accum``: each rank's unsharded gradient as the reduction takes it, and inside a no-sync
+window, micro-batch by micro-batch, as it accumulates.
 
-With ``set_requires_gradient_sync(False)`` FSDP keeps each parameter's unsharded gradient on
-every rank and adds the next micro-batch's into it; only the last micro-batch reduces. The
-gradient the optimizer steps with (``grad``) shows a fault in that window only after the
-reduction, mixed with every rank's; this check reads the window itself. On FSDP and HSDP meshes
-(:func:`judged`), after every micro-batch but the last, each rank's unsharded gradient (recorded
-by :meth:`parity.execute.probes.Recorder.after_backward`), and at the last what the window's
-reductions take as input (read as ``foreach_reduce`` begins), is compared with the emulated rank's
-accumulation in the reduce dtype (:attr:`parity.judge.reference.ReferenceRun.accumulated`),
-with the allowance of a sum of that many terms. One record per step, micro-batch and
-parameter: the worst rank's, every rank judged. A rank that recorded nothing where the
-reference accumulated is missing evidence (FAIL).
+The gradient the optimizer steps with (``grad``) shows a fault before the reduction only after
+it, mixed with every rank's; this check reads each rank's side. On FSDP and HSDP meshes
+(:func:`judged`), what every synchronizing backward's reductions take as input (read as
+``foreach_reduce`` begins) and, with ``set_requires_gradient_sync(False)``, each rank's unsharded
+gradient after every micro-batch of the window (recorded by
+:meth:`parity.execute.probes.Recorder.after_backward`), divided by the loss scale, are compared
+with the emulated rank's (:attr:`parity.judge.reference.ReferenceRun.accumulated`: its own
+gradient in the reduce dtype, or the window's accumulation), with the allowance of a sum of that
+many terms. One record per step, micro-batch and parameter: the worst rank's, every rank
+judged. A rank that recorded nothing where the reference had a term is missing evidence (FAIL).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def _badness(r: Record) -> tuple[bool, float]:
 
 
 def judged(cell: Cell) -> bool:
-    """Cells whose window is judged: accumulating, on a mesh where every rank's unsharded gradient
+    """Cells whose unsharded gradients are judged: on a mesh where every rank's unsharded gradient
     is the whole parameter's (FSDP, HSDP; a tensor-parallel or expert-parallel rank holds a part)."""
-    return cell.accumulating and cell.mesh in ("fsdp", "hsdp")
+    return cell.mesh in ("fsdp", "hsdp")
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
@@ -53,9 +53,11 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                     continue
                 want, scale = per_rank[d][fqn]
                 got = o.contracts.accumulated.get((step, mb), {}).get(fqn, torch.zeros(0))
-                allow = tolerance.gradient(want.dtype, want.dtype, mb + 1, scale)
+                terms = mb + 1 if cell.accumulating else 1  # a window's micro-batches, or this one's
+                allow = tolerance.gradient(want.dtype, want.dtype, terms, scale)
                 row = Comparison(step, "grad.accum", fqn, got, want, allow).record(base)
-                where = "the reduce-scatter's input after micro-batch" if mb == cell.microbatches - 1 else "after micro-batch"
+                synced = mb == cell.microbatches - 1 or not cell.accumulating
+                where = "the reduce-scatter's input after micro-batch" if synced else "after micro-batch"
                 row = dataclasses.replace(row, detail=f"rank {o.rank} {where} {mb}: {row.detail}")
                 if worst is None or _badness(row) > _badness(worst):
                     worst = row

@@ -14,7 +14,7 @@ the observations) it derives the records the cell owes:
   ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
-- ``grad.accum`` when unsharded gradients accumulate without sync on a 1-D or HSDP mesh;
+- ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle; ``checkpoint.moved`` when its checkpoint also moves (``move``).
 

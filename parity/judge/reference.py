@@ -69,7 +69,9 @@ class ReferenceRun:
     accumulated: dict[tuple[int, int], list[dict[str, tuple[torch.Tensor, float]]]] = field(default_factory=dict)
     """(step, micro-batch) -> per emulated rank, each FSDP-managed parameter's unsharded gradient
     accumulated (reduce dtype) after that micro-batch of a no-sync window (after the last: what
-    the window's reduction takes as input), with the sum of the max |term| accumulated so far."""
+    the window's reduction takes as input), or, where every backward synchronizes, that
+    micro-batch's own gradient (the reduction's input); with the sum of the max |term|
+    accumulated so far."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -293,6 +295,9 @@ def run_reference(
                 synced[f] = reduced if f not in synced else synced[f] + reduced
             if accumulate_unsharded and not fp64:  # the last: the window's reduce-scatter input
                 _keep_accumulated(run, (step, mb), unsynced, unsynced_scale, entries)
+            elif not fp64:  # every backward synchronizes: each rank's reduce-scatter input is its own
+                _keep_accumulated(run, (step, mb), per_rank,
+                                  [{f: float(g.double().abs().max()) for f, g in r.items()} for r in per_rank], entries)
         for f in trainable:
             if f in synced:
                 masters[f].grad = synced[f]
