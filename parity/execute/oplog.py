@@ -10,7 +10,8 @@ moved, in order, or, when the runs issued different operators, the first index w
 
 What is not hashed: views (their hash is their base's, and a view of a buffer a collective is
 still filling reads whatever is there), collectives themselves (on CPU, gloo fills their
-outputs on its own thread after the call returns), allocations, and the all-gather output
+outputs on its own thread after the call returns; a functional collective's value is hashed at
+its ``wait_tensor``), allocations, and the all-gather output
 buffer FSDP's copy-in returns beside this rank's input (the other ranks' parts are not there yet). What reads a collective's
 output runs after FSDP waits for it, so every hashed value is the same in every run of the
 cell: two logs of one correct cell have no mismatch.
@@ -35,10 +36,15 @@ def unavailable() -> str:
     return ""
 
 
+#: Operator namespaces whose outputs are filled after the call returns (process-group collectives,
+#: and DTensor's functional ones, which ``wait_tensor`` completes: that op's output is hashed).
+_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional")
+
+
 def _hashed(func) -> bool:
     """Whether an operator's output is a value it computed (see the module docstring)."""
     name = str(func)
-    return not (getattr(func, "is_view", False) or getattr(func, "namespace", "") == "c10d"
+    return not (getattr(func, "is_view", False) or getattr(func, "namespace", "") in _COLLECTIVES
                 or "empty" in name or "profiler" in name)
 
 
