@@ -1,7 +1,5 @@
 """Mesh compositions: HSDP, FSDP x TP and expert parallelism on 4 gloo ranks."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -32,11 +30,13 @@ def test_a_composition_these_ranks_cannot_form_is_a_usage_error(mesh):
         Cell(fixture="composed", path="native", ranks=2, mesh=mesh)
 
 
-def test_the_cli_names_the_mesh_and_the_fix_with_exit_code_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "smoke", "--mesh", "hsdp", "--ranks", "2",
-                          "--out", str(tmp_path / "r")], capture_output=True, text=True)
-    assert out.returncode == 2
-    assert "mesh 'hsdp' needs ranks" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+def test_the_cli_names_the_mesh_and_the_fix_with_exit_code_2(tmp_path, capsys):
+    from parity.cli import main
+
+    code = main(["run", "--matrix", "smoke", "--mesh", "hsdp", "--ranks", "2", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "mesh 'hsdp' needs ranks" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()  # refused before any work
 
 
 def test_replicas_last_is_every_without_replicas():
