@@ -140,6 +140,15 @@ def test_a_clipping_cell_without_its_clipped_norms_fails(one_rank):
     assert _clip_rows(records) == [(0, "FAIL")]
 
 
+def test_a_step_after_an_evaluation_with_reshard_off_owes_no_all_gather(one_rank):
+    """An evaluation forward between steps with reshard off leaves the units gathered, so the next
+    step may gather nothing (found in review: step 2 of a four-step cell was reported missing)."""
+    cell = Cell(fixture="kda", path="native", steps=4, reshard=False, eval="between-steps")
+    obs = _observe(one_rank, cell)
+    assert not obs[0].contracts.all_gathers.get(2)  # what made it a false alarm
+    assert {r.verdict for r in judge_cell(cell, obs).records if r.check == "gathered"} == {"PASS"}
+
+
 def test_gradients_as_reduced_and_all_gathers_are_owed(one_rank):
     """A clipping cell whose ranks recorded no gradient before clipping, or no all-gather's output,
     is missing evidence: FAIL, not a pass by absence."""

@@ -129,10 +129,10 @@ class ContractsSeen:
     accum: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> dtypes of its unsharded gradient while sync was off."""
     accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
-    """(step, micro-batch) -> parameter FQN -> this rank's unsharded accumulated gradient after that
-    micro-batch's backward, while sync was off, and at the window's last micro-batch what its
-    reductions took as input (unscaled; plain tensors only: a tensor-parallel parameter's is a
-    DTensor and is not recorded)."""
+    """(step, micro-batch) -> parameter FQN -> what that micro-batch's reductions took as input on
+    this rank, where its backward synchronized, or its unsharded accumulated gradient after it,
+    inside a no-sync window (unscaled, in FP64 where a loss scale was divided out; plain tensors
+    only: a tensor-parallel parameter's is a DTensor and is not recorded)."""
     buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)

@@ -3,7 +3,7 @@
 With ``run --op-log``, rank 0 of a failing cell's traced re-run (:mod:`parity.judge.divergence`)
 trains its step under ``torch.utils._debug_mode.DebugMode``: every ATen operator, FSDP op and
 collective it issues, in order, with the hash of each computed output (``{"hash": ...}`` in
-the call's log, DebugMode's L1-norm hash). The log is saved with ``DebugMode.save_logs``, so it
+the call's log: DebugMode's L1-norm hash over the values that are not NaN, and how many are). The log is saved with ``DebugMode.save_logs``, so it
 reads back with ``DebugMode.load_logs``, and two runs of one cell (two torch builds, a fix and
 its regression) diff with ``DebugMode.check_hash_mismatches``: the operators whose output hash
 moved, in order, or, when the runs issued different operators, the first index where they part.
@@ -11,7 +11,7 @@ moved, in order, or, when the runs issued different operators, the first index w
 What is not hashed: views (their hash is their base's, and a view of a buffer a collective is
 still filling reads whatever is there), collectives themselves (on CPU, gloo fills their
 outputs on its own thread after the call returns; a functional collective's value is hashed at
-its ``wait_tensor``), allocations, and the all-gather output
+its ``wait_tensor`` where the log shows one, else in the first operator that reads it), allocations, and the all-gather output
 buffer FSDP's copy-in returns beside this rank's input (the other ranks' parts are not there yet). What reads a collective's
 output runs after FSDP waits for it, so every hashed value is the same in every run of the
 cell: two logs of one correct cell have no mismatch.
@@ -44,13 +44,14 @@ _COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional")
 def _hashed(func) -> bool:
     """Whether an operator's output is a value it computed (see the module docstring)."""
     name = str(func)
-    return not (getattr(func, "is_view", False) or getattr(func, "namespace", "") in _COLLECTIVES
-                or "empty" in name or "profiler" in name)
+    collective = getattr(func, "namespace", "") in _COLLECTIVES and "wait_tensor" not in name
+    return not (getattr(func, "is_view", False) or collective or "empty" in name or "profiler" in name)
 
 
-def _l1(t) -> float:
-    """DebugMode's hash of a tensor (its L1 norm in FP64), with NaN counted as 0: NaN never
-    equals itself, and a log must equal its own rerun."""
+def _l1(t) -> tuple[float, int]:
+    """DebugMode's hash of a tensor (its L1 norm in FP64) over its non-NaN values, and how many
+    are NaN: NaN never equals itself and a log must equal its own rerun, yet an output that
+    turns NaN must not hash like one holding zeros there."""
     import torch
 
     with torch._C._DisablePythonDispatcher():
@@ -58,7 +59,10 @@ def _l1(t) -> float:
         if not (t.is_floating_point() or t.is_complex()):
             t = t.float()
         wide = t.contiguous().to(torch.complex128 if t.is_complex() else torch.float64)
-        return float(torch.nan_to_num(wide, nan=0.0).abs().sum()) if wide.numel() else 0.0
+        if not wide.numel():
+            return 0.0, 0
+        nans = wide.isnan()
+        return float(torch.where(nans, 0, wide).abs().sum()), int(nans.sum())
 
 
 def _log_hook(func, types, args, kwargs, result):

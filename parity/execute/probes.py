@@ -173,8 +173,12 @@ class Recorder:
         """Step -> segment (``mb0/forward``, ``mb0/backward`` ...) -> FQN -> each distinct value an
         all-gather handed compute there (:data:`ContractsSeen.all_gathers`)."""
         self._orig_wait = None
-        self._patch_reduce()
-        self._patch_gathers()
+        try:
+            self._patch_reduce()
+            self._patch_gathers()
+        except BaseException:
+            self.close()  # a half-patched torch must not outlive the cell in a reused worker
+            raise
 
     def _read_params(self, fqn: str):
         def hook(module, args):
@@ -267,7 +271,7 @@ class Recorder:
             if recorder.reading_reduce and args:  # args[0]: the unsharded gradients it reduces
                 for fp, grad in zip(fsdp_params, args[0]):
                     if not isinstance(grad, DTensor):
-                        fqn = recorder._fqn_of.get(id(fp.sharded_param), "?")
+                        fqn = recorder._fqn_of.get(id(fp.sharded_param), getattr(fp, "_param_fqn", "?"))
                         recorder._reduce_inputs[fqn] = grad.detach().cpu().clone()
             out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
             group = args[1] if len(args) > 1 else None

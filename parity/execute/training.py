@@ -256,8 +256,9 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
                 p, world=world, reduction=owner_reduction(cell.reduction, fixture.ignored_reduction), group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
     if cell.clip or s.scaler:  # the reduction's output, before anything scales it
-        factor = s.scaler.get_scale() if s.scaler else 1.0
-        obs.reduced.append({s.names[id(p)]: keep(p.grad) / factor for p in s.params if p.grad is not None})
+        factor = s.scaler.get_scale() if s.scaler else 1.0  # divided in FP64: exact, float16 or not
+        obs.reduced.append({s.names[id(p)]: keep(p.grad).double() / factor if factor != 1.0 else keep(p.grad)
+                            for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.unscale_(s.opt)
     norm = parallel.global_grad_norm(s.params)

@@ -58,13 +58,16 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             raise
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
-        tp = parallel.TPReductions(s.model, s.owners) if any(o.startswith("tp-") for o in s.owners.values()) else None
-        if cell.trace and rank == 0:
-            obs.trace = trace.Trace()
-            trace.install(s.model, obs.trace, when=lambda: recorder.active)
-        obs.timings["build"] = time.perf_counter() - t0
+        tp = None
         t1 = time.perf_counter()
-        try:
+        try:  # from here on the recorder's patches are undone whatever happens: the worker lives on
+            if any(o.startswith("tp-") for o in s.owners.values()):
+                tp = parallel.TPReductions(s.model, s.owners)
+            if cell.trace and rank == 0:
+                obs.trace = trace.Trace()
+                trace.install(s.model, obs.trace, when=lambda: recorder.active)
+            obs.timings["build"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
             logging = cell.trace and cell.op_log and rank == 0
             with collectives.counting(recorder.segments.calls, recorder.segments.key), \
                     oplog.recording(obs.op_log) if logging else contextlib.nullcontext():

@@ -80,7 +80,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                            "backwards handed it over", "; ".join(problems[:4]) or "as expected",
                            dtype=dtype_name(t.compute))
         rows.append(row if first_bad is None else replace(row, step=first_bad))  # the stage's step
-    return rows + _absent(observations, len(befores), base)
+    return rows + _absent(cell, observations, len(befores), base)
 
 
 def _reads(o: Observation, step: int, fqn: str, owed: bool, problems: list[str]):
@@ -98,10 +98,13 @@ def _reads(o: Observation, step: int, fqn: str, owed: bool, problems: list[str])
             yield f"{segment} all-gather", dtype, got
 
 
-def _absent(observations: list[Observation], steps: int, base: dict) -> list[Record]:
-    """Every step's first forward all-gathers (the previous step's backward resharded every unit):
-    a rank with no all-gather read in a step is missing evidence, one ``gathered`` row naming it."""
-    missing = [f"step {step} rank {o.rank}" for step in range(steps) for o in observations
+def _absent(cell: Cell, observations: list[Observation], steps: int, base: dict) -> list[Record]:
+    """Every step's first forward all-gathers (the previous step's backward resharded every unit),
+    except after an evaluation forward between steps with reshard off, which leaves the units
+    gathered for the next step: a rank with no all-gather read in a step that must gather is
+    missing evidence, one ``gathered`` row naming it."""
+    gathers = [step for step in range(steps) if step == 0 or cell.reshard or cell.eval != "between-steps"]
+    missing = [f"step {step} rank {o.rank}" for step in gathers for o in observations
                if not o.contracts.all_gathers.get(step)]
     if not missing:
         return []
