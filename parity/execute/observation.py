@@ -15,6 +15,14 @@ from parity.model.trace import Trace
 from parity.paths.base import ShardReport
 
 
+def value_sums(t: torch.Tensor) -> tuple[float, float]:
+    """How a gathered parameter is recorded and judged (:attr:`ContractsSeen.gathered`): the sum
+    of its absolute values and the sum of its values, both in FP64."""
+    with torch.no_grad():
+        values = t.detach().double()
+        return float(values.abs().sum()), float(values.sum())
+
+
 @dataclass(kw_only=True)
 class NamesSnapshot:
     """The model's names and identities at one stage (:func:`parity.execute.probes.names_snapshot`)."""

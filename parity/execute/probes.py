@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
 from parity.execute.evaluation import post_forward
-from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot
+from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot, value_sums
 from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
@@ -58,10 +58,11 @@ def before_sharding(model: nn.Module) -> NamesSnapshot:
     return snap
 
 
-def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
-    """A gradient divided by the loss scale, in FP64: a power of two divides exactly there, not in
-    float16, whose subnormals would round the quotient (a window's first term may still be one)."""
-    return grad.double() / scale if scale != 1.0 else grad.clone()
+def unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """A recorded gradient divided by the loss scale, in FP64: a power of two divides exactly
+    there, not in float16, whose subnormals would round the quotient (a window's first term may
+    still be one). ``grad`` itself where there is no scale."""
+    return grad.double() / scale if scale != 1.0 else grad
 
 
 def _fsdp_params(model: nn.Module):
@@ -208,9 +209,7 @@ class Recorder:
             key = f"{fqn}.{local}" if fqn else local
             if p is None or key in seen or isinstance(p, DTensor):
                 continue
-            with torch.no_grad():
-                values = p.detach().double()
-                seen[key] = (dtype_name(p.dtype), float(values.abs().sum()), float(values.sum()))
+            seen[key] = (dtype_name(p.dtype), *value_sums(p))
 
     def _patch_gathers(self) -> None:
         """Read every all-gather's output once FSDP has copied it out (``wait_for_unshard``):
@@ -238,10 +237,8 @@ class Recorder:
             t = fp.unsharded_param
             if isinstance(t, DTensor) or type(t.data) is not torch.Tensor:  # a TP shard, a quantized copy
                 continue
-            fqn = self._fqn_of.get(id(fp.sharded_param), getattr(fp, "_param_fqn", "?"))
-            with torch.no_grad():
-                values = t.detach().double()
-                read = (dtype_name(t.dtype), float(values.abs().sum()), float(values.sum()))
+            fqn = self._fqn(fp)
+            read = (dtype_name(t.dtype), *value_sums(t))
             if read not in seen.setdefault(fqn, []):
                 seen[fqn].append(read)
 
@@ -271,8 +268,7 @@ class Recorder:
             if recorder.reading_reduce and args:  # args[0]: the unsharded gradients it reduces
                 for fp, grad in zip(fsdp_params, args[0]):
                     if not isinstance(grad, DTensor):
-                        fqn = recorder._fqn_of.get(id(fp.sharded_param), getattr(fp, "_param_fqn", "?"))
-                        recorder._reduce_inputs[fqn] = grad.detach().cpu().clone()
+                        recorder._reduce_inputs[recorder._fqn(fp)] = grad.detach().cpu().clone()
             out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
             group = args[1] if len(args) > 1 else None
             if group is None or group.size() == 1:  # no collective: the buffer it would reduce
@@ -289,9 +285,12 @@ class Recorder:
         dist.reduce_scatter_single = reduce_scatter_single
         dist.all_reduce = all_reduce
 
+    def _fqn(self, fsdp_param) -> str:
+        """An FSDP parameter's canonical FQN (FSDP's own name where the model's is not known)."""
+        return self._fqn_of.get(id(fsdp_param.sharded_param), getattr(fsdp_param, "_param_fqn", "?"))
+
     def _note(self, table: dict[str, set[str]], fsdp_param, dtype: str) -> None:
-        fqn = self._fqn_of.get(id(fsdp_param.sharded_param), getattr(fsdp_param, "_param_fqn", "?"))
-        table.setdefault(fqn, set()).add(dtype)
+        table.setdefault(self._fqn(fsdp_param), set()).add(dtype)
 
     @contextlib.contextmanager
     def phase(self, step: int, mb: int):
@@ -313,7 +312,7 @@ class Recorder:
         ``mb``'s backward. Values divided by the loss ``scale`` (a power of two: exact)."""
         if synced:
             if self._reduce_inputs:
-                self.accumulated[(step, mb)] = {f: _unscaled(v, scale) for f, v in self._reduce_inputs.items()}
+                self.accumulated[(step, mb)] = {f: unscaled(v, scale) for f, v in self._reduce_inputs.items()}
             self._reduce_inputs = {}
             return
         for fp in _fsdp_params(model):
@@ -325,8 +324,7 @@ class Recorder:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
                 if not isinstance(grad, DTensor):
-                    value = grad.detach().cpu()
-                    self.accumulated.setdefault((step, mb), {})[fqn] = _unscaled(value, scale)
+                    self.accumulated.setdefault((step, mb), {})[fqn] = unscaled(grad.detach().cpu().clone(), scale)
 
     def close(self) -> None:
         """Remove hooks and restore FSDP's reduction functions (idempotent)."""

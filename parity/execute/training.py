@@ -24,7 +24,7 @@ from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction
+from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction, rescales_gradients
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
 from parity.paths.reads import check_reads
@@ -255,10 +255,9 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
             group, dtype = parallel.owner_reduce(
                 p, world=world, reduction=owner_reduction(cell.reduction, fixture.ignored_reduction), group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
-    if cell.clip or s.scaler:  # the reduction's output, before anything scales it
-        factor = s.scaler.get_scale() if s.scaler else 1.0  # divided in FP64: exact, float16 or not
-        obs.reduced.append({s.names[id(p)]: keep(p.grad).double() / factor if factor != 1.0 else keep(p.grad)
-                            for p in s.params if p.grad is not None})
+    if rescales_gradients(cell.clip, s.plan.config.param_dtype):  # the reduction's output, before that
+        factor = s.scaler.get_scale() if s.scaler else 1.0
+        obs.reduced.append({s.names[id(p)]: probes.unscaled(keep(p.grad), factor) for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.unscale_(s.opt)
     norm = parallel.global_grad_norm(s.params)

@@ -31,7 +31,7 @@ from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import loss_scale
+from parity.model.recipe import rescales_gradients
 
 #: Owed records a cell's coverage row names at most (the count says how many more).
 NAMED = 8
@@ -58,7 +58,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:
             out.append(("clip", "global", step))
-        staged = cell.clip or loss_scale(plan.config.param_dtype) != 1.0  # reduced, then unscaled/clipped
+        staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
         for t in trained:
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])

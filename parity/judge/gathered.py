@@ -24,9 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import torch
 
-from parity.execute.observation import Observation
+from parity.execute.observation import Observation, value_sums
 from parity.judge.record import Record
 from parity.judge.rows import contract_row
 from parity.matrix.cell import Cell
@@ -34,11 +33,6 @@ from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionPlan
 
 _REL = 1e-12
-
-
-def _sums(t: torch.Tensor) -> tuple[float, float]:
-    values = t.detach().double()
-    return float(values.abs().sum()), float(values.sum())
 
 
 def _close(got: tuple[float, float], want: tuple[float, float]) -> bool:
@@ -67,7 +61,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                         problems.append(f"step {step} rank {o.rank}: no master recorded before the step")
                         continue
                     judged += 1
-                    want = _sums(master.to(parse_dtype(dtype)))
+                    want = value_sums(master.to(parse_dtype(dtype)))
                     if not _close(tuple(got), want):
                         problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "
                                         f"before the step gives {want[0]:.9g} in {dtype}")

@@ -40,7 +40,8 @@ from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction
+from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,
+                                 rescales_gradients)
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
@@ -309,7 +310,7 @@ def run_reference(
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)
         run.grad_norms.append(float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0)
-        if cell.clip or loss_scale(plan.config.param_dtype) != 1.0:  # as the ranks record it
+        if rescales_gradients(cell.clip, plan.config.param_dtype):  # as the ranks record it
             run.reduced.append({f: masters[f].grad.detach().cpu().clone() for f in trainable
                                 if masters[f].grad is not None})
         if cell.clip and grads:

@@ -94,6 +94,13 @@ def loss_scale(param_dtype: torch.dtype) -> float:
     return LOSS_SCALE if param_dtype == torch.float16 else 1.0
 
 
+def rescales_gradients(clip: float, param_dtype: torch.dtype) -> bool:
+    """Whether something scales the gradients between their reduction and the optimizer step:
+    clipping, or the gradient scaler unscaling them (a loss scale). Such a cell's gradients are
+    recorded twice, as reduced and as stepped with."""
+    return bool(clip) or loss_scale(param_dtype) != 1.0
+
+
 def clip_coefficient(max_norm: float, norm) -> float:
     """The factor clipping scales every gradient by, ``min(1, max_norm / (norm + 1e-6))``, as
     ``clip_grads_with_norm_`` forms it, in ``norm``'s own arithmetic (an FP32 tensor, as the

@@ -146,12 +146,17 @@ def write_trace(out: str, cell_id: str, document: dict) -> None:
             json.dump(document, fh, indent=1)
 
 
+def op_log_path(out: str, cell_id: str) -> str:
+    """``traces/<cell id with '/' as '__'>.ops.json``, beside the cell's trace."""
+    return trace_path(out, cell_id).removesuffix(".json") + ".ops.json"
+
+
 def write_op_log(out: str, cell_id: str, op_log: dict) -> str:
     """Write a traced re-run's operator log (:mod:`parity.execute.oplog`) beside its trace as
     ``traces/<cell>.ops.json``; returns that file's name, or why there is none."""
     if "log" not in op_log:
         return f"not written: {op_log.get('note') or 'rank 0 recorded no operator log'}"
-    path = trace_path(out, cell_id).removesuffix(".json") + ".ops.json"
+    path = op_log_path(out, cell_id)
     with writing(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as fh:

@@ -93,7 +93,7 @@ def rerun(cell: Cell, argv: list[str] | None = None) -> int:
     the cell's verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
     FILE`` also copies the traced step's operator log there (:mod:`parity.execute.oplog`);
     anything else is a one-line usage error (2)."""
-    from parity.report.outdir import trace_path
+    from parity.report.outdir import op_log_path
     from parity.runner import RunOptions, run_cells
 
     argv = list(argv or [])
@@ -104,7 +104,7 @@ def rerun(cell: Cell, argv: list[str] | None = None) -> int:
         run_dir = os.path.join(out, "run")
         code = run_cells([cell], RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv)))
         bad = _failing(run_dir, cell.id)
-        logged = trace_path(run_dir, cell.id).removesuffix(".json") + ".ops.json"
+        logged = op_log_path(run_dir, cell.id)
         if argv:
             if os.path.isfile(logged):
                 shutil.copyfile(logged, argv[1])
