@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parity.errors import IsolationError
+from parity.execute import collectives
 from parity.execute.observation import MarkerSeen, Observation, Resumed
 from parity.execute.training import build, freeze_schedule, observed, train_step
 from parity.faults import Injector
@@ -75,11 +76,12 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     if world > 1:
         dist.broadcast_object_list(ckpt_dir, src=0)
     out: dict[str, Resumed] = {}
+    saving = collectives.Segments()
     targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
     try:
         try:
             _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
-                  heartbeat=heartbeat)
+                  heartbeat=heartbeat, segments=saving)
         except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
             return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
         for target in targets:
@@ -90,6 +92,8 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
             except FAILURES as exc:  # recorded against the path that failed
                 out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
+        if cell.path in out:
+            out[cell.path].collectives.update(saving.calls)
     finally:
         if world > 1:
             dist.barrier()
@@ -143,24 +147,32 @@ def load(s, ckpt: str, group=None) -> None:
     dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat) -> None:
-    """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with DCP."""
+def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat,
+          segments: collectives.Segments) -> None:
+    """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with
+    DCP; the save's collectives go to ``segments`` (``checkpoint/save``)."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
-    save(first, ckpt)
+    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/save"):
+        save(first, ckpt)
     heartbeat("checkpoint saved")
 
 
 def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector,
                    heartbeat) -> Resumed:
-    """Load the checkpoint into a fresh model sharded by ``target`` and train one more step."""
+    """Load the checkpoint into a fresh model sharded by ``target`` and train one more step, counting
+    the collectives of both (``checkpoint/load``, then the step's segments)."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
-    load(s, ckpt)
-    heartbeat(f"checkpoint loaded into {target}")
-    obs = Observation(rank=rank)
-    train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat)
+    segments = collectives.Segments()
+    with collectives.counting(segments.calls, segments.key):
+        with segments.segment(cell.resume_step, "checkpoint/load"):
+            load(s, ckpt)
+        heartbeat(f"checkpoint loaded into {target}")
+        obs = Observation(rank=rank)
+        train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
+                   segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
-                   optim=optimizer_state(cell, s.model, s.opt))
+                   optim=optimizer_state(cell, s.model, s.opt), collectives=segments.calls)

@@ -72,6 +72,10 @@ class Resumed:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     optim: dict[str, dict] = field(default_factory=dict)
+    collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
+    """What ``torch.distributed`` issued while saving (``checkpoint/save``: the path's own run
+    only), loading (``checkpoint/load``) and in the resumed step (its segments, as in
+    :attr:`ContractsSeen.collectives`), keyed (step, segment, kind) -> bytes of each call."""
 
 
 #: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
-from parity.execute import evaluation, knobs, parallel, probes, state_dicts
+from parity.execute import collectives, evaluation, knobs, parallel, probes, state_dicts
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -182,18 +182,25 @@ def _state_dicts(cell: Cell, s: Sharded, step: int, point: str, obs: Observation
 
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
                recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None,
-               data: Callable[[int, int], tuple[int, int]] | None = None, keep=None) -> None:
+               data: Callable[[int, int], tuple[int, int]] | None = None, keep=None,
+               segments: collectives.Segments | None = None, state_dicts: bool | None = None) -> None:
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``.
     ``data`` maps (rank, micro-batch) to the (data rank, micro-batch) whose batch it trains
-    (default: its own); ``keep`` how tensors are recorded (default: :func:`observed`)."""
+    (default: its own); ``keep`` how tensors are recorded (default: :func:`observed`);
+    ``segments`` labels the collectives it issues by segment of the loop (default: the
+    recorder's); ``state_dicts`` whether it takes the cell's state dicts where the loop takes them
+    (default: when it records; a resumed run repeats its step with them, as the loop ran it)."""
     fixture = get_fixture(cell.fixture, cell.source)
     topo, keep = cell.topology(), keep or observed(cell)
     data = data or (lambda r, m: (topo.data_rank(r), m))
     freeze_schedule(s, step)
     divisor = loss_divisor(cell.reduction, topo.data_world)
 
+    segments = segments or (recorder.segments if recorder else None)
+    taking = recorder is not None if state_dicts is None else state_dicts
+
     def segment(label: str):
-        return recorder.segments.segment(step, label) if recorder else contextlib.nullcontext()
+        return segments.segment(step, label) if segments else contextlib.nullcontext()
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync != "last")
@@ -211,7 +218,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             loss = fixture.loss(out, batch.target) / cell.microbatches
             if divisor != 1:
                 loss = loss / divisor
-            if recorder and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
+            if taking and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
                 with segment("state-dict"):
                     _state_dicts(cell, s, step, "after-forward", obs)
             synced = last or cell.sync != "last"
@@ -232,15 +239,15 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
             heartbeat(f"step {step} micro-batch {mb}")
         if not last and cell.eval == "between-microbatches":
             with segment("eval"):
-                _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=recorder is not None)
+                _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=taking)
     with segment("optimizer"):
         _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture)
-    if recorder and "after-step" in cell.state_dict_points(step):
+    if taking and "after-step" in cell.state_dict_points(step):
         with segment("state-dict"):
             _state_dicts(cell, s, step, "after-step", obs)
     if cell.eval == "between-steps":
         with segment("eval"):
-            _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=recorder is not None)
+            _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=taking)
 
 
 def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture) -> None:

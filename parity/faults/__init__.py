@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from parity.errors import UsageError
+from parity.faults import checkpoint_patches as ckp
 from parity.faults import composition_patches as cp
 from parity.faults import patches as p
 from parity.faults import quant_patches as qp
@@ -80,7 +81,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_param", "decay_frozen"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
-    **dict.fromkeys(("misfile_optimizer_state", "swap_optimizer_state", "step_counter_restarts",
+    **dict.fromkeys(("misfile_optimizer_state", "swap_optimizer_state", "step_counter_restarts", "load_regathers",
                      "resharded_read_at_zero", "tp_shards_swapped_on_load"), "checkpoint"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
@@ -191,7 +192,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"sync": "every"}, patch=rp.window_replays_accumulation),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
            {"grad.accum", "grad", "grad_norm", "dtype.reduce", "dtype.grad", "optim.state", "checkpoint.same", "checkpoint.cross",
-            "collectives"}, {"fixture": "staged", "path": "native", "ranks": 2}, quiet={"fixture": "frozen"},
+            "collectives", "checkpoint.collectives"}, {"fixture": "staged", "path": "native", "ranks": 2},
+           quiet={"fixture": "frozen"},
            patch=rp.unfrozen_stays_frozen),
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
            {"grad.clipped", "grad_norm", "trajectory", "trajectory.emulation"}, {**_KDA2, "param_dtype": "float16"},
@@ -216,7 +218,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            patch=rp.eval_stale_after_step),
     _fault("step_counter_restarts", "loading optimizer state restarts AdamW's step counters at 1 (set_state_dict)",
            {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
-           quiet={"steps": 2}, patch=rp.step_counter_restarts, scopes=("lifecycle",)),
+           quiet={"steps": 2}, patch=ckp.step_counter_restarts, scopes=("lifecycle",)),
+    _fault("load_regathers", "after loading a sharded state dict every FSDP unit is all-gathered and resharded: "
+           "numerically invisible (set_state_dict)",
+           {"checkpoint.collectives"}, _KDA2, quiet={"ranks": 1}, patch=ckp.load_regathers, scopes=("lifecycle",)),
     _fault("resharded_read_at_zero", "DCP reads every chunk of a resharded load at offset 0 "
            "(narrow_tensor_by_index without offsets): only a checkpoint loaded on another layout shows it",
            {"checkpoint.moved"}, {**_KDA2, "move": "shrink"}, quiet={"move": "none"}, patch=rp.resharded_read_at_zero,
@@ -289,11 +294,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32
-           {"dtype.reduce", "grad", "checkpoint.same", "checkpoint.cross", "collectives"}, {"fixture": "staged", "path": "legacy", "ranks": 2},
+           {"dtype.reduce", "grad", "checkpoint.same", "checkpoint.cross", "collectives", "checkpoint.collectives"},
+           {"fixture": "staged", "path": "legacy", "ranks": 2},
            quiet={"fixture": "frozen"}, patch=rp.frozen_unit_reduces_bf16),
     _fault("state_dict_skips_reshard", "FSDP registers no state-dict pre-save hook: a state dict taken while units are "
            "unsharded holds compute-dtype tensors (FSDPParamGroup._register_state_dict_hooks)",
-           {"state_dict"}, {**_KDA2, "reshard": False}, quiet={"reshard": True}, patch=rp.state_dict_skips_reshard,
+           # the resumed step (lifecycle scope: hooks intact) re-gathers after its state dict, the broken one does not
+           {"state_dict", "checkpoint.collectives"}, {**_KDA2, "reshard": False}, quiet={"reshard": True},
+           patch=rp.state_dict_skips_reshard,
            scopes=_MAIN),
     _fault("early_reduce_scatter", "FSDP reduce-scatters (a zero buffer) inside a set_requires_gradient_sync(False) "
            "window: numerically invisible (FSDPParamGroup.post_backward)",

@@ -225,23 +225,6 @@ def eval_stale_after_step():
     return lambda: [u() for u in reversed(undo)]
 
 
-def step_counter_restarts():
-    """Loading an optimizer state dict restarts every parameter's AdamW ``step`` at 1 (a loader
-    that rebuilds the counter instead of restoring it): bias correction after the resume is that
-    of step 1. A checkpoint saved after one step holds 1 anyway: only a later resume shows it."""
-    from torch.distributed.checkpoint import state_dict as sd
-
-    def make(orig):
-        def set_state_dict(model, optimizers, **kwargs):
-            out = orig(model, optimizers, **kwargs)
-            for state in optimizers.state.values():
-                if "step" in state:
-                    state["step"] = torch.ones_like(state["step"]) if isinstance(state["step"], torch.Tensor) else 1
-            return out
-        return set_state_dict
-    return swap_attr(sd, "set_state_dict", make)
-
-
 def frozen_unit_reduces_bf16():
     """A unit whose parameters are all frozen at its first forward (lazy init) fixes its reduce
     dtype to ``param_dtype``: after the recipe unfreezes it, its gradients are reduced in BF16

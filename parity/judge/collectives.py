@@ -11,6 +11,7 @@ from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.reference import ReferenceRun
 from parity.judge.rows import contract_row as _row
+from parity.judge.rows import skipped as _skipped
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 from parity.model.registry import get_fixture
@@ -201,4 +202,51 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
                     "compute dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
         row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
         rows.append(replace(row, step=step))
+    return rows
+
+
+def _phases(resumed, label: str) -> list[str]:
+    """What ``resumed`` issued in one lifecycle phase (nothing is expected there)."""
+    issued = {kind: len(b) for (_, seg, kind), b in resumed.collectives.items() if seg == label}
+    return [f"{label}: {n} {kind}, expected none" for kind, n in sorted(issued.items())]
+
+
+def checkpoint_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``checkpoint.collectives``: what ``torch.distributed`` issued around the checkpoint lifecycle,
+    one record per path the checkpoint was loaded into, on each rank:
+
+    - saving and loading with DCP's sharded state dicts issue none of the collectives
+      :mod:`parity.execute.collectives` counts: every rank writes and reads its own shards (DCP
+      plans through object collectives, which are not counted), so a unit all-gathered to save
+      or to load is a finding even where no value changes;
+    - the step after loading into the cell's own path issues, segment by segment, the same
+      collectives with the same bytes, in the same order, as the uninterrupted run's same step
+      (which the step's own ``collectives`` record holds to the units): a resumed model that
+      gathers, reduces or reduces in another dtype differently from one that never stopped is
+      not the same training. After loading into another path its units differ by design; only
+      the load is held to none.
+
+    A load that failed or was skipped is a SKIP here: its ``checkpoint.same`` / ``checkpoint.cross``
+    row is the ERROR or SKIP saying why."""
+    rows = []
+    step = cell.resume_step
+    straight = {(seg, kind): b for (s, seg, kind), b in obs.contracts.collectives.items() if s == step}
+    for target, r in (obs.contracts.resume or {}).items():
+        if r.error or r.skip:  # its own checkpoint.same / .cross row says what failed or why not
+            rows.append(_skipped(base, "checkpoint.collectives", target, "no resumed run on this path: "
+                                 + (r.skip or "its checkpoint.same / checkpoint.cross row has the error")))
+            continue
+        own = target == cell.path
+        problems = (_phases(r, "checkpoint/save") if own else []) + _phases(r, "checkpoint/load")
+        if own:
+            again = {(seg, kind): b for (_, seg, kind), b in r.collectives.items() if not seg.startswith("checkpoint/")}
+            for seg, kind in sorted(set(straight) | set(again)):
+                got, want = again.get((seg, kind), []), straight.get((seg, kind), [])
+                if got != want:
+                    problems.append(f"resumed {seg}: {len(got)} {kind} of {sum(got)} bytes, the uninterrupted "
+                                    f"step {step} issued {len(want)} of {sum(want)}")
+        expected = ("no collective to save or load; the resumed step's collectives, segment by segment, those of "
+                    f"the uninterrupted step {step}" if own else "no collective to load")
+        rows.append(_row(base, "checkpoint.collectives", target, not problems, expected,
+                         "; ".join(problems) or "as expected"))
     return rows

@@ -25,7 +25,7 @@ from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
-from parity.judge.collectives import collective_checks
+from parity.judge.collectives import checkpoint_checks, collective_checks
 from parity.judge.rows import contract_row as _row
 from parity.judge.rows import skipped as _skip
 
@@ -483,7 +483,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
             + placement_checks(cell, obs, plan, ref, base)
-            + collective_checks(cell, obs, plan, base, ref))
+            + collective_checks(cell, obs, plan, base, ref) + checkpoint_checks(cell, obs, base))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

@@ -16,7 +16,7 @@ the observations) it derives the records the cell owes:
   ``quant.blocks`` (MX) for every quantized weight;
 - ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
-  the checkpoint lifecycle; ``checkpoint.moved`` when its checkpoint also moves (``move``).
+  the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
 A ``coverage`` record FAILs, naming what is missing, when any owed record is absent or is a
 SKIP without a stated reason. A parameter that gets no gradient in the reference either (a
@@ -75,7 +75,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
     if cell.lifecycle:
-        out.append(("checkpoint.same", None, None))
+        out += [("checkpoint.same", None, None), ("checkpoint.collectives", None, None)]
         if cell.crossload_targets:
             out.append(("checkpoint.cross", None, None))
     if cell.move != "none":

@@ -49,7 +49,8 @@ STAGE_OF = {
     **dict.fromkeys(("clip", "grad.clipped"), "clipping"),
     **dict.fromkeys(("param", "trajectory", "trajectory.emulation"), "optimizer"),
     "state_dict": "state-dict",
-    **dict.fromkeys(("optim.state", "checkpoint.same", "checkpoint.cross", "checkpoint.moved"), "checkpoint"),
+    **dict.fromkeys(("optim.state", "checkpoint.same", "checkpoint.cross", "checkpoint.moved",
+                     "checkpoint.collectives"), "checkpoint"),
 }
 #: Setup checks taken again later, by the suffix of their name: on the trained model, and
 #: right after the first forward (lazy initialization, step 0).

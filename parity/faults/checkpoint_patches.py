@@ -1,0 +1,45 @@
+"""Faults in the checkpoint lifecycle: DCP's state-dict helpers and what FSDP does while a
+checkpoint is saved or loaded."""
+
+from __future__ import annotations
+
+import torch
+
+from parity.faults.patches import swap_attr
+
+
+def step_counter_restarts():
+    """Loading an optimizer state dict restarts every parameter's AdamW ``step`` at 1 (a loader
+    that rebuilds the counter instead of restoring it): bias correction after the resume is that
+    of step 1. A checkpoint saved after one step holds 1 anyway: only a later resume shows it."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def set_state_dict(model, optimizers, **kwargs):
+            out = orig(model, optimizers, **kwargs)
+            for state in optimizers.state.values():
+                if "step" in state:
+                    state["step"] = torch.ones_like(state["step"]) if isinstance(state["step"], torch.Tensor) else 1
+            return out
+        return set_state_dict
+    return swap_attr(sd, "set_state_dict", make)
+
+
+def load_regathers():
+    """After loading a sharded state dict, every FSDP unit is all-gathered and resharded (a loader
+    that refreshes the unsharded parameters from the loaded shards): numerically invisible --
+    the shards hold what was loaded either way -- one all-gather per unit and the memory of an
+    unsharded unit at load time, which a sharded checkpoint exists to avoid."""
+    from torch.distributed.checkpoint import state_dict as sd
+    from torch.distributed.fsdp import FSDPModule
+
+    def make(orig):
+        def set_state_dict(model, optimizers, **kwargs):
+            out = orig(model, optimizers, **kwargs)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.unshard()
+                    module.reshard()
+            return out
+        return set_state_dict
+    return swap_attr(sd, "set_state_dict", make)
