@@ -4,6 +4,7 @@ it, against the path's units, the cell's accumulation and its recipe knobs (see
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from parity.execute.knobs import shard_dim
@@ -27,8 +28,21 @@ def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step:
 
 
 def _shard_size(cell: Cell) -> int:
-    """How many ranks FSDP shards over: every rank on a 1-D mesh, the ``shard`` dimension of HSDP."""
-    return cell.topology().shape[-1]
+    """How many ranks FSDP shards over: every rank on a 1-D mesh and under EP (the experts are not
+    FSDP's), the ``shard`` dimension of HSDP, the data-parallel dimension under TP."""
+    topo = cell.topology()
+    return {"hsdp": topo.shape[-1], "fsdp+tp": topo.shape[0]}.get(topo.name, topo.world)
+
+
+def _local_shape(cell: Cell, parallel: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor FSDP shards: a tensor-parallel weight's own tp shard (``ColwiseParallel`` splits
+    its rows, ``RowwiseParallel`` its columns, evenly over ``tp``), any other tensor whole."""
+    tp = cell.topology().tp
+    if parallel == "tp-colwise":
+        return (-(-shape[0] // tp), *shape[1:])
+    if parallel == "tp-rowwise":
+        return (shape[0], -(-shape[1] // tp), *shape[2:])
+    return shape
 
 
 def _syncs(cell: Cell, mb: int) -> tuple[bool, bool]:
@@ -43,7 +57,8 @@ def _syncs(cell: Cell, mb: int) -> tuple[bool, bool]:
 def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, step: int,
                graded: set | None = None) -> tuple[dict, dict]:
     """What each unit's collectives carry, from the plan, the path's units and the parameters'
-    shapes (FSDP pads dim 0 to a multiple of the ranks it shards over): unit -> bytes of its
+    shapes (a tensor-parallel weight's local tp shard, :func:`_local_shape`; FSDP pads dim 0 to a
+    multiple of the ranks it shards over, :func:`_shard_size`): unit -> bytes of its
     all-gather (every parameter in its compute dtype; a quantized weight in its one-byte E4M3
     payload, :data:`parity.model.plan.TensorPlan.format`) and of its reduce-scatter at ``step``
     (padded on the dimension the recipe shards it on, :func:`parity.execute.knobs.shard_dim`)
@@ -57,10 +72,10 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
             t = plan.get(f)
             if t is None or t.ownership != "managed" or f not in shapes:
                 continue
-            shape = shapes[f]
+            shape = _local_shape(cell, t.parallel, shapes[f])
             dim = shard_dim(cell, shape)  # FSDP pads the dimension it shards to a multiple of the ranks
             rows = -(-shape[dim] // shard) * shard if len(shape) else 1
-            padded = rows * (t.numel // shape[dim] if len(shape) and shape[dim] else 1)
+            padded = rows * (math.prod(shape) // shape[dim] if len(shape) and shape[dim] else 1)
             g += padded * (1 if t.format != "none" else t.compute.itemsize)
             if t.requires_grad and t.trainable_from <= step and t.reduce is not None and (graded is None or f in graded):
                 r += padded * t.reduce.itemsize
@@ -141,9 +156,10 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
 
     HSDP: the same over the ``shard`` dimension, plus one all-reduce per unit across replicas in each
     backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. FSDP x TP and EP:
-    the same counts for FSDP's own collectives (over the data-parallel dimension; TP's and the
-    experts' exchanges go through DTensor's functional collectives, which are not counted);
-    their bytes (local tensor-parallel shards) are not derived: counts only."""
+    the same for FSDP's own collectives, counts and bytes, over the dimension FSDP shards (TP:
+    ``dp``, whose all-gathers carry each tensor-parallel weight's local tp shard; EP: every rank,
+    the experts excluded); TP's and the experts' own exchanges go through DTensor's functional
+    collectives, which are not counted."""
     counts = obs.contracts.collectives
     units = sum(1 for u in obs.report.units if u.params)
     ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
@@ -194,7 +210,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
             if got.get(key, 0) < n:
                 problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
                                 "sharded again after the optimizer step)")
-        if cell.ranks > 1 and ref is not None and ref.params and cell.mesh in ("fsdp", "hsdp"):
+        if cell.ranks > 1 and ref is not None and ref.params:
             problems += _wire(cell, obs, plan, ref, step)
         expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
                     "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
