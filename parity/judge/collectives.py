@@ -83,10 +83,10 @@ def unit_bytes(cell: Cell, obs: Observation, plan: PrecisionPlan, shapes: dict, 
     return gather, reduce
 
 
-def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, step: int) -> list[str]:
+def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, step: int) -> list[tuple[str, str]]:
     """Bytes per call against the units' (:func:`unit_bytes`): each all-gather carries one unit in
     its compute dtypes, a synchronizing backward reduce-scatters each unit with something to
-    train once, in its reduce dtypes."""
+    train once, in its reduce dtypes. Returns (segment, problem) pairs."""
     shapes = {f: tuple(p.shape) for f, p in ref.params[0].items()}
     graded = set(ref.grads[step]) if step < len(ref.grads) else None
     gather, reduce = unit_bytes(cell, obs, plan, shapes, step, graded)
@@ -96,22 +96,22 @@ def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, 
         if kind == "all-gather":
             odd = [b for b in sizes if b not in gather.values()]
             if odd:
-                problems.append(f"{label}: all-gather of {odd[0]} bytes, no unit's size in its compute dtypes "
-                                f"({sorted(set(gather.values()))})")
+                problems.append((label, f"all-gather of {odd[0]} bytes, no unit's size in its compute dtypes "
+                                        f"({sorted(set(gather.values()))})"))
     for mb in range(cell.microbatches):
         scatters, replicas = _syncs(cell, mb)
         if scatters:
             got = sorted(calls.get((f"mb{mb}/backward", "reduce-scatter"), []))
             want = sorted(b for b in reduce.values() if b)
             if got != want:
-                problems.append(f"mb{mb}/backward: reduce-scatters of {got} bytes, expected {want} "
-                                "(each unit's trained parameters, padded, in their reduce dtypes)")
+                problems.append((f"mb{mb}/backward", f"reduce-scatters of {got} bytes, expected {want} "
+                                 "(each unit's trained parameters, padded, in their reduce dtypes)"))
         if replicas:
             got = sorted(calls.get((f"mb{mb}/backward", "all-reduce"), []))
             want = sorted(b // _shard_size(cell) for b in reduce.values() if b)
             if got != want:
-                problems.append(f"mb{mb}/backward: replica all-reduces of {got} bytes, expected {want} "
-                                "(each unit's reduce-scattered shard)")
+                problems.append((f"mb{mb}/backward", f"replica all-reduces of {got} bytes, expected {want} "
+                                 "(each unit's reduce-scattered shard)"))
     return problems
 
 
@@ -189,36 +189,53 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         scaler = 1 if loss_scale(plan.config.param_dtype) != 1.0 else 0  # the scaler agrees on found-inf
         if owners + scaler:
             want[("optimizer", "all-reduce")] = owners + scaler
-        problems = []
+        problems: list[tuple[str, str]] = []
         # a tensorwise FP8 weight agrees on its amax once per step, at its first all-gather (a forward)
         scales = sum(1 for t in plan.params if t.format == "fp8-tensorwise") if cell.ranks > 1 else 0
         amax = sum(n for (label, kind), n in got.items() if kind == "all-reduce" and label.endswith("/forward"))
         if amax != scales:
-            problems.append(f"forwards: {amax} all-reduce, expected {scales} (one per tensorwise FP8 weight)")
+            problems.append(("mb0/forward", f"the step's forwards: {amax} all-reduce, expected {scales} "
+                             "(one per tensorwise FP8 weight)"))
         got = {k: n for k, n in got.items() if not (k[1] == "all-reduce" and k[0].endswith("/forward"))}
         for (label, kind), n in sorted(got.items()):
             if (label, kind) in want or (label, kind) in bound:
                 continue
-            problems.append(f"{label}: {n} {kind}, expected none")
+            problems.append((label, f"{n} {kind}, expected none"))
         for key, n in want.items():
             if got.get(key, 0) != n:
-                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected {n}")
+                problems.append((key[0], f"{got.get(key, 0)} {key[1]}, expected {n}"))
         for key, n in bound.items():
             if got.get(key, 0) > n:
-                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at most {n}")
+                problems.append((key[0], f"{got.get(key, 0)} {key[1]}, expected at most {n}"))
         for key, n in floor.items():
             if got.get(key, 0) < n:
-                problems.append(f"{key[0]}: {got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
-                                "sharded again after the optimizer step)")
+                problems.append((key[0], f"{got.get(key, 0)} {key[1]}, expected at least {n} (every unit is "
+                                 "sharded again after the optimizer step)"))
         if cell.ranks > 1 and ref is not None and ref.params:
             problems += _wire(cell, obs, plan, ref, step)
-        expected = (f"{units} units: one reduce-scatter per unit with something to train per synchronizing backward "
-                    "(its trained parameters in their reduce dtypes)" + (", one replica all-reduce per unit where "
-                    "replicas synchronize" if cell.mesh == "hsdp" else "") + ", all-gathers of one unit each (in its "
-                    "compute dtypes), none elsewhere" if cell.ranks > 1 else "no FSDP collective on one rank")
-        row = _row(base, "collectives", "per step", not problems, expected, "; ".join(problems) or "as expected")
-        rows.append(replace(row, step=step))
+        labels = cell.segments(step)
+        labels += sorted(({label for label, _ in got} | {label for label, _ in problems}) - set(labels))
+        for label in labels:
+            bad = [text for where, text in problems if where == label]
+            expected = _expected(label, want, bound, floor, scales, units) if cell.ranks > 1 else \
+                "no FSDP collective on one rank"
+            row = _row(base, "collectives", label, not bad, expected, "; ".join(bad) or "as expected")
+            rows.append(replace(row, step=step))
     return rows
+
+
+def _expected(label: str, want: dict, bound: dict, floor: dict, scales: int, units: int) -> str:
+    """What one segment owes, in words: exact counts, bounds, the FP8 amax agreement."""
+    parts = [f"{n} {kind}" for (where, kind), n in sorted(want.items()) if where == label and n]
+    for (where, kind), n in sorted(bound.items()):
+        if where == label and (where, kind) not in want:
+            low = floor.get((where, kind))
+            parts.append(f"{low} {kind}" if low == n else f"{low}-{n} {kind}" if low else f"at most {n} {kind}")
+    if label.endswith("/forward") and scales:
+        parts.append(f"{scales} all-reduce over the step's forwards (tensorwise FP8 amax)")
+    what = ", ".join(parts) + ", nothing else" if parts else "no collective"
+    return f"{what} ({units} units; each all-gather one unit in its compute dtypes, each reduce-scatter one unit's " \
+        "trained parameters in their reduce dtypes)" if parts else what
 
 
 def _phases(resumed, label: str) -> list[str]:

@@ -51,7 +51,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
                 if not token_input:
                     out.append(("input_grad", f"rank{r}/mb{mb}", step))
         out.append(("grad_norm", "global", step))
-        out.append(("collectives", "per step", step))
+        out += [("collectives", label, step) for label in cell.segments(step)]
         out += [("state_dict", f"{api}@{point}", step) for point in cell.state_dict_points(step)
                 for api in cell.state_dict_apis(point)]
         for label in cell.eval_labels(step):

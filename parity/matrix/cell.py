@@ -264,6 +264,15 @@ class Cell:
             return ["after-step"]
         return []
 
+    def segments(self, step: int) -> list[str]:
+        """The segments of ``step``'s loop the worker counts collectives in (each judged on its own,
+        :mod:`parity.judge.collectives`): each micro-batch's forward and backward, state dicts
+        and evaluation forwards where the cell takes them, the optimizer step."""
+        labels = [f"mb{mb}/{phase}" for mb in range(self.microbatches) for phase in ("forward", "backward")]
+        labels += ["state-dict"] if self.state_dict_points(step) else []
+        labels += ["eval"] if self.eval_labels(step) else []
+        return labels + ["optimizer"]
+
     def state_dict_points(self, step: int) -> list[str]:
         """Where the cell's own training takes state dicts in ``step`` (:mod:`parity.execute.state_dicts`),
         each kind of point once, early enough that training follows it: after the first optimizer
