@@ -40,7 +40,7 @@ from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals, exit_code
 from parity.judge.cell import base_fields, failure_record, judge_cell
 from parity.judge.compare import cross_path
-from parity.judge.divergence import NUMERIC, locate
+from parity.judge.divergence import NUMERIC, locate, traced_step
 from parity.judge.record import BAD, Record, Unpaired, Verdict
 from parity.matrix.cell import Cell
 from parity.matrix.order import order_cells, with_crossload
@@ -233,7 +233,7 @@ class _Run:
             return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
         new = judged.records
         if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):
-            new = new + self._divergence(cell, signals, new[0])
+            new = new + self._divergence(cell, signals, new)
         if judged.run is None:
             self.unpaired[cell.pair_id, cell.path] = (
                 (Unpaired.EXPECTED_ISOLATION_ERROR, f"{new[0].path_taken} raised the fixture's expected isolation error")
@@ -252,16 +252,19 @@ class _Run:
         self.timings["reference+compare"] += time.perf_counter() - j0
         return new
 
-    def _divergence(self, cell: Cell, signals, first: Record) -> list[Record]:
-        """Re-run a numerically failing cell with per-module traces; name where it diverged."""
+    def _divergence(self, cell: Cell, signals, first_rows: list[Record]) -> list[Record]:
+        """Re-run a numerically failing cell with per-module traces, up to the step its records
+        diverged at first; name where it diverged."""
+        first = first_rows[0]
         base = base_fields(cell, first.path_taken, first.fallback_reason)
         if self.executor is not None:  # torchrun peers run each cell once; a re-run would desynchronize them
             return [Record(**base, check="divergence", name="-", verdict=Verdict.SKIP,
                            detail="not located under torchrun (re-run the cell without torchrun)")]
         try:
-            traced = self._observe(replace(cell, trace=True, op_log=self.options.op_log), signals)
+            rerun = replace(cell, trace=True, trace_step=traced_step(first_rows), op_log=self.options.op_log)
+            traced = self._observe(rerun, signals)
             document: dict = {}
-            record = locate(cell, traced, base, device=_ref_device(self.device), document=document)
+            record = locate(rerun, traced, base, device=_ref_device(self.device), document=document)
             if self.options.op_log:
                 document["op_log"] = outdir.write_op_log(self.options.out_dir, cell.id, traced[0].op_log)
             outdir.write_trace(self.options.out_dir, cell.id, document)

@@ -20,14 +20,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("divergence")]
 CELLS = [("lm", "legacy"), ("mixed_storage", "native"), ("mixed_storage", "legacy"), ("frozen", "legacy")]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_the_traced_rerun_of_a_correct_cell_reports_nothing(ranks):
+@pytest.mark.parametrize("ranks,step", [(1, 0), (2, 0), (2, 1)])
+def test_the_traced_rerun_of_a_correct_cell_reports_nothing(ranks, step):
+    """At step 0 from the initial weights; at a later step (where a cell's records diverged first)
+    from the run's own weights after the step before, which the reference resyncs to."""
     pool = RankPool(ranks)
     try:
-        for fixture, path in CELLS:
-            cell = Cell(fixture=fixture, path=path, ranks=ranks, microbatches=3, sync="last", trace=True)
+        for fixture, path in CELLS + ([("kda", "native")] if step else []):
+            cell = Cell(fixture=fixture, path=path, ranks=ranks, microbatches=3, sync="last", trace=True,
+                        trace_step=step)
             record = locate(cell, pool.run(cell, 120), base_fields(cell))
-            assert record.verdict == "PASS", f"{cell.id}: {record.detail}"
+            assert record.verdict == "PASS" and record.step == step, f"{cell.id}: {record.detail}"
     finally:
         pool.stop()
 

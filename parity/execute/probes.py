@@ -138,6 +138,8 @@ class Recorder:
     def __init__(self, model: nn.Module, report: ShardReport):
         self.model = model
         self.active = False
+        self.at: tuple[int, int] | None = None
+        """(step, micro-batch) while a forward of the loop runs (:meth:`phase`)."""
         self.compute: dict[str, str] = {}
         self._via_parent: dict[str, str] = {}
         """Parameters a module reads from a child whose own forward never runs (e.g.
@@ -297,11 +299,13 @@ class Recorder:
         """Record forward observations during the first forward only, and the parameters as
         gathered during each step's first forward."""
         self.active = step == 0 and mb == 0
+        self.at = (step, mb)
         self._gather_step = step if mb == 0 else None
         try:
             yield
         finally:
             self.active = False
+            self.at = None
             self._gather_step = None
         if step == 0 and mb == 0:
             self.lazy_init = lazy_init_snapshot(self.model)

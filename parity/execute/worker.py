@@ -36,9 +36,10 @@ def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bo
 
 
 def _steps(cell: Cell) -> int:
-    """A traced re-run (:mod:`parity.judge.divergence`) reads rank 0's first micro-batch only: it
-    trains the first step and skips the checkpoint lifecycle; a cell trains all its steps."""
-    return 1 if cell.trace else cell.steps
+    """A traced re-run (:mod:`parity.judge.divergence`) reads rank 0's first micro-batch of
+    ``cell.trace_step`` only: it trains up to that step and skips the checkpoint lifecycle; a cell
+    trains all its steps."""
+    return cell.trace_step + 1 if cell.trace else cell.steps
 
 
 def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
@@ -65,15 +66,15 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
                 tp = parallel.TPReductions(s.model, s.owners)
             if cell.trace and rank == 0:
                 obs.trace = trace.Trace()
-                trace.install(s.model, obs.trace, when=lambda: recorder.active)
+                trace.install(s.model, obs.trace, when=lambda: recorder.at == (cell.trace_step, 0))
             obs.timings["build"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             logging = cell.trace and cell.op_log and rank == 0
-            with collectives.counting(recorder.segments.calls, recorder.segments.key), \
-                    oplog.recording(obs.op_log) if logging else contextlib.nullcontext():
+            with collectives.counting(recorder.segments.calls, recorder.segments.key):
                 for step in range(_steps(cell)):
-                    train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
-                               heartbeat=beat, tp=tp)
+                    with oplog.recording(obs.op_log) if logging and step == cell.trace_step else contextlib.nullcontext():
+                        train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
+                                   heartbeat=beat, tp=tp)
                     if cell.lifecycle and step == cell.resume_step:  # what a resumed run must reproduce
                         obs.contracts.resume_step = step
                         obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)

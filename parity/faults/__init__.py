@@ -241,7 +241,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "the units stay gathered through the optimizer step and the next step computes with stale weights "
            "(from step 2: the state dict parity reads after step 0 reshards them, FSDP's pre-save hook)",
            {"collectives", "gathered", "output", "input_grad", "grad", "grad.accum", "grad_norm", "trajectory",
-            "trajectory.emulation"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
+            "trajectory.emulation", "divergence"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=rp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
            "gathers it again", {"collectives"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
@@ -268,11 +268,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("offload_copy_in_stale", "with CPU offloading the all-gather copy-in reads a host copy of each shard taken "
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
            {"grad.accum", "gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
-            "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
+            "checkpoint.same", "checkpoint.cross", "divergence"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
     _fault("backward_gather_stale", "FSDP's backward all-gather hands compute the values its first backward gathered "
            "(FSDPParamGroup.wait_for_unshard): later steps' gradients use the initial weights",
            {"grad.accum", "gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
-            "checkpoint.cross"}, {**_KDA2}, quiet={"reshard": False}, patch=rp.backward_gather_stale),
+            "checkpoint.cross", "divergence"}, {**_KDA2}, quiet={"reshard": False}, patch=rp.backward_gather_stale),
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},

@@ -1,9 +1,12 @@
 """Where a failing cell diverges first: per-module outputs (forward order) and input
-gradients (backward order) of rank 0's first micro-batch, against the reference's.
+gradients (backward order) of rank 0's first micro-batch of the step its records diverged at
+first (:attr:`Cell.trace_step`), against the reference's from the same weights.
 
-Only failing cells pay for this: the runner re-runs them with ``trace`` on. Each module's
-tensor gets the last-rounding allowance the cell's outputs get (two computations agreeing
-up to a final rounding in the coarser dtype); the first module over it is named.
+Only failing cells pay for this: the runner re-runs them with ``trace`` on, up to that step;
+the reference starts every step from the run's own parameters after the previous one, so a
+later step's modules are compared on the weights the run had. Each module's tensor gets the
+last-rounding allowance the cell's outputs get (two computations agreeing up to a final
+rounding in the coarser dtype); the first module over it is named.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import amax, max_abs
+from parity.judge.compare import amax, assemble, max_abs
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import run_reference
 from parity.matrix.cell import Cell
@@ -25,6 +28,13 @@ from parity.model.trace import Trace
 
 #: Checks whose failure asks where the cell diverged first.
 NUMERIC = ("output", "input_grad", "grad", "grad.clipped", "grad_norm", "param", "trajectory")
+
+
+def traced_step(records: list[Record]) -> int:
+    """The step a traced re-run reads: the one the cell's ``stage`` record puts its first divergence
+    at (:mod:`parity.judge.stages`), step 0 when the first failing stage is not a step's."""
+    stage = next((r for r in records if r.check == "stage"), None)
+    return stage.step if stage is not None and isinstance(stage.step, int) else 0
 
 
 def _first_over(actual: dict, expected: dict, skipped: list[str]) -> tuple[str, float, float, float] | None:
@@ -74,7 +84,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
-    """Rank 0's first micro-batch, module by module (forward order, then backward order): each
+    """Rank 0's first micro-batch of the traced step, module by module (forward order, then backward order): each
     tensor's summary on the sharded run and in the reference, their largest difference and the
     allowance it was judged against. Written as ``traces/<cell>.json`` beside ``cells.csv``."""
     entries = []
@@ -91,7 +101,8 @@ def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
                     entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
                                                                amax(want)).allowed
             entries.append(entry)
-    return {"format": TRACE_FORMAT, "cell": cell.id, "scope": "rank 0, step 0, micro-batch 0", "tensors": entries}
+    return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"rank 0, step {cell.trace_step}, micro-batch 0",
+            "tensors": entries}
 
 
 def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu",
@@ -101,7 +112,11 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     first = observations[0]
     fixture = get_fixture(cell.fixture, cell.source)
     ref = Trace()
-    run_reference(dataclasses.replace(cell, steps=1), fixture, first.plan, first.report, device=device, trace=ref)
+    step = cell.trace_step
+    run = assemble(observations, first.plan) if step else None  # the run's weights before the traced step
+    run_reference(dataclasses.replace(cell, steps=step + 1), fixture, first.plan, first.report, device=device,
+                  trace=ref, trace_step=step, resync=run.params if run else None,
+                  clip_norms=run.grad_norms if run else None)
     if document is not None:  # a trace that cannot be summarized must not cost the located record
         try:
             document.update(trace_document(cell, first.trace, ref))
@@ -114,13 +129,13 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     unjudged = (f"; {len(skipped)} tensor(s) not judged: rank 0 holds a shard of them on this mesh "
                 f"(e.g. {skipped[0]})") if skipped else ""
     if where is None:
-        return Record(**base, step=0, check="divergence", name="-", verdict=Verdict.PASS,
+        return Record(**base, step=step, check="divergence", name="-", verdict=Verdict.PASS,
                       detail="no module's output or input gradient differs beyond its allowance in rank 0's first "
-                             "micro-batch: the difference arises after backward (reduction, optimizer) or later"
-                             + unjudged)
+                             f"micro-batch of step {step}: the difference arises after backward (reduction, "
+                             "optimizer) or later" + unjudged)
     parts = [f"first in forward order: {fwd[0]} (ratio {fwd[3]:.3g})" if fwd else "forward: no module over",
              f"first in backward order: {bwd[0]} (ratio {bwd[3]:.3g})" if bwd else "backward: no module over"]
-    parts[-1] += unjudged
+    parts[-1] += unjudged + f"; traced: rank 0's first micro-batch of step {step}"
     name, observed, allowed, ratio = where
-    return Record(**base, step=0, check="divergence", name=name, observed=observed, allowed=allowed, ratio=ratio,
+    return Record(**base, step=step, check="divergence", name=name, observed=observed, allowed=allowed, ratio=ratio,
                   verdict=Verdict.FAIL, detail="; ".join(parts))

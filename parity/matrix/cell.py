@@ -179,6 +179,9 @@ class Cell:
     """The path other paths are compared with (``baseline~path`` rows)."""
     trace: bool = False
     """Also record per-module outputs and input gradients (re-runs of failing cells)."""
+    trace_step: int = 0
+    """The step a traced re-run reads (rank 0's first micro-batch of it): the step where the cell's
+    records diverged first (:mod:`parity.judge.stages`); the re-run trains up to it."""
     op_log: bool = False
     """A traced re-run also logs rank 0's operators (:mod:`parity.execute.oplog`)."""
     crossload: str = ""
@@ -350,7 +353,7 @@ class Cell:
 
     def axes(self) -> dict:
         d = asdict(self)
-        for run_level in ("faults", "source", "baseline", "crossload", "trace", "op_log"):
+        for run_level in ("faults", "source", "baseline", "crossload", "trace", "trace_step", "op_log"):
             d.pop(run_level)
         d["reshard"] = "on" if self.reshard else "off"
         d["output_dtype"] = dtype_name(self.precision().output_dtype)
