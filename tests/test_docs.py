@@ -3,6 +3,7 @@
 over a matrix selects cells (its matrix, models and options resolve), and each ``nox -s``
 session exists. Templates (``OLD NEW [--factor 2]``, ``DIR...``, ``<name>``) are skipped."""
 
+import csv
 import glob
 import os
 import re
@@ -99,6 +100,10 @@ WALK = [
      "python -m parity gate --from results/latest",
      "python -m parity run --resume results/latest"],
     ["python -m parity run --matrix default -k \"fixture == 'kda' and ranks == 2\" --paths native"],
+    # "Check your model": plan, run and gate the README's own model (examples/own_model)
+    ["python -m parity plan --model examples/own_model/my_model.py:parity_model",
+     "python -m parity run --model examples/own_model/my_model.py:parity_model",
+     "python -m parity gate --from results/latest"],
 ]
 
 
@@ -118,3 +123,19 @@ def test_the_readme_commands_that_train_or_read_results_run_as_written(commands,
         assert command in shown, f"`{command}` is no longer in README.md: update WALK"
         assert main(_parity_argv(command)) == 0, f"`{command}`: {capsys.readouterr().err[-500:]}"
     assert os.path.isfile(tmp_path / "results" / "latest" / "cells.csv")
+    if "--model" in commands[0]:
+        _own_model_went_through(tmp_path / "results" / "latest", capsys.readouterr().out)
+
+
+def _own_model_went_through(out, printed: str) -> None:
+    """What README's walkthrough says its own model shows: the plan names its strict FP32 decay
+    parameter and native taken as asked, every cell and pair passes, and the gate says GO."""
+    assert "layers.0.gate.A_log" in printed and "strict" in printed
+    assert "path requested=native taken=native" in printed
+    with open(out / "cells.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["fixture"] for r in rows} == {"my_model"}
+    assert {r["path"] for r in rows} == {"legacy", "native", "legacy~native"}
+    assert {r["verdict"] for r in rows} <= {"PASS", "SKIP"} and len(rows) > 100
+    assert any(line.split()[:2] == ["my_model", "GO"] for line in printed.splitlines())
+    assert (out / "gate.md").exists() and (out / "gate.json").exists()

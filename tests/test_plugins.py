@@ -157,30 +157,6 @@ def test_an_installed_external_path_is_judged_and_paired_with_legacy_and_native(
         assert "owner_split dtype-split cannot isolate" in iso[0]["detail"]
 
 
-@pytest.mark.slow
-@pytest.mark.xdist_group("plugins")
-def test_the_own_model_walkthrough_from_the_readme(tmp_path):
-    plan = _parity("plan", "--model", OWN_MODEL)
-    assert plan.returncode == 0, plan.stderr
-    assert "layers.0.gate.A_log" in plan.stdout and "strict" in plan.stdout
-    assert "path requested=native taken=native" in plan.stdout
-    out = tmp_path / "own"
-    run = _parity("run", "--model", OWN_MODEL, "--out", str(out), "--junit", str(tmp_path / "junit.xml"))
-    assert run.returncode == 0, run.stderr[-2000:]
-    import xml.etree.ElementTree as ET
-
-    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
-    assert int(suite.get("tests")) > 100 and suite.get("failures") == "0" and suite.get("errors") == "0"
-    rows = _rows(out)
-    assert {r["fixture"] for r in rows} == {"my_model"}
-    assert {r["path"] for r in rows} == {"legacy", "native", "legacy~native"}
-    assert {r["verdict"] for r in rows} <= {"PASS", "SKIP"}
-    gate = _parity("gate", "--from", str(out))
-    assert gate.returncode == 0, gate.stdout + gate.stderr
-    assert gate.stdout.splitlines()[0].split()[:2] == ["my_model", "GO"]
-    assert (out / "gate.md").exists() and (out / "gate.json").exists()
-
-
 def test_integer_inputs_without_token_input_are_one_line_naming_the_field():
     import dataclasses
 
