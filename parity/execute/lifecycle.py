@@ -113,8 +113,9 @@ def _state(s) -> dict:
 
 
 def save(s, ckpt: str, group=None) -> None:
-    """Save ``s`` (a :class:`~parity.execute.training.Sharded`) with DCP over ``group`` (default: all ranks)."""
-    dcp.save(_state(s), checkpoint_id=ckpt, process_group=group)
+    """Save ``s`` (a :class:`~parity.execute.training.Sharded`) with DCP over ``group`` (default: all
+    ranks), to files it does not fsync: the checkpoint is read back by this process and deleted."""
+    dcp.save(_state(s), storage_writer=dcp.FileSystemWriter(ckpt, sync_files=False), process_group=group)
 
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
