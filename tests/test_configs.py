@@ -146,3 +146,20 @@ def test_a_clipped_step_after_a_moved_checkpoint_is_judged_with_each_layouts_nor
     assert code == 0 and {r["verdict"] for r in records} <= {"PASS", "SKIP"}
     norms = [r for r in records if r["check"] == "checkpoint.moved" and r["name"].endswith(":norm:global")]
     assert len(norms) == 4 and all(r["verdict"] == "PASS" and 0 < float(r["observed"]) for r in norms)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("configs")
+def test_a_moved_checkpoint_is_loaded_without_collectives_and_a_regathering_load_is_seen(run_matrix):
+    """``checkpoint.collectives`` also holds a checkpoint that moves (1 -> 2 ranks): a load that
+    all-gathers every unit (fault ``load_regathers``, numerically invisible) fails each
+    ``moved:PATH`` record, and only those records with the lifecycle's own."""
+    clean = Cell(fixture="kda", path="native", ranks=2, move="grow")
+    faulty = Cell(fixture="kda", path="native", ranks=2, move="grow", faults=("load_regathers",))
+    code, records = run_matrix([clean, faulty])
+    rows = {(r["cell"], r["name"]): r["verdict"] for r in records if r["check"] == "checkpoint.collectives"}
+    assert {v for (c, n), v in rows.items() if c == clean.id} == {"PASS"}
+    moved = {n: v for (c, n), v in rows.items() if c == faulty.id and n.startswith("moved:")}
+    assert moved == {"moved:native": "FAIL", "moved:legacy": "FAIL"}
+    bad = {r["check"] for r in records if r["cell"] == faulty.id and r["verdict"] not in ("PASS", "SKIP")}
+    assert bad == {"checkpoint.collectives", "stage"} and code == 1

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
-from parity.execute import lifecycle, parallel, state_dicts
+from parity.execute import collectives, lifecycle, parallel, state_dicts
 from parity.execute.observation import NORM, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step
 from parity.faults import Injector
@@ -115,13 +115,14 @@ def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat)
 
 
 def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,
-          heartbeat) -> tuple[dict, dict]:
+          heartbeat, segments: collectives.Segments) -> tuple[dict, dict]:
     s = build(layout, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat, data=_data(cell, layout))
     saved = _whole(s)
-    lifecycle.save(s, ckpt, group)
+    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/save"):
+        lifecycle.save(s, ckpt, group)
     heartbeat("moved checkpoint saved")
     return saved, _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
 
@@ -132,13 +133,15 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     lifecycle.init_optimizer_state(s.opt)  # before DCP's helpers read the fresh optimizer
     before = _layouts(s)
-    lifecycle.load(s, ckpt, group)
+    segments = collectives.Segments()
+    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/load"):
+        lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
     after, loaded = _layouts(s), _whole(s)
     resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
     keep = rank == 0
     return Moved(taken=s.report.taken, before=before, after=after, loaded=loaded if keep else {},
-                 resumed=resumed if keep else {})
+                 resumed=resumed if keep else {}, collectives=segments.calls)
 
 
 def _agree(error: str, skip: str, world: int) -> tuple[str, str]:
@@ -177,13 +180,14 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     if world > 1:
         dist.broadcast_object_list(ckpt, src=0)
     saved, straight, error, skip = {}, {}, "", ""
+    saving = collectives.Segments()
     try:
         if save_mesh is not None:
             try:
                 skip = _unsupported(cell)
                 if not skip:
                     saved, straight = _save(cell, save_l, save_mesh, save_group, ckpt[0], rank=rank, device=device,
-                                            inject=inject, heartbeat=heartbeat)
+                                            inject=inject, heartbeat=heartbeat, segments=saving)
             except FAILURES as exc:
                 error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
         error, skip = _agree(error, skip, world)
@@ -202,6 +206,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             except FAILURES as exc:
                 out[t] = Moved(error=f"loading into {describe(load_l, t)} failed: {type(exc).__name__}: {exc}")
             out[t].save, out[t].load = label[t]["save"], label[t]["load"]
+        out[cell.path].collectives.update(saving.calls)
         if rank == 0:
             out[cell.path].saved, out[cell.path].straight = saved, straight
         return out

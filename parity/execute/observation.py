@@ -107,6 +107,10 @@ class Moved:
     saving layout's next step (whole)."""
     resumed: dict[str, torch.Tensor] = field(default_factory=dict)
     """Rank 0: the same after the loading layout's step."""
+    collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
+    """What ``torch.distributed`` issued on this rank while saving (``checkpoint/save``: the cell's
+    own path, ranks of the saving layout) and loading (``checkpoint/load``), as in
+    :attr:`Resumed.collectives`."""
 
 
 @dataclass(kw_only=True)

@@ -283,3 +283,24 @@ def checkpoint_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
         rows.append(_row(base, "checkpoint.collectives", target, not problems, expected,
                          "; ".join(problems) or "as expected"))
     return rows
+
+
+def moved_checks(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
+    """``checkpoint.collectives`` of a checkpoint that moves (``move``), one record per path it is
+    loaded into (``moved:PATH``): on every rank of the saving layout the save, on every rank of
+    the loading layout the load, issue none of the counted collectives (DCP reshards a sharded
+    checkpoint by reading each rank's own slices of the files). A move that failed or was
+    skipped is a SKIP here: its ``checkpoint.moved`` row says why."""
+    rows = []
+    for target, first in (observations[0].contracts.moved or {}).items():
+        name = f"moved:{target}"
+        if first.error or first.skip:
+            rows.append(_skipped(base, "checkpoint.collectives", name, "no moved load on this path: "
+                                 + (first.skip or "its checkpoint.moved row has the error")))
+            continue
+        problems = [f"rank {o.rank}: {p}" for o in observations for m in [(o.contracts.moved or {}).get(target)]
+                    if m is not None for p in _phases(m, "checkpoint/save") + _phases(m, "checkpoint/load")]
+        rows.append(_row(base, "checkpoint.collectives", name, not problems,
+                         f"no collective to save on {first.save} or to load on {first.load}",
+                         "; ".join(problems)[:1000] or "as expected"))
+    return rows

@@ -25,7 +25,7 @@ from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
-from parity.judge.collectives import checkpoint_checks, collective_checks
+from parity.judge.collectives import checkpoint_checks, collective_checks, moved_checks
 from parity.judge.rows import contract_row as _row
 from parity.judge.rows import skipped as _skip
 
@@ -495,5 +495,5 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
         rows += optimizer_checks(cell, observations, plan, base)
         rows += resume_checks(cell, observations, plan, base)
     if cell.move != "none":
-        rows += moved.checks(cell, observations, plan, base)
+        rows += moved.checks(cell, observations, plan, base) + moved_checks(cell, observations, base)
     return rows
