@@ -201,6 +201,20 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
 
     def segment(label: str):
         return segments.segment(step, label) if segments else contextlib.nullcontext()
+    with segment(BETWEEN):  # whatever runs between the named segments is counted too
+        _microbatches(cell, s, step, fixture, segment, taking, rank=rank, world=world, device=device, obs=obs,
+                      recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor)
+
+
+#: The segment label of what a step runs outside its named segments (the loss, the recorder's reads):
+#: nothing there issues a collective.
+BETWEEN = "between segments"
+
+
+def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: bool, *, rank: int, world: int,
+                  device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor) -> None:
+    """The body of :func:`train_step`: its micro-batches, the optimizer step, evaluations and state
+    dicts, each in its segment."""
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
         s.model.set_requires_gradient_sync(last or cell.sync != "last")

@@ -332,7 +332,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad.accum", "quant.scale", "quant.values", "grad", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"ranks": 1}, patch=qp.local_amax),
     _fault("stale_quantized_copy", "the FP8 copy is not refreshed after the optimizer step (QuantizedWeight._outdated)",
            {"grad.accum", "quant.refresh", "quant.values", "quant.blocks", "output", "input_grad", "grad", "grad_norm",
-            "trajectory", "trajectory.emulation", "checkpoint.same", "checkpoint.cross"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"}, patch=qp.stale_quantized_copy),
+            "trajectory", "trajectory.emulation", "checkpoint.same", "checkpoint.cross", "divergence"},
+           {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"}, patch=qp.stale_quantized_copy),
     _fault("mx_tiles_cut_by_shard", "MX scales from 32x32 tiles of the local shard, cut by the shard boundary",
            {"grad.accum", "quant.blocks", "quant.values", "grad"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "fp8-tensorwise"}, patch=qp.mx_tiles_cut_by_shard),
     _fault("mx_exponents_misaligned", "the MX all-gather is right but each row block is dequantized with its "

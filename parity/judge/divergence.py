@@ -31,8 +31,13 @@ NUMERIC = ("output", "input_grad", "grad", "grad.clipped", "grad_norm", "param",
 
 
 def traced_step(records: list[Record]) -> int:
-    """The step a traced re-run reads: the one the cell's ``stage`` record puts its first divergence
-    at (:mod:`parity.judge.stages`), step 0 when the first failing stage is not a step's."""
+    """The step a traced re-run reads: the first whose outputs or input gradients failed (what a
+    module trace can narrow down), else the step the cell's ``stage`` record puts its first
+    divergence at (:mod:`parity.judge.stages`), else step 0."""
+    failed = [r.step for r in records if r.check in ("output", "input_grad") and r.verdict == Verdict.FAIL
+              and isinstance(r.step, int)]
+    if failed:
+        return min(failed)
     stage = next((r for r in records if r.check == "stage"), None)
     return stage.step if stage is not None and isinstance(stage.step, int) else 0
 
