@@ -25,7 +25,8 @@ from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
-from parity.judge.collectives import checkpoint_checks, collective_checks, moved_checks
+from parity.judge.checkpoint_collectives import checkpoint_checks, moved_checks
+from parity.judge.collectives import collective_checks
 from parity.judge.rows import contract_row as _row
 from parity.judge.rows import skipped as _skip
 
