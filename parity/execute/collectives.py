@@ -73,3 +73,10 @@ class Segments:
 
     def key(self, kind: str) -> tuple[int, str, str]:
         return (*self.current, kind)
+
+    @contextlib.contextmanager
+    def counted(self, step: int | None = None, label: str = "") -> Iterator[None]:
+        """While open, every collective is counted here (:func:`counting`), under ``(step, label)``
+        when a label is given, else under whichever segment is current."""
+        with counting(self.calls, self.key), self.segment(step, label) if label else contextlib.nullcontext():
+            yield

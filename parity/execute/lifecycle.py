@@ -156,7 +156,7 @@ def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject:
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
-    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/save"):
+    with segments.counted(cell.resume_step, "checkpoint/save"):
         save(first, ckpt)
     heartbeat("checkpoint saved")
 
@@ -168,7 +168,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     segments = collectives.Segments()
-    with collectives.counting(segments.calls, segments.key):
+    with segments.counted():
         with segments.segment(cell.resume_step, "checkpoint/load"):
             load(s, ckpt)
         heartbeat(f"checkpoint loaded into {target}")

@@ -121,7 +121,7 @@ def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device
         train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat, data=_data(cell, layout))
     saved = _whole(s)
-    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/save"):
+    with segments.counted(cell.resume_step, "checkpoint/save"):
         lifecycle.save(s, ckpt, group)
     heartbeat("moved checkpoint saved")
     return saved, _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
@@ -134,7 +134,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     lifecycle.init_optimizer_state(s.opt)  # before DCP's helpers read the fresh optimizer
     before = _layouts(s)
     segments = collectives.Segments()
-    with collectives.counting(segments.calls, segments.key), segments.segment(cell.resume_step, "checkpoint/load"):
+    with segments.counted(cell.resume_step, "checkpoint/load"):
         lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
     after, loaded = _layouts(s), _whole(s)

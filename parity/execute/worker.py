@@ -14,7 +14,7 @@ import time
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import collectives, lifecycle, moves, oplog, parallel, probes
+from parity.execute import lifecycle, moves, oplog, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -70,7 +70,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             obs.timings["build"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             logging = cell.trace and cell.op_log and rank == 0
-            with collectives.counting(recorder.segments.calls, recorder.segments.key):
+            with recorder.segments.counted():
                 for step in range(_steps(cell)):
                     with oplog.recording(obs.op_log) if logging and step == cell.trace_step else contextlib.nullcontext():
                         train_step(cell, s, step, rank=rank, world=world, device=device, obs=obs, recorder=recorder,
