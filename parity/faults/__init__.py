@@ -20,6 +20,7 @@ from types import MappingProxyType
 from parity.errors import UsageError
 from parity.faults import checkpoint_patches as ckp
 from parity.faults import composition_patches as cp
+from parity.faults import knob_patches as kp
 from parity.faults import patches as p
 from parity.faults import quant_patches as qp
 from parity.faults import recipe_patches as rp
@@ -224,51 +225,51 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"checkpoint.collectives"}, _KDA2, quiet={"ranks": 1}, patch=ckp.load_regathers, scopes=("lifecycle",)),
     _fault("resharded_read_at_zero", "DCP reads every chunk of a resharded load at offset 0 "
            "(narrow_tensor_by_index without offsets): only a checkpoint loaded on another layout shows it",
-           {"checkpoint.moved"}, {**_KDA2, "move": "shrink"}, quiet={"move": "none"}, patch=rp.resharded_read_at_zero,
+           {"checkpoint.moved"}, {**_KDA2, "move": "shrink"}, quiet={"move": "none"}, patch=ckp.resharded_read_at_zero,
            scopes=("lifecycle",)),
     _fault("divide_factor_dropped", "FSDP's reduction drops a unit's gradient divide factor and averages "
            "(foreach_reduce -> _get_gradient_divide_factors): only a recipe that sums shows it",
-           {"grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"}, patch=rp.divide_factor_dropped),
+           {"grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"}, patch=kp.divide_factor_dropped),
     _fault("divide_factor_not_stored", "FSDPModule.set_gradient_divide_factor stores nothing: every unit keeps "
            "averaging", {"unit.policy", "grad", "grad_norm"}, {**_KDA2, "reduction": "sum"}, quiet={"reduction": "mean"},
-           patch=rp.divide_factor_not_stored),
+           patch=kp.divide_factor_not_stored),
     _fault("prefetch_regathers", "a unit prefetched in forward loses its pending all-gather and gathers "
            "again at its own pre-forward (FSDPParamGroup._prefetch_unshard)", {"collectives"},
-           {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_regathers),
+           {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=kp.prefetch_regathers),
     _fault("prefetch_not_stored", "FSDPModule.set_modules_to_forward_prefetch stores nothing: no unit prefetches",
-           {"unit.policy"}, {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=rp.prefetch_not_stored),
+           {"unit.policy"}, {**_KDA2, "prefetch": "explicit"}, quiet={"prefetch": "none"}, patch=kp.prefetch_not_stored),
     _fault("reshard_after_backward_sticks", "FSDPModule.set_reshard_after_backward(True) is ignored after a False: "
            "the units stay gathered through the optimizer step and the next step computes with stale weights "
            "(from step 2: the state dict parity reads after step 0 reshards them, FSDP's pre-save hook)",
            {"collectives", "gathered", "output", "input_grad", "grad", "grad.accum", "grad_norm", "trajectory",
             "trajectory.emulation", "divergence"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
-           patch=rp.reshard_after_backward_sticks),
+           patch=kp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
            "gathers it again", {"collectives"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
-           patch=rp.explicit_unshard_regathers),
+           patch=kp.explicit_unshard_regathers),
     _fault("reshard_is_noop", "FSDPModule.reshard frees nothing: units the recipe reshards after an evaluation phase "
            "stay gathered", {"eval.reshard"}, {**_KDA2, "unshard": "explicit", "eval": "between-steps"},
-           quiet={"unshard": "hooks"}, patch=rp.reshard_is_noop),
+           quiet={"unshard": "hooks"}, patch=kp.reshard_is_noop),
     _fault("reshard_after_forward_sticks", "FSDPModule.set_reshard_after_forward(True) is ignored after a False: "
            "the units stop resharding after forward once an evaluation phase turned it off", {"eval.reshard"},
            {**_KDA2, "unshard": "explicit", "eval": "between-steps"}, quiet={"unshard": "hooks"},
-           patch=rp.reshard_after_forward_sticks),
+           patch=kp.reshard_after_forward_sticks),
     _fault("not_last_backward_skips_sync", "FSDPModule.set_is_last_backward(False) also turns gradient "
            "synchronization off: backwards before the last reduce-scatter nothing", {"grad.accum", "collectives"},
            {**_KDA2, "microbatches": 3, "finalize": "flagged"}, quiet={"finalize": "auto"},
-           patch=rp.not_last_backward_skips_sync),
+           patch=kp.not_last_backward_skips_sync),
     _fault("finalize_skips_pending", "finalize_backward forgets the parameter groups left to it (FSDPState."
            "finalize_backward): units whose forward inputs need no gradient (behind token ids) are never reduced",
            {"grad.accum", "collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
             "trajectory.emulation", "checkpoint.same"},
            {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
-           patch=rp.finalize_skips_pending),
+           patch=kp.finalize_skips_pending),
     _fault("offload_policy_dropped", "fully_shard drops its offload_policy: the recipe's shards stay on the device",
-           {"unit.policy"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_policy_dropped),
+           {"unit.policy"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=kp.offload_policy_dropped),
     _fault("offload_copy_in_stale", "with CPU offloading the all-gather copy-in reads a host copy of each shard taken "
            "at its first gather (FSDPParam.all_gather_inputs): later steps compute with the initial weights",
            {"grad.accum", "gathered", "output", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
-            "checkpoint.same", "checkpoint.cross", "divergence"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=rp.offload_copy_in_stale),
+            "checkpoint.same", "checkpoint.cross", "divergence"}, {**_KDA2, "offload": "cpu"}, quiet={"offload": "none"}, patch=kp.offload_copy_in_stale),
     _fault("backward_gather_stale", "FSDP's backward all-gather hands compute the values its first backward gathered "
            "(FSDPParamGroup.wait_for_unshard): later steps' gradients use the initial weights",
            {"grad.accum", "gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
@@ -276,21 +277,21 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},
-           quiet={"reshard_to": "all"}, patch=rp.reshard_group_ignored),
+           quiet={"reshard_to": "all"}, patch=kp.reshard_group_ignored),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
-           patch=rp.placement_fn_dropped),
+           patch=kp.placement_fn_dropped),
     _fault("casts_inputs_anyway", "FSDP casts a unit's inputs to its BF16 param_dtype although its policy says "
            "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"grad.accum", "dtype.boundary", "grad", "grad_norm", "divergence"},
            {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
-           quiet={"cast_inputs": "fsdp"}, patch=rp.casts_inputs_anyway),
+           quiet={"cast_inputs": "fsdp"}, patch=kp.casts_inputs_anyway),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
            "reads (the embedding) is all-gathered in backward anyway", {"collectives"},
            {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},
-           quiet={"unshard_in_backward": "all"}, patch=rp.unshard_in_backward_not_stored),
+           quiet={"unshard_in_backward": "all"}, patch=kp.unshard_in_backward_not_stored),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
            "BF16 weights keep BF16 gradients instead of FP32", {"dtype.grad", "grad", "grad_norm", "param"}, _GRAD_DTYPE,
-           quiet={"fixture": "kda"}, patch=rp.grad_dtype_dropped),
+           quiet={"fixture": "kda"}, patch=kp.grad_dtype_dropped),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",
            # the resumed run's units see their first forward after the unfreeze: they reduce in FP32

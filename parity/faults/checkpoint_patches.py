@@ -43,3 +43,19 @@ def load_regathers():
             return out
         return set_state_dict
     return swap_attr(sd, "set_state_dict", make)
+
+
+def resharded_read_at_zero():
+    """DCP reads every chunk of a resharded load at offset 0: a saved shard lands at the start
+    of its destination and a destination reads the start of its saved shard
+    (``narrow_tensor_by_index`` without the offsets). A load on the layout it was saved from
+    reads whole chunks (offsets 0) and is unaffected."""
+    from torch.distributed.checkpoint import default_planner, filesystem
+
+    def make(orig):
+        def narrow(tensor, offsets, sizes):
+            return orig(tensor, torch.Size([0] * len(offsets)), sizes)
+        return narrow
+    undo = [swap_attr(default_planner, "narrow_tensor_by_index", make),
+            swap_attr(filesystem, "narrow_tensor_by_index", make)]
+    return lambda: [u() for u in reversed(undo)]
