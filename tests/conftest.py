@@ -23,3 +23,17 @@ def run_matrix(tmp_path):
         return code, read_records(out)
 
     return run
+
+
+def pytest_addoption(parser):
+    parser.addoption("--doc-commands", action="store_true",
+                     help="also run the costly commands the docs show, as written (minutes each; the nightly job)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--doc-commands"):
+        return
+    skip = pytest.mark.skip(reason="a costly docs command: runs with --doc-commands (the nightly job)")
+    for item in items:
+        if "doc_commands" in item.keywords:
+            item.add_marker(skip)
