@@ -16,14 +16,12 @@ from torch.distributed.tensor import Shard
 
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
-from parity.judge import moved, tolerance
-from parity.judge.compare import Comparison, amax, gather_full
+from parity.judge import moved, resumed
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import optimizer_recipe
 from parity.paths import PER_PARAMETER
 from parity.judge.checkpoint_collectives import checkpoint_checks, moved_checks
 from parity.judge.collectives import collective_checks
@@ -270,112 +268,6 @@ def marker_checks(obs: Observation, base: dict, declared: tuple[tuple[str, str],
     return rows
 
 
-def _full_state(per_rank: list[dict], plan: PrecisionPlan, whole: bool) -> dict:
-    """Local optimizer-state shards -> full tensors, per FQN and state key."""
-    return {
-        f: {k: gather_full(plan, f, [{f: r[f][k]} for r in per_rank], whole) for k in per_rank[0][f]}
-        for f in per_rank[0]
-    }
-
-
-def optimizer_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
-    """Optimizer state per FQN: keys, dtypes and shapes follow the plan, in any parameter order."""
-    recipe = optimizer_recipe(cell.optimizer)
-    whole = observations[0].whole
-    state = _full_state([o.contracts.optim for o in observations], plan, whole)
-    step = observations[0].contracts.resume_step
-    rows = []
-    for t in plan.params:
-        if not t.requires_grad or t.trainable_from > step:
-            ok = t.fqn not in state
-            rows.append(_row(base, "optim.state", t.fqn, ok, "no state (frozen)", "none" if ok else "state"))
-            continue
-        st = state.get(t.fqn)
-        if st is None:
-            rows.append(_row(base, "optim.state", t.fqn, False, f"{recipe.name} state", "missing"))
-            continue
-        shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations], whole).shape)
-        first = st.get(recipe.moments[0], torch.zeros(0))
-        dtype = recipe.moment_dtype(t)
-        want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(dtype)}; shape {shape}"
-        got = f"keys {','.join(sorted(st))}; {dtype_name(first.dtype)}; shape {list(first.shape)}"
-        ok = sorted(st) == sorted(recipe.state_keys) and first.dtype == dtype and list(first.shape) == shape
-        rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(dtype)))
-    return rows
-
-
-def _resumed_state_dtype(base: dict, tag: str, name: str, got: torch.Tensor | None, want: torch.dtype) -> list[Record]:
-    """A FAIL naming the cause when a resumed optimizer keeps a moment in another dtype than
-    training does (nothing otherwise: the moment's values are compared beside it). torch's
-    ``Optimizer.load_state_dict`` casts floating-point state to the parameter's dtype, so a
-    moment that follows a ``grad_dtype`` other than the parameter's comes back narrowed."""
-    if got is None or not got.numel() or got.dtype == want:
-        return []
-    return [_row(base, f"checkpoint.{tag}", f"{name}:dtype", False, dtype_name(want), dtype_name(got.dtype),
-                 "the resumed optimizer state's dtype; torch.optim.Optimizer.load_state_dict casts floating-point "
-                 "state to the parameter's dtype", dtype_name(want))]
-
-
-def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
-    """Resumed runs against the uninterrupted run's same step: gradients, parameters and
-    optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
-    collectives); resuming on another path gets the gradient / one-step parameter / moment
-    allowances, since another unit layout may reduce in another order on some backends
-    (bitwise on gloo)."""
-    recipe = optimizer_recipe(cell.optimizer)
-    rows = []
-    whole = observations[0].whole
-    main_state = _full_state([o.contracts.optim for o in observations], plan, whole)
-    step = observations[0].contracts.resume_step
-
-    def full(per_rank: list[dict], f: str):
-        return gather_full(plan, f, per_rank, whole)
-
-    for target, r0 in observations[0].contracts.resume.items():
-        tag = "same" if target == cell.path else "cross"
-        errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations
-                  if target in o.contracts.resume and o.contracts.resume[target].error]
-        if errors:  # against the path that failed, beside the cell's other evidence
-            failed = base if target == cell.path else {
-                **base, "cell": replace(cell, path=target, crossload="").id, "path": target, "path_taken": target}
-            rows.append(Record(**failed, check=f"checkpoint.{tag}", name=target, verdict=Verdict.ERROR,
-                               detail=f"checkpoint from {cell.path}: " + "; ".join(errors)[:1000]))
-            continue
-        if r0.skip:
-            rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
-            continue
-        per_rank = [o.contracts.resume[target] for o in observations]
-        state = _full_state([r.optim for r in per_rank], plan, whole)
-        comps = []
-        grads = [o.grads[step] for o in observations]
-        for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear
-            want, t = full(grads, f), plan[f]
-            allow = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, amax(want))
-            comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
-        params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
-        for f in (f for f in params[0] if plan.get(f)):
-            want = full(params, f)
-            update = want - full(previous, f)
-            allow = tolerance.parameter(plan[f].storage, want, update, cell.optimizer)
-            comps.append(Comparison(step, tag, f"param:{f}", full([r.params for r in per_rank], f), want, allow,
-                                    signal=amax(update)))
-        for f, st in ((f, st) for f, st in main_state.items() if plan.get(f)):
-            for k in recipe.moments:
-                want = st[k]
-                rows += _resumed_state_dtype(base, tag, f"{target}:optim:{f}.{k}", state.get(f, {}).get(k),
-                                             recipe.moment_dtype(plan[f]))
-                comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
-                                        tolerance.moment(recipe.moment_dtype(plan[f]), amax(want))))
-        for c in comps:
-            if tag == "same":
-                c.allowance = tolerance.Allowance(0.0, c.allowance.dtype, "bitwise")
-            row = c.record({**base})
-            row.check, row.name, row.step = f"checkpoint.{tag}", f"{target}:{c.name}", ""
-            row.detail = "; ".join(x for x in (row.detail, f"resumed on {per_rank[0].taken}") if x)
-            rows.append(row)
-    return rows
-
-
 def on_every_rank(per_rank: list[list[Record]]) -> list[Record]:
     """One record per (check, name) from the same check run on each rank's observation: every
     rank is a witness. The worst rank's verdict wins and the detail names each rank that
@@ -493,8 +385,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     rows = on_every_rank([per_rank_checks(cell, o, plan, ref, base) for o in observations])
     rows += buffer_checks(observations, ref, plan, base)
     if obs.contracts.resume is not None:
-        rows += optimizer_checks(cell, observations, plan, base)
-        rows += resume_checks(cell, observations, plan, base)
+        rows += resumed.optimizer_checks(cell, observations, plan, base)
+        rows += resumed.resume_checks(cell, observations, plan, base)
     if cell.move != "none":
         rows += moved.checks(cell, observations, plan, base) + moved_checks(cell, observations, base)
     return rows
