@@ -148,13 +148,15 @@ def _own_model_went_through(out, printed: str) -> None:
 COSTLY = sorted({c for _, c in COMMANDS} - {c for group in WALK for c in group} - {c for _, c in READ_ONLY}
                 - {"nox -s tests"})
 
-#: Commands the docs show ending other than 0 on correct torch 2.15, and where they say so.
+#: Commands the docs show ending other than 0 on correct torch 2.15: the code and what their
+#: output says (so a crash cannot pass for the documented verdict), and where the docs say so.
 DOCUMENTED_EXIT = {
-    "python -m parity run --matrix grad-dtype": 1,  # docs/findings.md: grad_dtype and checkpoints
-    "nox -s \"gate(torch='2.13.0')\"": 1,  # no native API: every model NO-GO (docs/measured.md)
-    "nox -s gate": 1,  # the gate under each torch version: 2.13.0's as above
-    # as written every cell is skipped (exit 1, "nothing was checked"): the finding needs its [[skip]] removed
-    "python -m parity run --matrix configs -k \"fixture == 'ignored' and param_dtype == 'float16'\"": 1,
+    "python -m parity run --matrix grad-dtype": (1, "checkpoint."),  # docs/findings.md: grad_dtype and checkpoints
+    "nox -s \"gate(torch='2.13.0')\"": (1, "native not exercised"),  # no native API: every model NO-GO
+    "nox -s gate": (1, "native not exercised"),  # the gate under each torch version: 2.13.0's as above
+    # as written every cell is skipped ("nothing was checked"): the finding needs its [[skip]] removed
+    "python -m parity run --matrix configs -k \"fixture == 'ignored' and param_dtype == 'float16'\"":
+        (1, "every cell was skipped"),
 }
 
 #: Named in a sentence, not a command to run as it stands (the docs show it with its arguments).
@@ -194,7 +196,12 @@ def _workspace(tmp_path, command: str) -> str:
     import shutil
 
     if command.startswith("nox"):
-        ignore = shutil.ignore_patterns(".git", ".nox", "__pycache__", "*.egg-info", "latest", "torch-*", "gate*")
+        def ignore(folder, names):  # the tree as a fresh clone has it: no venvs, builds or results
+            if folder == ROOT:
+                return [n for n in names if n in (".git", ".nox", "build") or n.endswith(".egg-info")]
+            if folder == os.path.join(ROOT, "results"):
+                return [n for n in names if n != "baselines"]
+            return [n for n in names if n == "__pycache__"]
         shutil.copytree(ROOT, tmp_path / "src", ignore=ignore, symlinks=True)
         return str(tmp_path / "src")
     for name in ("examples", "fixtures"):
@@ -218,8 +225,9 @@ def test_each_costly_command_runs_as_written(command, tmp_path):
     for step in [*BEFORE.get(command, []), command]:
         proc = subprocess.run(["bash", "-c", " ".join(step.split())], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=5400)
-        want = DOCUMENTED_EXIT.get(step, 0)
+        want, says = DOCUMENTED_EXIT.get(step, (0, ""))
         assert proc.returncode == want, f"`{step}` exited {proc.returncode}, the docs give {want}: {proc.stderr[-800:]}"
+        assert says in proc.stdout + proc.stderr, f"`{step}` exited {want} without saying {says!r}: {proc.stderr[-800:]}"
 
 
 def test_the_costly_commands_exit_codes_and_prerequisites_name_commands_the_docs_show():
