@@ -147,7 +147,11 @@ LOCATED = {"holder_dt_bias_bf16": "blocks.1.holder",
            # DTensor reduces FP32 Partial activations in BF16: block 1's strict-FP32 rowwise layer
            # (block 0's MLP computes in BF16, where BF16 is the right reduction); its colwise
            # shards are not judged on rank 0 (a shard is not the reference's tensor)
-           "tp_partial_reduce_bf16": "blocks.1.mlp.down"}
+           "tp_partial_reduce_bf16": "blocks.1.mlp.down",
+           # rank 1 alone computes with a wrong weight: found on rank 1 (rank 0 holds nothing over)
+           "rank1_gather_corrupt": "blocks.1.q_proj"}
+#: The rank whose trace shows the located module first, where it is not rank 0.
+LOCATED_ON = {"rank1_gather_corrupt": 1}
 
 
 @pytest.mark.slow
@@ -157,4 +161,4 @@ def test_a_fault_confined_to_one_module_is_located_there(request, name):
     fault_records = _records_of(request, name)
     rows = [r for r in fault_records if r["cell"].endswith(f"fault-{name}") and r["check"] == "divergence"]
     assert [(r["name"], r["verdict"]) for r in rows] == [(LOCATED[name], "FAIL")]
-    assert rows[0]["detail"].startswith(f"first in forward order: {LOCATED[name]}")
+    assert rows[0]["detail"].startswith(f"first in forward order: {LOCATED[name]} (rank {LOCATED_ON.get(name, 0)}, ")

@@ -248,8 +248,8 @@ class Observation:
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
-    trace: Trace | None = None
-    """Rank 0 of a traced run: per-module outputs and input gradients of the first micro-batch."""
+    traces: dict[int, Trace] = field(default_factory=dict)
+    """A traced run: per micro-batch of the traced step, per-module outputs and input gradients."""
     op_log: dict = field(default_factory=dict)
     """Rank 0 of a traced run with ``op_log``: ``log`` (DebugMode's serialized log of the traced
     step) or ``note`` (why there is none); :mod:`parity.execute.oplog`."""

@@ -36,7 +36,7 @@ def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bo
 
 
 def _steps(cell: Cell) -> int:
-    """A traced re-run (:mod:`parity.judge.divergence`) reads rank 0's first micro-batch of
+    """A traced re-run (:mod:`parity.judge.divergence`) reads every rank's micro-batches of
     ``cell.trace_step`` only: it trains up to that step and skips the checkpoint lifecycle; a cell
     trains all its steps."""
     return cell.trace_step + 1 if cell.trace else cell.steps
@@ -64,9 +64,10 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         try:  # from here on the recorder's patches are undone whatever happens: the worker lives on
             if any(o.startswith("tp-") for o in s.owners.values()):
                 tp = parallel.TPReductions(s.model, s.owners)
-            if cell.trace and rank == 0:
-                obs.trace = trace.Trace()
-                trace.install(s.model, obs.trace, when=lambda: recorder.at == (cell.trace_step, 0))
+            if cell.trace:  # every rank, every micro-batch of the traced step
+                for mb in range(cell.microbatches):
+                    obs.traces[mb] = trace.Trace()
+                    trace.install(s.model, obs.traces[mb], when=lambda mb=mb: recorder.at == (cell.trace_step, mb))
             obs.timings["build"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             logging = cell.trace and cell.op_log and rank == 0

@@ -68,7 +68,8 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_payload_misreported",
-                     "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale"), "gather"),
+                     "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale",
+                     "rank1_gather_corrupt"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
@@ -132,6 +133,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad_norm"}, _KDA2, patch=p.scale_grad_norm),
     _fault("rank1_grad_norm", "rank 1 alone computes a 1% high global norm (torch.nn.utils.clip_grad_norm_): "
            "rank 0, whose values are judged, is right", {"ranks"}, _KDA2, patch=p.rank1_grad_norm),
+    _fault("rank1_gather_corrupt", "rank 1's all-gather hands compute blocks.1.q_proj.weight 1% off "
+           "(FSDPParamGroup.wait_for_unshard); rank 0 is right",
+           {"gathered", "grad.accum", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"}, _KDA2,
+           quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
     _fault("misfile_optimizer_state", "DCP files one parameter's optimizer state under another FQN (get_state_dict)",

@@ -174,6 +174,26 @@ def rank1_grad_norm():
     return swap_attr(torch.nn.utils, "clip_grad_norm_", make)
 
 
+def rank1_gather_corrupt():
+    """Rank 1's all-gather hands compute ``blocks.1.q_proj.weight`` 1 % off, every time it gathers
+    it (FSDPParamGroup.wait_for_unshard: a copy-out that goes wrong on one rank); rank 0 is right."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def make(orig):
+        def wait_for_unshard(self, *args, **kwargs):
+            gathering = bool(getattr(self, "_all_gather_result", None))
+            out = orig(self, *args, **kwargs)
+            if gathering and dist.get_rank() == 1:
+                with torch.no_grad():
+                    for fsdp_param in self.fsdp_params:
+                        if (fsdp_param._param_fqn or "").endswith("blocks.1.q_proj.weight"):
+                            fsdp_param.unsharded_param.data.mul_(1.01)
+            return out
+        return wait_for_unshard
+    return swap_attr(FSDPParamGroup, "wait_for_unshard", make)
+
+
 def perturb_param():
     def make(orig):
         def step(self, *args, **kwargs):

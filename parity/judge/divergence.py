@@ -1,12 +1,14 @@
 """Where a failing cell diverges first: per-module outputs (forward order) and input
-gradients (backward order) of rank 0's first micro-batch of the step its records diverged at
-first (:attr:`Cell.trace_step`), against the reference's from the same weights.
+gradients (backward order) of every rank and micro-batch of the step its records diverged at
+first (:attr:`Cell.trace_step`), against the reference's emulated rank from the same weights.
 
 Only failing cells pay for this: the runner re-runs them with ``trace`` on, up to that step;
 the reference starts every step from the run's own parameters after the previous one, so a
 later step's modules are compared on the weights the run had. Each module's tensor gets the
 last-rounding allowance the cell's outputs get (two computations agreeing up to a final
-rounding in the coarser dtype); the first module over it is named.
+rounding in the coarser dtype). The first module over it is named, in execution order: the
+earliest micro-batch, its forward before its backward, and among the ranks (which run that
+phase side by side) the one whose divergent module comes first, the lowest rank on a tie.
 """
 
 from __future__ import annotations
@@ -42,25 +44,48 @@ def traced_step(records: list[Record]) -> int:
     return stage.step if stage is not None and isinstance(stage.step, int) else 0
 
 
-def _first_over(actual: dict, expected: dict, skipped: list[str]) -> tuple[str, float, float, float] | None:
-    """The first module over its allowance; modules whose tensor is not the reference's whole
-    tensor (a tensor-parallel shard of an activation) are listed in ``skipped``, not judged."""
-    for fqn, got in actual.items():
+def _first_over(actual: dict, expected: dict, skipped: set[str]) -> tuple[int, str, float, float, float] | None:
+    """The first module over its allowance, with its position in ``actual``'s order; modules whose
+    tensor is not the reference's whole tensor (a tensor-parallel shard of an activation) are
+    added to ``skipped``, not judged."""
+    for order, (fqn, got) in enumerate(actual.items()):
         want = expected.get(fqn)
         if want is None:
             continue
         if got.shape != want.shape:
-            skipped.append(fqn)
+            skipped.add(fqn)
             continue
         allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
         observed = max_abs(got, want)
         if observed > allow:
-            return fqn, observed, allow, observed / allow if allow > 0 else float("inf")
+            return order, fqn, observed, allow, observed / allow if allow > 0 else float("inf")
     return None
 
 
+#: One located module: (micro-batch, phase 0 forward / 1 backward, order, rank, fqn, observed, allowed, ratio).
+Located = tuple[int, int, int, int, str, float, float, float]
+
+
+def _pairs(cell: Cell, observations: list[Observation], ref: dict) -> list[tuple[int, int, Trace, Trace]]:
+    """(micro-batch, rank, the rank's trace, its emulated data rank's reference trace), in order."""
+    topo = cell.topology()
+    return [(mb, o.rank, o.traces[mb], ref.get((topo.data_rank(o.rank), mb), Trace()))
+            for mb in range(cell.microbatches) for o in sorted(observations, key=lambda o: o.rank) if mb in o.traces]
+
+
+def _first(pairs, phase: int, skipped: set[str]) -> Located | None:
+    """The first divergent module of ``phase`` (0 outputs, 1 input gradients) in execution order."""
+    found = []
+    for mb, rank, got, want in pairs:
+        side = (got.outputs, want.outputs) if phase == 0 else (got.input_grads, want.input_grads)
+        hit = _first_over(*side, skipped)
+        if hit is not None:
+            found.append((mb, phase, hit[0], rank, *hit[1:]))
+    return min(found, default=None)
+
+
 #: The ``format`` of a trace document (:func:`trace_document`).
-TRACE_FORMAT = "parity-trace/1"
+TRACE_FORMAT = "parity-trace/2"
 
 
 def _summary(t: torch.Tensor) -> dict:
@@ -88,59 +113,68 @@ def _whole(t: torch.Tensor) -> torch.Tensor | None:
     return t.to_local() if all(p.is_replicate() for p in t.placements) else None
 
 
-def trace_document(cell: Cell, sharded: Trace, reference: Trace) -> dict:
-    """Rank 0's first micro-batch of the traced step, module by module (forward order, then backward order): each
-    tensor's summary on the sharded run and in the reference, their largest difference and the
-    allowance it was judged against. Written as ``traces/<cell>.json`` beside ``cells.csv``."""
+def trace_document(cell: Cell, pairs) -> dict:
+    """Every rank's micro-batches of the traced step, module by module (forward order, then
+    backward order): each tensor's summary on the sharded run and in the reference, their largest
+    difference and the allowance it was judged against. Written as ``traces/<cell>.json``
+    beside ``cells.csv``."""
     entries = []
-    for kind, got_all, want_all in (("output", sharded.outputs, reference.outputs),
-                                    ("input_grad", sharded.input_grads, reference.input_grads)):
-        for order, (fqn, got) in enumerate(got_all.items()):
-            want = want_all.get(fqn)
-            entry = {"kind": kind, "order": order, "module": fqn, "sharded": _summary(got)}
-            if want is not None:
-                entry["reference"] = _summary(want)
-                whole = _whole(got)
-                if whole is not None and whole.shape == want.shape:  # a shard is not judged
-                    entry["max_abs_diff"] = max_abs(whole, want)
-                    entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
-                                                               amax(want)).allowed
-            entries.append(entry)
-    return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"rank 0, step {cell.trace_step}, micro-batch 0",
+    for mb, rank, sharded, reference in pairs:
+        for kind, got_all, want_all in (("output", sharded.outputs, reference.outputs),
+                                        ("input_grad", sharded.input_grads, reference.input_grads)):
+            for order, (fqn, got) in enumerate(got_all.items()):
+                want = want_all.get(fqn)
+                entry = {"rank": rank, "microbatch": mb, "kind": kind, "order": order, "module": fqn,
+                         "sharded": _summary(got)}
+                if want is not None:
+                    entry["reference"] = _summary(want)
+                    whole = _whole(got)
+                    if whole is not None and whole.shape == want.shape:  # a shard is not judged
+                        entry["max_abs_diff"] = max_abs(whole, want)
+                        entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
+                                                                   amax(want)).allowed
+                entries.append(entry)
+    return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"every rank and micro-batch of step {cell.trace_step}",
             "tensors": entries}
+
+
+def _said(hit: Located | None, phase: str) -> str:
+    if hit is None:
+        return f"{phase}: no module over"
+    mb, _, _, rank, fqn, _, _, ratio = hit
+    return f"first in {phase} order: {fqn} (rank {rank}, micro-batch {mb}, ratio {ratio:.3g})"
 
 
 def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu",
            document: dict | None = None) -> Record:
-    """One ``divergence`` record naming the first module over its allowance in each order;
-    ``document``, when given, receives the cell's trace (:func:`trace_document`)."""
+    """One ``divergence`` record naming the first module over its allowance (:data:`Located`),
+    with the first of each order; ``document``, when given, receives the cell's trace
+    (:func:`trace_document`)."""
     first = observations[0]
     fixture = get_fixture(cell.fixture, cell.source)
-    ref = Trace()
+    ref: dict[tuple[int, int], Trace] = {}
     step = cell.trace_step
     run = assemble(observations, first.plan) if step else None  # the run's weights before the traced step
     run_reference(dataclasses.replace(cell, steps=step + 1), fixture, first.plan, first.report, device=device,
                   trace=ref, trace_step=step, resync=run.params if run else None,
                   clip_norms=run.grad_norms if run else None)
+    pairs = _pairs(cell, observations, ref)
     if document is not None:  # a trace that cannot be summarized must not cost the located record
         try:
-            document.update(trace_document(cell, first.trace, ref))
+            document.update(trace_document(cell, pairs))
         except Exception as exc:  # noqa: BLE001
             document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
-    skipped: list[str] = []
-    fwd = _first_over(first.trace.outputs, ref.outputs, skipped)
-    bwd = _first_over(first.trace.input_grads, ref.input_grads, skipped)
-    where = fwd or bwd
-    unjudged = (f"; {len(skipped)} tensor(s) not judged: rank 0 holds a shard of them on this mesh "
-                f"(e.g. {skipped[0]})") if skipped else ""
+    skipped: set[str] = set()
+    fwd, bwd = _first(pairs, 0, skipped), _first(pairs, 1, skipped)
+    where = min((h for h in (fwd, bwd) if h is not None), default=None)
+    unjudged = (f"; {len(skipped)} tensor(s) not judged: the ranks hold shards of them on this mesh "
+                f"(e.g. {sorted(skipped)[0]})") if skipped else ""
+    scope = f"every rank and micro-batch of step {step}"
     if where is None:
         return Record(**base, step=step, check="divergence", name="-", verdict=Verdict.PASS,
-                      detail="no module's output or input gradient differs beyond its allowance in rank 0's first "
-                             f"micro-batch of step {step}: the difference arises after backward (reduction, "
-                             "optimizer) or later" + unjudged)
-    parts = [f"first in forward order: {fwd[0]} (ratio {fwd[3]:.3g})" if fwd else "forward: no module over",
-             f"first in backward order: {bwd[0]} (ratio {bwd[3]:.3g})" if bwd else "backward: no module over"]
-    parts[-1] += unjudged + f"; traced: rank 0's first micro-batch of step {step}"
-    name, observed, allowed, ratio = where
+                      detail=f"no module's output or input gradient differs beyond its allowance in {scope}: the "
+                             "difference arises after backward (reduction, optimizer) or later" + unjudged)
+    detail = f"{_said(fwd, 'forward')}; {_said(bwd, 'backward')}{unjudged}; traced: {scope}"
+    *_, name, observed, allowed, ratio = where
     return Record(**base, step=step, check="divergence", name=name, observed=observed, allowed=allowed, ratio=ratio,
-                  verdict=Verdict.FAIL, detail="; ".join(parts))
+                  verdict=Verdict.FAIL, detail=detail)

@@ -149,7 +149,7 @@ def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
-    resync: list[dict[str, torch.Tensor]] | None = None, trace: Trace | None = None,
+    resync: list[dict[str, torch.Tensor]] | None = None, trace: dict[tuple[int, int], Trace] | None = None,
     clip_norms: list[float] | None = None, trace_step: int = 0,
 ) -> ReferenceRun:
     """``resync[k]``: the sharded run's parameters after step k. When given, step k+1 starts
@@ -157,8 +157,8 @@ def run_reference(
     (e.g. a tied gradient) is not carried forward and amplified by Adam into later steps.
     ``clip_norms[k]``: the norm a clipping cell's step k clips with (the sharded run's, judged
     by ``grad_norm`` on its own), so clipped gradients are compared under one coefficient;
-    None: the reference's own norm. ``trace`` receives rank 0's first micro-batch of
-    ``trace_step``, module by module (:mod:`parity.model.trace`)."""
+    None: the reference's own norm. ``trace`` receives each emulated rank's micro-batches of
+    ``trace_step``, module by module, keyed ``(rank, micro-batch)`` (:mod:`parity.model.trace`)."""
     fp64 = mode == "fp64"
     model = fixture.make(cell.seed).to(device)
     masters: dict[str, nn.Parameter] = dict(model.named_parameters())
@@ -245,8 +245,8 @@ def run_reference(
                           for f, t in entries.items()}
                 uses = _per_use(copies, entries) if per_use and mb == 0 else {}
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
-                if trace is not None and step == trace_step and rank == mb == 0:
-                    rec += install_trace(model, trace)
+                if trace is not None and step == trace_step:
+                    rec += install_trace(model, trace.setdefault((rank, mb), Trace()))
                 out = fixture.output(functional_call(model, {**copies, **uses}, inputs, tie_weights=not uses))
                 for h in rec:
                     h.remove()

@@ -180,7 +180,7 @@ class Cell:
     trace: bool = False
     """Also record per-module outputs and input gradients (re-runs of failing cells)."""
     trace_step: int = 0
-    """The step a traced re-run reads (rank 0's first micro-batch of it): the step where the cell's
+    """The step a traced re-run reads (every rank and micro-batch of it): the step where the cell's
     records diverged first (:mod:`parity.judge.stages`); the re-run trains up to it."""
     op_log: bool = False
     """A traced re-run also logs rank 0's operators (:mod:`parity.execute.oplog`)."""
