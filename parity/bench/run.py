@@ -22,6 +22,15 @@ from parity.matrix.cell import Cell
 from parity.report.outdir import usable
 
 
+def bench_optimizer(name: str, source: str) -> str:
+    """AdamW, as the matrices train by default; SGD for a model keeping gradients in another dtype
+    than some weights (``Fixture.grad_dtypes``): torch 2.15's AdamW cannot step BF16 weights
+    holding FP32 gradients (its ``lerp`` wants one dtype), which is why such recipes use SGD."""
+    from parity.model.registry import get_fixture
+
+    return "sgd" if get_fixture(name, source).grad_dtypes else "adamw"
+
+
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
               steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
@@ -43,7 +52,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                 if signals():
                     break
                 cell = Cell(fixture=name, path=path, ranks=ranks, device=device, source=source,
-                            steps=warmup + steps + 1)
+                            steps=warmup + steps + 1, optimizer=bench_optimizer(name, source))
                 try:
                     results = pool.run(BenchTask(cell=cell, warmup=warmup, steps=steps), timeout)
                 except Interrupted:
