@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.torch_version import TorchVersion
 from torch import nn
 from torch.func import functional_call
 
@@ -146,6 +147,15 @@ def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.
             for f, t in entries.items() for a in t.tie_group[1:]}
 
 
+def _accumulates_each_use() -> bool:
+    """Whether FSDP accumulates each use of a tied weight on its own on the first micro-batch
+    without sync (torch 2.15, which accumulates in the unsharded parameter's own gradient).
+    Earlier builds keep a separate accumulator (``unsharded_accumulated_grad``) that receives
+    what autograd summed in the compute dtype, on every micro-batch: measured on torch 2.13,
+    where the per-use emulation put ``lm``'s tied gradient one BF16 rounding away."""
+    return TorchVersion(torch.__version__) >= (2, 15)
+
+
 def run_reference(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, report: ShardReport, *,
     device: torch.device | str = "cpu", mode: str = "emulate",
@@ -186,7 +196,7 @@ def run_reference(
     # compute-dtype gradient into the reduce-dtype accumulator on its own (the accumulator does
     # not exist yet), where autograd would sum them in the compute dtype; later micro-batches sum
     # them in autograd first. Emulated with one leaf per use, not with a wider allowance.
-    per_use = accumulate_unsharded and not fp64 and any(t.tie_group for t in plan.params)
+    per_use = accumulate_unsharded and not fp64 and _accumulates_each_use() and any(t.tie_group for t in plan.params)
     entries_by_alias = {a: t.fqn for t in plan.params for a in t.tie_group[1:]}
     deferred = cell.sync == "replicas-last" and micro > 1
     handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp)
