@@ -196,6 +196,7 @@ def _workspace(tmp_path, command: str) -> str:
     """A fresh workspace: for a nox session a copy of the source tree (nox installs it), else the
     repository's examples, fixtures and baselines beside an empty ``results/``."""
     import shutil
+    import tempfile
 
     if command.startswith("nox"):
         def ignore(folder, names):  # the tree as a fresh clone has it: no venvs, builds or results
@@ -204,8 +205,11 @@ def _workspace(tmp_path, command: str) -> str:
             if folder == os.path.join(ROOT, "results"):
                 return [n for n in names if n != "baselines"]
             return [n for n in names if n == "__pycache__"]
-        shutil.copytree(ROOT, tmp_path / "src", ignore=ignore, symlinks=True)
-        return str(tmp_path / "src")
+        # a fresh folder name each time: uv caches a local project's build by its path, and a
+        # reused path (pytest's --basetemp) would install an earlier copy's build
+        src = os.path.join(tempfile.mkdtemp(dir=tmp_path), "src")
+        shutil.copytree(ROOT, src, ignore=ignore, symlinks=True)
+        return src
     for name in ("examples", "fixtures"):
         (tmp_path / name).symlink_to(os.path.join(ROOT, name))
     (tmp_path / "results").mkdir()
