@@ -157,6 +157,9 @@ DOCUMENTED_EXIT = {
     # as written every cell is skipped ("nothing was checked"): the finding needs its [[skip]] removed
     "python -m parity run --matrix configs -k \"fixture == 'ignored' and param_dtype == 'float16'\"":
         (1, "every cell was skipped"),
+    # docs/findings.md's reproducer of a torch finding: selective checkpointing around nested units
+    "python -m parity run --matrix default -k \"fixture == 'kda' and path == 'legacy' and checkpointing == 'selective' "
+    "and reshard == 'off'\" --eval between-steps --steps 3": (1, "ERROR 6"),
 }
 
 #: Named in a sentence, not a command to run as it stands (the docs show it with its arguments).
