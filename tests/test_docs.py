@@ -174,6 +174,7 @@ BEFORE = {
 
 def _needs_skip(command: str) -> str | None:
     """Why ``command`` cannot run here, or None."""
+    import importlib.util
     import shutil
 
     import torch
@@ -188,6 +189,8 @@ def _needs_skip(command: str) -> str | None:
         return "the example path is not installed (pip install ./examples/external_path)"
     if command.startswith("nox") and shutil.which("nox") is None:
         return "nox is not installed"
+    if "--plot" in command and not command.startswith("nox") and importlib.util.find_spec("matplotlib") is None:
+        return "needs the plot extra (pip install 'parity[plot]'); nox -s bench installs it"
     if command == "nox -s report" and not any(map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))):
         return "needs Chromium (apt-get install chromium)"
     if command.startswith("torchrun") and shutil.which("torchrun") is None:
