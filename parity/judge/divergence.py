@@ -52,11 +52,12 @@ def _first_over(actual: dict, expected: dict, skipped: set[str]) -> tuple[int, s
         want = expected.get(fqn)
         if want is None:
             continue
-        if got.shape != want.shape:
+        whole = _whole(got)
+        if whole is None or whole.shape != want.shape:
             skipped.add(fqn)
             continue
         allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
-        observed = max_abs(got, want)
+        observed = max_abs(whole, want)
         if observed > allow:
             return order, fqn, observed, allow, observed / allow if allow > 0 else float("inf")
     return None
