@@ -56,6 +56,7 @@ def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
     assert named[0]["sharded"]["sha256"] != named[0]["reference"]["sha256"]
     first = doc["tensors"][0]
     assert set(first["sharded"]) >= {"dtype", "shape", "sha256", "min", "max", "mean", "l2"}
+    assert {(t["rank"], t["microbatch"]) for t in doc["tensors"]} == {(0, 0)}  # one rank, one micro-batch
     # --op-log: rank 0's operators in DebugMode's own format, beside the trace
     from torch.utils._debug_mode import DebugMode
 

@@ -97,6 +97,14 @@ def test_compare_passes_identical_results_and_flags_a_worsened_copy(gated, tmp_p
     assert again.returncode == 0, again.stdout
 
 
+def test_bench_trains_a_model_keeping_other_gradient_dtypes_with_sgd():
+    """torch 2.15's AdamW cannot step BF16 weights holding FP32 gradients: bench would leave
+    bf16_grads unmeasured and exit 1, as `python -m parity bench` once did."""
+    from parity.bench.run import bench_optimizer
+
+    assert bench_optimizer("bf16_grads", "") == "sgd" and bench_optimizer("kda", "") == "adamw"
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("bench")
 def test_bench_counts_the_collectives_each_path_issues(tmp_path):
