@@ -107,17 +107,22 @@ WALK = [
 ]
 
 
+def _fresh_workspace(tmp_path) -> str:
+    """The repository's examples, fixtures and baselines beside an empty ``results/``."""
+    for name in ("examples", "fixtures"):
+        (tmp_path / name).symlink_to(os.path.join(ROOT, name))
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "baselines").symlink_to(os.path.join(ROOT, "results", "baselines"))
+    return str(tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("docs-walk")
 @pytest.mark.parametrize("commands", WALK, ids=lambda c: c[0][:60])
 def test_the_readme_commands_that_train_or_read_results_run_as_written(commands, tmp_path, monkeypatch, capsys):
     from parity.cli import main
 
-    for name in ("examples", "fixtures"):
-        (tmp_path / name).symlink_to(os.path.join(ROOT, name))
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "baselines").symlink_to(os.path.join(ROOT, "results", "baselines"))
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(_fresh_workspace(tmp_path))
     shown = {c for w, c in COMMANDS if w == "README.md"}
     for command in commands:
         assert command in shown, f"`{command}` is no longer in README.md: update WALK"
@@ -199,8 +204,8 @@ def _needs_skip(command: str) -> str | None:
 
 
 def _workspace(tmp_path, command: str) -> str:
-    """A fresh workspace: for a nox session a copy of the source tree (nox installs it), else the
-    repository's examples, fixtures and baselines beside an empty ``results/``."""
+    """A fresh workspace: for a nox session a copy of the source tree (nox installs it), else
+    :func:`_fresh_workspace`."""
     import shutil
     import tempfile
 
@@ -216,11 +221,7 @@ def _workspace(tmp_path, command: str) -> str:
         src = os.path.join(tempfile.mkdtemp(dir=tmp_path), "src")
         shutil.copytree(ROOT, src, ignore=ignore, symlinks=True)
         return src
-    for name in ("examples", "fixtures"):
-        (tmp_path / name).symlink_to(os.path.join(ROOT, name))
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "baselines").symlink_to(os.path.join(ROOT, "results", "baselines"))
-    return str(tmp_path)
+    return _fresh_workspace(tmp_path)
 
 
 @pytest.mark.doc_commands

@@ -44,6 +44,16 @@ def traced_step(records: list[Record]) -> int:
     return stage.step if stage is not None and isinstance(stage.step, int) else 0
 
 
+def _compared(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
+    """A traced tensor against the reference's: (largest difference, the last-rounding allowance
+    of the coarser dtype), judged on the rank's whole tensor; None for a shard (not judged)."""
+    whole = _whole(got)
+    if whole is None or whole.shape != want.shape:
+        return None
+    allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
+    return max_abs(whole, want), allow
+
+
 def _first_over(actual: dict, expected: dict, skipped: set[str]) -> tuple[int, str, float, float, float] | None:
     """The first module over its allowance, with its position in ``actual``'s order; modules whose
     tensor is not the reference's whole tensor (a tensor-parallel shard of an activation) are
@@ -52,12 +62,11 @@ def _first_over(actual: dict, expected: dict, skipped: set[str]) -> tuple[int, s
         want = expected.get(fqn)
         if want is None:
             continue
-        whole = _whole(got)
-        if whole is None or whole.shape != want.shape:
+        judged = _compared(got, want)
+        if judged is None:
             skipped.add(fqn)
             continue
-        allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
-        observed = max_abs(whole, want)
+        observed, allow = judged
         if observed > allow:
             return order, fqn, observed, allow, observed / allow if allow > 0 else float("inf")
     return None
@@ -129,11 +138,9 @@ def trace_document(cell: Cell, pairs) -> dict:
                          "sharded": _summary(got)}
                 if want is not None:
                     entry["reference"] = _summary(want)
-                    whole = _whole(got)
-                    if whole is not None and whole.shape == want.shape:  # a shard is not judged
-                        entry["max_abs_diff"] = max_abs(whole, want)
-                        entry["allowed"] = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype),
-                                                                   amax(want)).allowed
+                    judged = _compared(got, want)
+                    if judged is not None:  # a shard is not judged
+                        entry["max_abs_diff"], entry["allowed"] = judged
                 entries.append(entry)
     return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"every rank and micro-batch of step {cell.trace_step}",
             "tensors": entries}
