@@ -24,6 +24,24 @@ def fsdp_classes():
     return _fsdp_param.FSDPParam, _fsdp_state.FSDPState
 
 
+def after_each_gather(action: Callable) -> Callable[[], None]:
+    """Patch ``FSDPParamGroup.wait_for_unshard`` so that ``action(group)`` runs under
+    ``torch.no_grad()`` right after an all-gather's result is copied out to compute (not when
+    the group was already unsharded); returns the undo."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def make(orig):
+        def wait_for_unshard(self, *args, **kwargs):
+            gathering = bool(getattr(self, "_all_gather_result", None))
+            out = orig(self, *args, **kwargs)
+            if gathering:
+                with torch.no_grad():
+                    action(self)
+            return out
+        return wait_for_unshard
+    return swap_attr(FSDPParamGroup, "wait_for_unshard", make)
+
+
 # --- FSDP-side: dtype resolution, casts, gradient finalization -----------------------------
 
 
@@ -178,20 +196,13 @@ def rank1_gather_corrupt():
     """Rank 1's all-gather hands compute ``blocks.1.q_proj.weight`` 1 % off, every time it gathers
     it (FSDPParamGroup.wait_for_unshard: a copy-out that goes wrong on one rank); rank 0 is right."""
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def make(orig):
-        def wait_for_unshard(self, *args, **kwargs):
-            gathering = bool(getattr(self, "_all_gather_result", None))
-            out = orig(self, *args, **kwargs)
-            if gathering and dist.get_rank() == 1:
-                with torch.no_grad():
-                    for fsdp_param in self.fsdp_params:
-                        if (fsdp_param._param_fqn or "").endswith("blocks.1.q_proj.weight"):
-                            fsdp_param.unsharded_param.data.mul_(1.01)
-            return out
-        return wait_for_unshard
-    return swap_attr(FSDPParamGroup, "wait_for_unshard", make)
+    def corrupt(group):
+        if dist.get_rank() == 1:
+            for fsdp_param in group.fsdp_params:
+                if (fsdp_param._param_fqn or "").endswith("blocks.1.q_proj.weight"):
+                    fsdp_param.unsharded_param.data.mul_(1.01)
+    return after_each_gather(corrupt)
 
 
 def perturb_param():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from parity.faults.patches import fsdp_classes, swap_attr
+from parity.faults.patches import after_each_gather, fsdp_classes, swap_attr
 
 
 def recompute_skips_input_cast():
@@ -317,21 +317,15 @@ def backward_gather_stale():
     computes its gradients with the initial weights while its forward reads the current ones.
     With reshard off nothing is gathered again in backward."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    def make(orig):
-        def wait_for_unshard(self, *args, **kwargs):
-            gathering = bool(getattr(self, "_all_gather_result", None))
-            out = orig(self, *args, **kwargs)
-            if gathering and self._training_state == TrainingState.PRE_BACKWARD:
-                first = self.__dict__.setdefault("_parity_first_backward", {})
-                with torch.no_grad():
-                    for fsdp_param in self.fsdp_params:
-                        unsharded = fsdp_param.unsharded_param
-                        if id(fsdp_param) in first:
-                            unsharded.data.copy_(first[id(fsdp_param)])
-                        else:
-                            first[id(fsdp_param)] = unsharded.detach().clone()
-            return out
-        return wait_for_unshard
-    return swap_attr(FSDPParamGroup, "wait_for_unshard", make)
+    def stale(group):
+        if group._training_state != TrainingState.PRE_BACKWARD:
+            return
+        first = group.__dict__.setdefault("_parity_first_backward", {})
+        for fsdp_param in group.fsdp_params:
+            unsharded = fsdp_param.unsharded_param
+            if id(fsdp_param) in first:
+                unsharded.data.copy_(first[id(fsdp_param)])
+            else:
+                first[id(fsdp_param)] = unsharded.detach().clone()
+    return after_each_gather(stale)
