@@ -140,12 +140,23 @@ def test_a_clipped_step_after_a_moved_checkpoint_is_judged_with_each_layouts_nor
     about an ulp): the norms are judged against each other, the gradients against the straight
     step's rescaled by the coefficients' ratio, and the step's parameters and moments with the
     optimizer's sensitivity to that difference. Before, ``lm`` failed here at 1.2-2.4x of
-    allowances derived for identical gradients: a false alarm on correct torch."""
-    cells = [Cell(fixture="lm", path=p, ranks=2, clip=0.01, move="grow") for p in ("legacy", "native")]
+    allowances derived for identical gradients: a false alarm on correct torch.
+
+    Two more false alarms of ``full`` on correct torch: with a float16 output, the layout on one
+    rank halved each micro-batch's loss before its backward, which rounds the output's float16
+    gradient where it is subnormal (gradients a BF16 ulp apart, 3.5e4 x their FP32 allowance);
+    it now divides each loss as two ranks do and averages after the reduction. And
+    ``mixed_storage``'s LoRA weights (BF16 gradients, tiny second moments) were INCONCLUSIVE: a
+    tensor-wide gradient spread times AdamW's per-element sensitivity ``1/sqrt(v)``; the spread
+    is per element now."""
+    cells = [Cell(fixture="lm", path="legacy", ranks=2, clip=0.01, move="grow"),
+             Cell(fixture="lm", path="native", ranks=2, clip=0.01, move="shrink", output_dtype="float16"),
+             Cell(fixture="mixed_storage", path="native", ranks=2, clip=0.01, move="shrink", steps=4)]
     code, records = run_matrix(cells)
-    assert code == 0 and {r["verdict"] for r in records} <= {"PASS", "SKIP"}
+    assert code == 0 and {r["verdict"] for r in records} <= {"PASS", "SKIP", "UNPAIRED"}  # one path per cell
     norms = [r for r in records if r["check"] == "checkpoint.moved" and r["name"].endswith(":norm:global")]
-    assert len(norms) == 4 and all(r["verdict"] == "PASS" and 0 < float(r["observed"]) for r in norms)
+    assert len(norms) == 6 and all(r["verdict"] == "PASS" for r in norms)
+    assert any(0 < float(r["observed"]) for r in norms)
 
 
 @pytest.mark.slow

@@ -55,6 +55,11 @@ def _mesh(layout: Cell, *, world: int, rank: int, world_mesh, device_type: str):
     return (mesh, group) if rank < layout.ranks else (None, None)
 
 
+def _fold(cell: Cell, layout: Cell) -> int:
+    """How many of the cell's data ranks each of ``layout``'s ranks trains (:func:`parity.execute.training.train_step`)."""
+    return cell.ranks // layout.ranks
+
+
 def _data(cell: Cell, layout: Cell):
     """(rank, micro-batch) of ``layout`` -> the cell's (data rank, micro-batch) it trains."""
     if layout.ranks == cell.ranks:
@@ -107,7 +112,7 @@ def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat)
     clipped with (:data:`NORM`)."""
     obs = Observation(rank=rank)
     train_step(layout, s, cell.resume_step, rank=rank, world=layout.ranks, device=device, obs=obs,
-               heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full)
+               heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full, fold=_fold(cell, layout))
     state = {k: v for k, v in _whole(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
     norm = {NORM: torch.tensor(obs.grad_norms[0], dtype=torch.float64)} if layout.clip else {}
     return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
@@ -119,7 +124,7 @@ def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device
     s = build(layout, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
-                   heartbeat=heartbeat, data=_data(cell, layout))
+                   heartbeat=heartbeat, data=_data(cell, layout), fold=_fold(cell, layout))
     saved = _whole(s)
     with segments.counted(cell.resume_step, "checkpoint/save"):
         lifecycle.save(s, ckpt, group)

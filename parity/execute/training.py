@@ -183,10 +183,17 @@ def _state_dicts(cell: Cell, s: Sharded, step: int, point: str, obs: Observation
 def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, device, obs: Observation,
                recorder=None, heartbeat: Heartbeat | None = None, tp: parallel.TPReductions | None = None,
                data: Callable[[int, int], tuple[int, int]] | None = None, keep=None,
-               segments: collectives.Segments | None = None, state_dicts: bool | None = None) -> None:
+               segments: collectives.Segments | None = None, state_dicts: bool | None = None,
+               fold: int = 1) -> None:
     """One optimizer step over the cell's micro-batches; appends what it saw to ``obs``.
     ``data`` maps (rank, micro-batch) to the (data rank, micro-batch) whose batch it trains
-    (default: its own); ``keep`` how tensors are recorded (default: :func:`observed`);
+    (default: its own); ``fold`` how many data ranks' batches each rank trains (a layout on
+    fewer ranks, :mod:`parity.execute.moves`): each micro-batch's loss is then divided as on
+    the full layout (by ``cell.microbatches // fold``) and the step's reduced gradients by
+    ``fold``, where the full layout's reduction averages over those ranks -- so every
+    micro-batch's backward computes the numbers it computes there, and only the order of the
+    sum differs (a loss halved before the backward would round float16 subnormals in the
+    output's gradient differently); ``keep`` how tensors are recorded (default: :func:`observed`);
     ``segments`` labels the collectives it issues by segment of the loop (default: the
     recorder's); ``state_dicts`` whether it takes the cell's state dicts where the loop takes them
     (default: when it records; a resumed run repeats its step with them, as the loop ran it)."""
@@ -203,7 +210,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
         return segments.segment(step, label) if segments else contextlib.nullcontext()
     with segment(BETWEEN):  # whatever runs between the named segments is counted too
         _microbatches(cell, s, step, fixture, segment, taking, rank=rank, world=world, device=device, obs=obs,
-                      recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor)
+                      recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor, fold=fold)
 
 
 #: The segment label of what a step runs outside its named segments (the loss, the recorder's reads):
@@ -212,7 +219,7 @@ BETWEEN = "between segments"
 
 
 def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: bool, *, rank: int, world: int,
-                  device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor) -> None:
+                  device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor, fold) -> None:
     """The body of :func:`train_step`: its micro-batches, the optimizer step, evaluations and state
     dicts, each in its segment."""
     for mb in range(cell.microbatches):
@@ -229,7 +236,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
                 knobs.before_forward(cell, s.model)
                 out = fixture.output(_forward(cell, s.model, inputs))
-            loss = fixture.loss(out, batch.target) / cell.microbatches
+            loss = fixture.loss(out, batch.target) / (cell.microbatches // fold)
             if divisor != 1:
                 loss = loss / divisor
             if taking and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
@@ -255,7 +262,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with segment("eval"):
                 _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=taking)
     with segment("optimizer"):
-        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture)
+        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture, fold=fold)
     if taking and "after-step" in cell.state_dict_points(step):
         with segment("state-dict"):
             _state_dicts(cell, s, step, "after-step", obs)
@@ -264,8 +271,10 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=taking)
 
 
-def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture) -> None:
-    """After the last micro-batch: the ignored parameters' owner reduction, (unscaling,) the
+def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture,
+                 fold: int = 1) -> None:
+    """After the last micro-batch: the ignored parameters' owner reduction, the average over
+    folded data ranks (``fold``, :func:`train_step`), (unscaling,) the
     gradient norm (and clipping), the optimizer step; records gradients (as reduced, when
     unscaling or clipping changes them after, and as stepped with) and parameters."""
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
@@ -276,6 +285,10 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
             group, dtype = parallel.owner_reduce(
                 p, world=world, reduction=owner_reduction(cell.reduction, fixture.ignored_reduction), group=s.group)
             obs.contracts.owner_reduce.setdefault(s.names[id(p)], set()).add(f"{dtype} over {group}")
+    if fold != 1:  # a power of two (layouts halve): exact
+        for p in s.params:
+            if p.grad is not None:
+                p.grad.div_(fold)
     if rescales_gradients(cell.clip, s.plan.config.param_dtype):  # the reduction's output, before that
         factor = s.scaler.get_scale() if s.scaler else 1.0
         obs.reduced.append({s.names[id(p)]: probes.unscaled(keep(p.grad), factor) for p in s.params if p.grad is not None})

@@ -10,10 +10,11 @@ Per target path:
   those of the freshly built model (loading fills the target's sharding, never replaces it);
 - ``grad:FQN``, ``param:FQN``, ``optim:FQN.MOMENT`` -- the loading layout's next step against
   the saving layout's next step from the same state and the same global batch: the gradient
-  allowance of a reduction over the cell's ranks x micro-batches (the two layouts sum in
-  another order; float16 compute on another number of ranks: float16's, see
-  :func:`_summed_in`), the one-step parameter and moment allowances; optimizer step
-  counters exact.
+  allowance of a reduction over the cell's ranks x micro-batches in the reduction's dtype
+  (both layouts compute every micro-batch's backward on the same numbers -- a layout on fewer
+  ranks divides each loss as the full one does and averages the folded ranks after the
+  reduction, :func:`parity.execute.training.train_step` -- and sum the same terms in another
+  order), the one-step parameter and moment allowances; optimizer step counters exact.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, max_abs
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
-from parity.model.dtypes import dtype_name
+from parity.model.dtypes import coarser, dtype_name, unit_roundoff
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import BETAS, clip_coefficient, optimizer_recipe, update_sensitivity
 
@@ -113,7 +114,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             allow = tolerance.moment(recipe.moment_dtype(t), amax(want))
             if cell.clip and f"grad:{fqn}" in straight:
                 allow = _moment_spread(allow, state_key, straight[f"grad:{fqn}"],
-                                       _spread(cell, t, straight[f"grad:{fqn}"], coefs))
+                                       float(_spread(cell, t, straight[f"grad:{fqn}"], coefs).max()))
             comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
         else:  # grad:FQN or param:FQN
             kind, _, rest = key.partition(":")
@@ -132,7 +133,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 allow = tolerance.parameter(t.storage, want, update, cell.optimizer)
                 if cell.clip:
                     grad = straight.get(f"grad:{rest}")
-                    allow = _propagated(cell, allow, _spread(cell, t, grad, coefs) if grad is not None else 0.0,
+                    allow = _propagated(cell, allow, _spread(cell, t, grad, coefs) if grad is not None else None,
                                         {k.rpartition("/")[2]: v for k, v in straight.items()
                                          if k.startswith(f"optim/{rest}/")})
                 comp = Comparison(cell.resume_step, CHECK, name, got, want, allow, signal=amax(update))
@@ -166,7 +167,7 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
         t = plan.get(fqn)
         if t is not None:  # the unclipped gradients may differ within their own allowances
             unclipped = g.double() / clip_coefficient(cell.clip, want)
-            a = tolerance.gradient(_summed_in(cell, t), t.kept_grad, cell.ranks * cell.microbatches, amax(unclipped))
+            a = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, amax(unclipped))
             spread += g.numel() * a.allowed ** 2
     largest = max((g.numel() for g in grads.values()), default=1)
     allow = tolerance.grad_norm(torch.float32, largest, len(grads), cell.ranks, want, spread ** 0.5)
@@ -180,7 +181,7 @@ def _clipped_grad(cell: Cell, t, want: torch.Tensor, coefs: tuple[float, float])
     (:func:`parity.judge.tolerance.clipped`)."""
     straight, resumed = coefs
     scale = amax(want) / straight
-    before = tolerance.gradient(_summed_in(cell, t), t.kept_grad, cell.ranks * cell.microbatches, scale)
+    before = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, scale)
     return tolerance.clipped(before, resumed, t.kept_grad, scale) if cell.clip else before
 
 
@@ -197,40 +198,40 @@ def _moment_spread(allow: tolerance.Allowance, key: str, grad: torch.Tensor, spr
                                f"{allow.basis} + {extra:.3g} (how far the clipped gradients may differ, through the moment)")
 
 
-def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float]) -> float:
-    """How far the two steps' clipped gradients may differ: the straight one rescaled by the
-    ratio of the clipping coefficients (``|g| x |ratio - 1|``), and then within the clipped
-    allowance (:func:`_clipped_grad`)."""
-    return amax(grad) * abs(coefs[1] / coefs[0] - 1.0) + _clipped_grad(cell, t, grad, coefs).allowed
+def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float]) -> torch.Tensor:
+    """How far the two steps' clipped gradients may differ, per element: the straight one
+    rescaled by the ratio of the clipping coefficients (``|g| x |ratio - 1|``), the reduction's
+    summation bound (absolute, :func:`parity.judge.tolerance.gradient`, scaled by the resumed
+    coefficient) and the roundings that are relative to each element -- the cast of the reduced
+    gradient to a coarser kept dtype and the clipping product (``u(kept) |g|`` each). An
+    element's own roundings scale with the element: a tiny gradient under AdamW, whose update
+    is sensitive to it in proportion to ``1 / sqrt(v)``, moves its update by a bounded amount
+    (``sqrt(v) >= sqrt(1 - b2) |g|``), where a tensor-wide bound times that sensitivity would not."""
+    straight, resumed = coefs
+    g = grad.detach().double().abs()
+    summed = tolerance.gradient(t.sum_dtype, t.sum_dtype, cell.ranks * cell.microbatches,
+                                amax(grad) / straight).allowed * resumed
+    u = unit_roundoff(t.kept_grad)
+    relative = (u if coarser(t.sum_dtype, t.kept_grad) != t.sum_dtype else 0.0) \
+        + (u if cell.clip and resumed < 1.0 else 0.0)
+    return g * abs(resumed / straight - 1.0) + (g + summed) * relative + summed
 
 
-def _propagated(cell: Cell, allow: tolerance.Allowance, spread: float, state: dict) -> tolerance.Allowance:
-    """A parameter's allowance when the two steps' gradients may differ by ``spread`` (clipping
-    with norms formed in another order, :func:`_spread`): the update's sensitivity to its
-    gradient (:func:`parity.model.recipe.update_sensitivity`, from the straight step's
+def _propagated(cell: Cell, allow: tolerance.Allowance, spread: torch.Tensor | None, state: dict) -> tolerance.Allowance:
+    """A parameter's allowance when the two steps' gradients may differ by ``spread`` per element
+    (clipping with norms formed in another order, :func:`_spread`): the update's sensitivity to
+    its gradient (:func:`parity.model.recipe.update_sensitivity`, from the straight step's
     optimizer state) times ``spread``, added per element."""
-    if allow.per_element is None or not spread:
+    if allow.per_element is None or spread is None or not spread.numel() or not float(spread.max()):
         return allow
     try:
-        extra = update_sensitivity(cell.optimizer, state) * spread
+        extra = update_sensitivity(cell.optimizer, state) * spread.reshape(allow.per_element.shape)
     except KeyError:  # no optimizer state for it (frozen): nothing moved, nothing to add
         return allow
     per_element = allow.per_element + extra
     return tolerance.Allowance(float(per_element.max()) if per_element.numel() else 0.0, allow.dtype,
-                               f"{allow.basis} + optimizer sensitivity x {spread:.3g} (how far the clipped gradients may differ)",
-                               per_element=per_element)
-
-
-def _summed_in(cell: Cell, t) -> torch.dtype:
-    """The dtype the two layouts' gradients can differ in. On another number of ranks the
-    missing ranks' batches are micro-batches, whose loss is divided by their count: in
-    float16 compute, halving a gradient that is already subnormal rounds it (float16 has a
-    narrow exponent range; bfloat16 has float32's), and every gradient downstream of a
-    float16 activation carries that (FP32-computed parameters too), so the allowance is
-    float16's. Otherwise the reduction's dtype: the layouts sum the same terms in another order."""
-    if cell.move in ("shrink", "grow") and cell.param_dtype == "float16":
-        return torch.float16
-    return t.sum_dtype
+                               f"{allow.basis} + optimizer sensitivity x (up to {float(spread.max()):.3g}) "
+                               "(how far the clipped gradients may differ)", per_element=per_element)
 
 
 def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
