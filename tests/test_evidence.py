@@ -109,3 +109,33 @@ def test_a_rank_that_reports_no_marked_tensor_fails_when_the_model_marks_some():
     full.contracts.markers = {n: MarkerSeen(kind=k, after_move=True, dtype="float32") for n, k in declared}
     assert {r.verdict for r in marker_checks(full, BASE, declared)} == {Verdict.PASS}
     assert [r.verdict for r in marker_checks(Observation(rank=0), BASE, ())] == [Verdict.SKIP]
+
+
+def test_a_sharded_gradient_is_judged_slice_by_slice_and_a_rank_without_one_fails():
+    """``grad.shard``: each rank's shard against the same slice of the emulated gradient; a rank
+    that recorded nothing where the reference has a gradient is missing evidence. Owed on
+    1-D FSDP and HSDP meshes for every FSDP-managed parameter at every step it trains."""
+    import torch
+
+    from parity.execute.observation import Observation
+    from parity.judge import shards
+    from parity.judge.reference import ReferenceRun
+
+    cell = Cell(fixture="kda", path="native", ranks=2)
+    rows, plan = _owed(cell)
+    fqn = "blocks.0.q_proj.weight"
+    assert ("grad.shard", fqn, 0) in rows
+    whole = torch.arange(32 * 32, dtype=torch.float32).reshape(32, 32) / 1024
+    ref = ReferenceRun(shards={(0, 0): {fqn: (whole, 1.0)}})
+    obs = [Observation(rank=r) for r in range(2)]
+    for r, o in enumerate(obs):
+        o.contracts.shards = {(0, 0): {fqn: ((16 * r, 0), whole[16 * r:16 * (r + 1)].clone())}}
+    [ok] = shards.check(cell, obs, ref, plan, BASE)
+    assert ok.verdict == Verdict.PASS and ok.observed == 0.0 and ok.check == "grad.shard"
+    obs[1].contracts.shards[(0, 0)][fqn][1][3, 4] += 1e-3  # one element of rank 1's shard
+    [bad] = shards.check(cell, obs, ref, plan, BASE)
+    assert bad.verdict == Verdict.FAIL and "rank 1 after micro-batch 0, shard at [16, 0]" in bad.detail
+    obs[1].contracts.shards = {}
+    [missing] = shards.check(cell, obs, ref, plan, BASE)
+    assert missing.verdict == Verdict.FAIL and "rank 1" in missing.detail and "no shard recorded" in missing.detail
+    assert shards.check(Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp"), obs, ref, plan, BASE) == []

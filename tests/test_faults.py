@@ -129,7 +129,8 @@ def test_every_check_kind_has_a_fault():
             "optim.state", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory", "divergence",
             "dtype.tp_reduce", "ownership", "quant.gather", "quant.refresh", "quant.scale", "quant.blocks",
             "quant.values", "plan", "ranks", "clip", "eval", "eval.reshard", "state_dict", "collectives",
-            "checkpoint.moved", "gathered", "placement", "dtype.grad", "grad.accum", "grad.clipped"} <= flagged
+            "checkpoint.moved", "gathered", "placement", "dtype.grad", "grad.accum", "grad.clipped",
+            "grad.shard"} <= flagged
 
 
 def test_no_fault_name_appears_in_production_modules():

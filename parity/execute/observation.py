@@ -149,6 +149,11 @@ class ContractsSeen:
     this rank, where its backward synchronized, or its unsharded accumulated gradient after it,
     inside a no-sync window (unscaled, in FP64 where a loss scale was divided out; plain tensors
     only: a tensor-parallel parameter's is a DTensor and is not recorded)."""
+    shards: dict[tuple[int, int], dict[str, tuple[tuple[int, ...], torch.Tensor]]] = field(default_factory=dict)
+    """(step, micro-batch) -> parameter FQN -> this rank's sharded gradient as the reductions of
+    every synchronizing backward left it (reduce-scatter, HSDP's replica all-reduce and the
+    accumulation into ``.grad``): the shard's offset in the whole parameter and its values
+    (unscaled, FP64 where a loss scale was divided out)."""
     buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)

@@ -65,6 +65,23 @@ def unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     return grad.double() / scale if scale != 1.0 else grad
 
 
+def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+    """Each FSDP parameter's sharded gradient on this rank, as its reductions left it: FQN ->
+    (the shard's offset in the whole parameter, its values divided by the loss ``scale``).
+    Offsets come from the gradient's own mesh and placements (uneven shards, dimension-1
+    placements and HSDP's replicated dimension included)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out = {}
+    for fp in _fsdp_params(model):
+        grad = fp.sharded_param.grad
+        if not isinstance(grad, DTensor):
+            continue
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
+        out[fqn_of(fp)] = (tuple(int(o) for o in offset), unscaled(grad.to_local().detach().cpu().clone(), scale))
+    return out
+
+
 def _fsdp_params(model: nn.Module):
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
@@ -149,6 +166,7 @@ class Recorder:
         self.replicas: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
         self.accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.shards: dict[tuple[int, int], dict[str, tuple[tuple[int, ...], torch.Tensor]]] = {}
         self.reduce_observable = True
         self._orig_reduce = None
         self.sharded = names_snapshot(model)
@@ -318,6 +336,7 @@ class Recorder:
             if self._reduce_inputs:
                 self.accumulated[(step, mb)] = {f: unscaled(v, scale) for f, v in self._reduce_inputs.items()}
             self._reduce_inputs = {}
+            self.shards[(step, mb)] = sharded_grads(model, self._fqn, scale)
             return
         for fp in _fsdp_params(model):
             # torch <= 2.14 keeps a separate accumulator; 2.15 accumulates in the leaf's grad
@@ -357,4 +376,5 @@ class Recorder:
         seen.reduce_observable = self.reduce_observable
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
         seen.accumulated = self.accumulated
+        seen.shards = self.shards
         seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

@@ -28,7 +28,8 @@ from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 
 
-def _badness(r: Record) -> tuple[bool, float]:
+def badness(r: Record) -> tuple[bool, float]:
+    """How bad a record is, for keeping the worst rank's: failing first, then by ratio (NaN worst)."""
     ratio = r.ratio if isinstance(r.ratio, float) and not math.isnan(r.ratio) else math.inf
     return r.verdict != Verdict.PASS, ratio
 
@@ -59,7 +60,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                 synced = mb == cell.microbatches - 1 or not cell.accumulating
                 where = "the reduce-scatter's input after micro-batch" if synced else "after micro-batch"
                 row = dataclasses.replace(row, detail=f"rank {o.rank} {where} {mb}: {row.detail}")
-                if worst is None or _badness(row) > _badness(worst):
+                if worst is None or badness(row) > badness(worst):
                     worst = row
             if worst is not None:
                 rows.append(worst)

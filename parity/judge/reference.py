@@ -74,6 +74,10 @@ class ReferenceRun:
     the window's reduction takes as input), or, where every backward synchronizes, that
     micro-batch's own gradient (the reduction's input); with the sum of the max |term|
     accumulated so far."""
+    shards: dict[tuple[int, int], dict[str, tuple[torch.Tensor, float]]] = field(default_factory=dict)
+    """(step, micro-batch) -> each FSDP-managed parameter's whole gradient (kept dtype) as the
+    reductions of every synchronizing backward up to that micro-batch left it, before unscaling
+    and clipping (each rank holds its shard of it), with the sum of the max |term| so far."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -129,6 +133,12 @@ def _clip(run: ReferenceRun, params: list[nn.Parameter], max_norm: float, norm: 
     run.clip_coefs.append(clip_coefficient(max_norm, total))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     run.clipped_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
+
+
+def _keep_shards(run: ReferenceRun, key: tuple[int, int], grads: dict[str, torch.Tensor], scales: dict) -> None:
+    """Each FSDP-managed parameter's gradient as the reductions up to micro-batch ``key`` left it
+    (:attr:`ReferenceRun.shards`)."""
+    run.shards[key] = {f: (g.detach().cpu().clone(), scales[f]) for f, g in grads.items()}
 
 
 def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[dict], scales: list[dict],
@@ -198,6 +208,7 @@ def run_reference(
     # them in autograd first. Emulated with one leaf per use, not with a wider allowance.
     per_use = accumulate_unsharded and not fp64 and _accumulates_each_use() and any(t.tie_group for t in plan.params)
     entries_by_alias = {a: t.fqn for t in plan.params for a in t.tie_group[1:]}
+    managed = {f for f in trainable if entries[f].ownership == "managed"}
     deferred = cell.sync == "replicas-last" and micro > 1
     handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp)
     run = ReferenceRun(grad_terms=world * micro)
@@ -305,6 +316,8 @@ def run_reference(
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
                 reduced = (total / mean if mean > 1 else total).to(masters[f].grad_dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
+            if synced and not fp64 and not accumulate_unsharded:  # what this backward's reductions left
+                _keep_shards(run, (step, mb), {f: g for f, g in synced.items() if f in managed}, terms_scale)
             if accumulate_unsharded and not fp64:  # the last: the window's reduce-scatter input
                 _keep_accumulated(run, (step, mb), unsynced, unsynced_scale, entries)
             elif not fp64:  # every backward synchronizes: each rank's reduce-scatter input is its own
@@ -317,6 +330,9 @@ def run_reference(
                 total = ordered_sum([u[f] for u in unsynced if f in u])
                 summed = entries[f].ownership == "ignored" and owner_reduction(cell.reduction, fixture.ignored_reduction) == "sum"
                 masters[f].grad = (total / mean if mean > 1 and not summed else total).to(masters[f].grad_dtype)
+        if accumulate_unsharded and not fp64:  # the window's reduction, after its last backward
+            _keep_shards(run, (step, micro - 1), {f: masters[f].grad for f in trainable
+                                                  if f in managed and masters[f].grad is not None}, terms_scale)
         grads = [masters[f].grad for f in trainable if masters[f].grad is not None]
         # the gradient scaler skips a step whose gradients overflowed
         skip_step = scale != 1.0 and not all(bool(g.isfinite().all()) for g in grads)

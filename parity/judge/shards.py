@@ -1,0 +1,70 @@
+"""``grad.shard``: each rank's sharded gradient as the reductions left it, micro-batch by
+micro-batch.
+
+``grad.accum`` reads what the reductions take; ``grad`` reads what the optimizer steps with,
+once per step and as a whole. Between them sit the reduce-scatter, HSDP's all-reduce across
+replicas and FSDP's accumulation into ``.grad``, where a fault shows on one rank's shard after
+one micro-batch. After every backward that synchronizes (``set_requires_gradient_sync``; a
+no-sync window's reduction after its last), each rank records its shard of every FSDP-managed
+parameter's gradient with the shard's offset (:func:`parity.execute.probes.sharded_grads`),
+unscaled; it is compared with the same slice of the emulated gradient
+(:attr:`parity.judge.reference.ReferenceRun.shards`: the ranks' gradients reduced in the reduce
+dtype and accumulated in the kept dtype, as FSDP does), with the allowance of the sum it is
+(:func:`parity.judge.tolerance.gradient`, over ranks x micro-batches so far). One record per
+step, micro-batch and parameter: the worst rank's, every rank judged. A rank that recorded no
+shard where the reference has a gradient is missing evidence (FAIL). Judged on 1-D FSDP and
+HSDP meshes (:func:`parity.judge.accumulation.judged`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from parity.execute.observation import Observation
+from parity.judge import accumulation, tolerance
+from parity.judge.compare import Comparison
+from parity.judge.record import Record
+from parity.judge.reference import ReferenceRun
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionPlan
+
+CHECK = "grad.shard"
+
+
+def _slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+    if len(offset) != whole.dim() or any(o + n > d for o, n, d in zip(offset, shape, whole.shape)):
+        return torch.zeros(0)  # a shard that does not fit the parameter: judged as missing
+    return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan,
+          base: dict) -> list[Record]:
+    if not accumulation.judged(cell):
+        return []
+    rows = []
+    for (step, mb), wants in sorted(ref.shards.items()):
+        terms = cell.topology().data_world * (mb + 1)
+        for fqn, (whole, scale) in sorted(wants.items()):
+            entry = plan.get(fqn)
+            if entry is None:
+                continue
+            allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, terms, scale)
+            worst = None
+            for o in observations:
+                read = o.contracts.shards.get((step, mb), {}).get(fqn)
+                if read is None:
+                    got, want, where = torch.zeros(0), whole, "no shard recorded"
+                else:
+                    offset, got = read
+                    if not got.numel():  # an empty shard (uneven sharding): nothing to compare
+                        continue
+                    want, where = _slice(whole, offset, got.shape), f"shard at {list(offset)}"
+                row = Comparison(step, CHECK, fqn, got, want, allow).record(base)
+                row = dataclasses.replace(row, detail=f"rank {o.rank} after micro-batch {mb}, {where}: {row.detail}")
+                if worst is None or accumulation.badness(row) > accumulation.badness(worst):
+                    worst = row
+            if worst is not None:
+                rows.append(worst)
+    return rows
