@@ -75,7 +75,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "explicit_unshard_regathers", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
-                     "hsdp_replica_reduce_bf16", "hsdp_partial_bf16", "window_replays_accumulation",
+                     "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_partial_bf16", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
     "perturb_grad": "collectives",
@@ -320,6 +320,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
            {"dtype.reduce", "grad", "grad_norm", "collectives", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
            patch=cp.hsdp_replica_reduce_bf16),
+    _fault("hsdp_replica_sums", "FSDP averages HSDP gradients over the shard group only; the replica all-reduce "
+           "sums (foreach_reduce -> _get_gradient_divide_factors)",
+           {"grad", "grad_norm", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
+           patch=cp.hsdp_replica_sums),
     _fault("hsdp_partial_bf16",
            "HSDP holds reduce-scattered partial sums in BF16 until the replica all-reduce (foreach_reduce)",
            {"dtype.accum", "grad", "grad_norm", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp", "microbatches": 2, "sync": "replicas-last"},

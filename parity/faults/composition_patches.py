@@ -57,6 +57,25 @@ def hsdp_replica_reduce_bf16():
     return swap_attr(pg, "foreach_reduce", make)
 
 
+def hsdp_replica_sums():
+    """FSDP averages HSDP gradients over the shard group only: the all-reduce across replicas
+    sums (``_get_gradient_divide_factors`` hands ``foreach_reduce`` SUM for it), so every
+    gradient is the number of replicas times too large -- the class of a reported bug, where a
+    custom divide factor was applied differently on HSDP than on FSDP. Dtypes and counts are
+    unchanged; only the values after the replica all-reduce show it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    def make(orig):
+        def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, *args, **kwargs):
+            pre, post, rs_op, ar_op = orig(reduce_scatter_group, all_reduce_group, *args, **kwargs)
+            if all_reduce_group is not None and ar_op == dist.ReduceOp.AVG:
+                ar_op = dist.ReduceOp.SUM
+            return pre, post, rs_op, ar_op
+        return _get_gradient_divide_factors
+    return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
+
+
 def hsdp_partial_bf16():
     """HSDP without the replica all-reduce holds its reduce-scattered partial sums in BF16
     across micro-batches (``foreach_reduce``'s partial output)."""
