@@ -249,3 +249,27 @@ def test_the_costly_commands_exit_codes_and_prerequisites_name_commands_the_docs
     assert len(COSTLY) > 20
     assert set(DOCUMENTED_EXIT) | set(BEFORE) | set(NAMED_ONLY) <= set(COSTLY)
     assert all(step in {c for _, c in COMMANDS} for steps in BEFORE.values() for step in steps[2:3])
+
+
+def _python_blocks(path: str) -> list[str]:
+    """The ``python`` code blocks of a doc, dedented (a block inside a list item is indented)."""
+    import textwrap
+
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    return [textwrap.dedent(b) for b in re.findall(r"^[ \t]*```python\n(.*?)^[ \t]*```", text, re.S | re.M)]
+
+
+def test_the_findings_python_reproducers_show_what_they_say(tmp_path):
+    """``docs/findings.md``'s Python reproducers of torch findings run as written, in a fresh
+    process, and still show the behaviour the finding states (when a torch release fixes one,
+    this test says so and the finding is updated)."""
+    import subprocess
+    import sys
+
+    [divide] = [b for b in _python_blocks("docs/findings.md") if "set_gradient_divide_factor" in b]
+    script = tmp_path / "divide.py"
+    script.write_text(divide)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "0.5000" in done.stdout and "1.0000" not in done.stdout, done.stdout
