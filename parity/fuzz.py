@@ -80,14 +80,15 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     os.makedirs(out_dir, exist_ok=True)
     index, count = shard
     share = examples // count + (1 if index <= examples % count else 0)
+    campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count}
     with Signals() as signals:
         return _campaign(examples=share, seed=part_seed(seed, index, count), out_dir=out_dir, fault=fault,
-                         device=device, timeout=timeout, signals=signals,
+                         device=device, timeout=timeout, signals=signals, campaign_of=campaign_of,
                          part=f"part {index}/{count} of {examples} examples, seed {seed}" if count > 1 else "")
 
 
 def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str, timeout: float,
-              signals: Signals, part: str = "") -> int:
+              signals: Signals, campaign_of: dict, part: str = "") -> int:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import seed as fixed_seed
 
@@ -171,11 +172,34 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     path = os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md")
     with writing(path), open(path, "w") as fh:
         fh.write(text + "\n")
+    write_manifest(out_dir, {
+        **campaign_of, "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
+        "interrupted": signals.name if signals() else "", "verdicts": dict(sorted(verdicts.items())),
+        "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "text": text})
     if signals():
         print(f"parity: interrupted by {signals.name} after {ran[0]} fuzz runs; what finished is in {path}",
               file=sys.stderr)
         return signals.code
     return code
+
+
+#: What a campaign (or one part of it) leaves beside ``fuzz.md``, for ``parity merge``.
+MANIFEST = "fuzz.json"
+
+
+def write_manifest(out_dir: str, fields: dict) -> None:
+    """``fuzz.json``: the campaign (seed, examples, fault, this part's index and count), what the
+    part asked and ran, its exit code, verdict counts, INCONCLUSIVE runs, the reproducers it
+    wrote, and the torch and parity it ran with (:mod:`parity.report.fuzz_merge` reads it)."""
+    import json
+
+    from parity.report.identity import parity_version
+
+    reproducers = sorted(f for f in os.listdir(out_dir) if f.startswith(("repro_", "reproducer_")))
+    path = os.path.join(out_dir, MANIFEST)
+    with writing(path), open(path, "w") as fh:
+        json.dump({"kind": "parity-fuzz/1", **fields, "reproducers": reproducers, "torch": torch.__version__,
+                   "parity": parity_version()}, fh, indent=1)
 
 
 def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:

@@ -1,5 +1,6 @@
 """Generated models: the spec -> fixture builder, the strategy, reproducers, the campaign."""
 
+import json
 import subprocess
 import sys
 
@@ -51,6 +52,8 @@ def test_the_fixed_seed_campaign_passes_on_unmodified_torch(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fuzz: 25 runs" in proc.stdout and "FAIL" not in proc.stdout.split("records by verdict")[1].split("\n")[0]
+    manifest = json.loads((tmp_path / "fuzz.json").read_text())  # what parity merge joins parts by
+    assert (manifest["ran"], manifest["asked"], manifest["code"], manifest["index"], manifest["count"]) == (25, 25, 0, 1, 1)
 
 
 @pytest.mark.slow

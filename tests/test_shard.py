@@ -126,3 +126,48 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert main(["merge", whole, "--out", str(tmp_path / "m4")]) == 2
     assert "not a part of a sharded run" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
+
+
+def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:
+    """A fuzz part's directory as ``fuzz --shard I/N`` leaves it (its manifest, a reproducer)."""
+    from parity.fuzz import write_manifest
+
+    d = root / f"fuzz-part-{index}"
+    d.mkdir()
+    if changes.pop("reproducer", False):
+        (d / "repro_gen_7.py").write_text("# a reproducer\n")
+    fields = dict(seed=2026, examples=5, fault="", index=index, count=count, asked=3 if index == 1 else 2,
+                  ran=3 if index == 1 else 2, code=0, interrupted="", verdicts={"PASS": 100 * index},
+                  inconclusive=[], caught=None, text="")
+    write_manifest(str(d), {**fields, **changes})
+    return str(d)
+
+
+def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
+    """``fuzz --shard I/N`` parts merge like a run's: one ``fuzz.md`` with the campaign's totals,
+    every reproducer kept, exit 0 only when every part finished clean; parts of another
+    campaign, a doubled or missing part, and a run's part beside them are one-line errors."""
+    parts = [_fuzz_part(tmp_path, 1), _fuzz_part(tmp_path, 2)]
+    assert main(["merge", *reversed(parts), "--out", str(tmp_path / "m")]) == 0
+    text = (tmp_path / "m" / "fuzz.md").read_text()
+    assert "fuzz: 5 runs of a campaign of 5 examples (seed 2026" in text and "every part finished" in text
+    assert "records by verdict: PASS 300" in text and text.index("part 1/2") < text.index("part 2/2")
+    assert json.loads((tmp_path / "m" / "fuzz.json").read_text())["code"] == 0
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    failing = [_fuzz_part(bad, 1), _fuzz_part(bad, 2, code=1, ran=1, reproducer=True)]
+    assert main(["merge", *failing, "--out", str(bad / "m")]) == 1
+    assert (bad / "m" / "part-2" / "repro_gen_7.py").is_file()
+    assert "NOT every part finished clean" in (bad / "m" / "fuzz.md").read_text()
+
+    capsys.readouterr()
+    assert main(["merge", parts[0], "--out", str(tmp_path / "m1")]) == 2
+    assert "fuzz part 2/2 is missing" in capsys.readouterr().err
+    assert main(["merge", *parts, parts[1], "--out", str(tmp_path / "m2")]) == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    assert main(["merge", parts[0], _fuzz_part(other, 2, seed=7), "--out", str(tmp_path / "m3")]) == 2
+    assert "differ in seed" in capsys.readouterr().err
+    assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
+    assert main(["merge", parts[0], str(tmp_path / "m"), str(tmp_path / "run-part"), "--out", str(tmp_path / "m5")]) == 2

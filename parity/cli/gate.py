@@ -152,9 +152,20 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
 
 def cmd_merge(args) -> int:
     """Join a sharded run's parts (:mod:`parity.report.merge`); with ``--gate``, decide on them."""
+    from parity.report import fuzz_merge
     from parity.report.merge import merge
     from parity.runner import verdict_code
 
+    fuzz = [d for d in args.parts if fuzz_merge.is_part(d)]
+    if fuzz:
+        if len(fuzz) != len(args.parts):
+            other = next(d for d in args.parts if d not in fuzz)
+            raise UsageError(f"merge: {fuzz[0]} is a fuzz campaign's part and {other} is not; merge a run's "
+                             "parts or a campaign's parts, not both")
+        if args.gate or args.junit:
+            raise UsageError("merge: --gate and --junit decide on a matrix run's records; a fuzz campaign's "
+                             "merged verdict is its exit code and fuzz.md")
+        return fuzz_merge.merge(args.parts, args.out, overwrite=args.overwrite)
     if args.junit:
         from parity.report.outdir import writable_file
 

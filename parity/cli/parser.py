@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
     gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
                       "(parity compare; --baseline names the baseline *path*)")
-    mrg = sub.add_parser("merge", help="join the parts of a sharded run (--shard I/N) into one results directory")
+    mrg = sub.add_parser("merge", help="join the parts of a sharded run or fuzz campaign (--shard I/N) into one "
+                         "results directory")
     mrg.add_argument("parts", nargs="+", metavar="DIR", help="every part's --out directory")
     mrg.add_argument("--out", required=True, help="the merged results directory")
     mrg.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")

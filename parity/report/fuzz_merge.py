@@ -1,0 +1,113 @@
+"""``python -m parity merge DIR... --out DIR`` on the parts of a fuzz campaign (``fuzz --shard I/N``).
+
+Each part's ``fuzz.json`` (:func:`parity.fuzz.write_manifest`) names its campaign (seed,
+examples, fault), its index and count, what it ran and its exit code. Merging refuses, with one
+line and exit code 2, parts of another campaign or split, another torch or parity, a part given
+twice or missing, or a directory that is not a fuzz part. The merged directory holds one
+``fuzz.md`` (the campaign's totals, then each part's line), ``fuzz.json`` and every part's
+reproducers under ``part-I/``; the exit code is 0 only when every part finished its share with
+exit code 0 (a part that failed, stopped or ran fewer examples than it asked makes it 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+
+from parity.errors import UsageError, writing
+
+MANIFEST = "fuzz.json"
+#: Entries every part of one campaign shares.
+SAME = ("seed", "examples", "fault", "count", "torch", "parity")
+
+
+def is_part(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def _read(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"merge: {path} is unreadable ({exc}); rerun that fuzz part") from None
+    if not isinstance(data, dict) or data.get("kind") != "parity-fuzz/1" or not {*SAME, "index", "ran", "asked",
+                                                                                  "code"} <= set(data):
+        raise UsageError(f"merge: {path} is not a fuzz part's manifest; give directories written by fuzz --shard I/N")
+    return data
+
+
+def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
+    """(directory, manifest) of every part, in index order, after the checks in the module docstring."""
+    parts = [(d, _read(d)) for d in directories]
+    first_dir, first = parts[0]
+    for d, m in parts[1:]:
+        for key in SAME:
+            if m[key] != first[key]:
+                raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({m[key]!r} vs {first[key]!r}); "
+                                 "merge the parts of one fuzz campaign, run with the same torch and parity")
+    seen: dict[int, str] = {}
+    for d, m in parts:
+        if m["index"] in seen:
+            raise UsageError(f"merge: fuzz part {m['index']}/{m['count']} given twice ({seen[m['index']]} and {d}); "
+                             "give each part once")
+        seen[m["index"]] = d
+    missing = [i for i in range(1, first["count"] + 1) if i not in seen]
+    if missing:
+        raise UsageError(f"merge: fuzz part {missing[0]}/{first['count']} is missing ({len(missing)} of "
+                         f"{first['count']} parts not given); give every part's directory")
+    return sorted(parts, key=lambda p: p[1]["index"])
+
+
+def _finished(m: dict) -> bool:
+    return m["code"] == 0 and not m.get("interrupted") and m["ran"] >= m["asked"]
+
+
+def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
+    """Write the merged campaign into ``out``; returns its exit code."""
+    if any(os.path.realpath(d) == os.path.realpath(out) for d in directories):
+        raise UsageError(f"merge: --out {out} is one of the parts; write the merged campaign elsewhere")
+    parts = check_parts(directories)
+    first = parts[0][1]
+    name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
+    if os.path.exists(os.path.join(out, name)) and not overwrite:
+        raise UsageError(f"merge: --out {out} holds another campaign's {name}; pass --overwrite or choose another --out")
+    verdicts, inconclusive = Counter(), []
+    for _, m in parts:
+        verdicts.update(m.get("verdicts", {}))
+        inconclusive += m.get("inconclusive", [])
+    ran = sum(m["ran"] for _, m in parts)
+    code = 0 if all(_finished(m) for _, m in parts) else 1
+    fault = first["fault"]
+    lines = [f"fuzz: {ran} runs of a campaign of {first['examples']} examples (seed {first['seed']}"
+             f"{', fault ' + fault if fault else ''}; torch {first['torch']}), merged from {len(parts)} parts: "
+             + ("every part finished" if code == 0 else "NOT every part finished clean")]
+    if fault:
+        caught = sum(m.get("caught") or 0 for _, m in parts)
+        lines.append(f"fault {fault} flagged in {caught} of {ran} examples ({100 * caught / max(1, ran):.0f} per 100)")
+    lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}" + "".join(f"\n  {x}" for x in inconclusive[:20]))
+    lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
+    for d, m in parts:
+        state = "finished" if _finished(m) else ("interrupted by " + m["interrupted"] if m.get("interrupted")
+                                                  else f"exit {m['code']}")
+        extra = f"; reproducers in part-{m['index']}/: {', '.join(m['reproducers'])}" if m.get("reproducers") else ""
+        lines.append(f"part {m['index']}/{m['count']}: {m['ran']} of {m['asked']} runs, {state} ({d}){extra}")
+    text = "\n".join(lines)
+    os.makedirs(out, exist_ok=True)
+    for d, m in parts:
+        for f in m.get("reproducers", []):
+            if os.path.isfile(os.path.join(d, f)):
+                os.makedirs(os.path.join(out, f"part-{m['index']}"), exist_ok=True)
+                shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
+    with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
+        fh.write(text + "\n")
+    merged = {**{k: first[k] for k in SAME}, "kind": "parity-fuzz/1", "index": None, "asked": first["examples"],
+              "ran": ran, "code": code, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
+              "parts": [os.path.abspath(d) for d, _ in parts]}
+    with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w") as fh:
+        json.dump(merged, fh, indent=1)
+    print(text)
+    return code
