@@ -6,6 +6,8 @@ Workers only observe; the parent judges. Every field is filled in exactly one pl
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +115,32 @@ class Moved:
     :attr:`Resumed.collectives`."""
 
 
+@dataclass
+class PackedShards:
+    """Sharded gradients of one micro-batch, packed into one FP64 tensor (exact for every
+    gradient dtype), so that an observation carries one tensor per micro-batch, not one per
+    parameter: FQN -> (offset in the whole parameter, local shape, start in ``values``)."""
+
+    values: torch.Tensor
+    index: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]
+
+    @classmethod
+    def pack(cls, shards: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> "PackedShards":
+        index, start = {}, 0
+        for fqn, (offset, t) in shards.items():
+            index[fqn] = (tuple(offset), tuple(t.shape), start)
+            start += t.numel()
+        flat = [t.reshape(-1).double() for _, t in shards.values()]
+        return cls(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64), index)
+
+    def get(self, fqn: str, default=None):
+        if fqn not in self.index:
+            return default
+        offset, shape, start = self.index[fqn]
+        n = math.prod(shape)
+        return offset, self.values[start:start + n].reshape(shape)
+
+
 @dataclass(kw_only=True)
 class ContractsSeen:
     """Contract observations (:mod:`parity.execute.probes` and :mod:`.lifecycle`)."""
@@ -149,11 +177,11 @@ class ContractsSeen:
     this rank, where its backward synchronized, or its unsharded accumulated gradient after it,
     inside a no-sync window (unscaled, in FP64 where a loss scale was divided out; plain tensors
     only: a tensor-parallel parameter's is a DTensor and is not recorded)."""
-    shards: dict[tuple[int, int], dict[str, tuple[tuple[int, ...], torch.Tensor]]] = field(default_factory=dict)
-    """(step, micro-batch) -> parameter FQN -> this rank's sharded gradient as the reductions of
-    every synchronizing backward left it (reduce-scatter, HSDP's replica all-reduce and the
-    accumulation into ``.grad``): the shard's offset in the whole parameter and its values
-    (unscaled, FP64 where a loss scale was divided out)."""
+    shards: dict[tuple[int, int], "PackedShards"] = field(default_factory=dict)
+    """(step, micro-batch) -> this rank's sharded gradients as the reductions of every
+    synchronizing backward left them (reduce-scatter, HSDP's replica all-reduce and the
+    accumulation into ``.grad``), unscaled: ``.get(FQN)`` -> (the shard's offset in the whole
+    parameter, its values)."""
     buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
 from parity.execute.evaluation import post_forward
-from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot, value_sums
+from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot, PackedShards, value_sums
 from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
@@ -65,9 +65,9 @@ def unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
     return grad.double() / scale if scale != 1.0 else grad
 
 
-def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> PackedShards:
     """Each FSDP parameter's sharded gradient on this rank, as its reductions left it: FQN ->
-    (the shard's offset in the whole parameter, its values divided by the loss ``scale``).
+    (the shard's offset in the whole parameter, its values divided by the loss ``scale``), packed.
     Offsets come from the gradient's own mesh and placements (uneven shards, dimension-1
     placements and HSDP's replicated dimension included)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -78,8 +78,8 @@ def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> dict[str, tup
         if not isinstance(grad, DTensor):
             continue
         _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
-        out[fqn_of(fp)] = (tuple(int(o) for o in offset), unscaled(grad.to_local().detach().cpu().clone(), scale))
-    return out
+        out[fqn_of(fp)] = (tuple(int(o) for o in offset), unscaled(grad.to_local().detach().cpu(), scale))
+    return PackedShards.pack(out)
 
 
 def _fsdp_params(model: nn.Module):
@@ -166,7 +166,7 @@ class Recorder:
         self.replicas: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
         self.accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.shards: dict[tuple[int, int], dict[str, tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self.shards: dict[tuple[int, int], PackedShards] = {}
         self.reduce_observable = True
         self._orig_reduce = None
         self.sharded = names_snapshot(model)
