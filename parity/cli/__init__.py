@@ -1,6 +1,6 @@
 """``python -m parity``: ``plan``, ``run``, ``gate``, ``merge``, ``bench``, ``compare``, ``report``, ``fuzz``, ``fixtures``.
 
-Exit codes (README, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
+Exit codes (docs/usage.md, "Exit codes"): 0 only with evidence (the work done, nothing wrong found; a
 closed stdout does not change it); 1 a bad verdict (a cell FAIL/ERROR/TIMEOUT/INCONCLUSIVE, a
 NO-GO or PARTIAL gate, a regression); 2 bad input, refused before any work (one line naming the
 thing and the fix; a model source exiting at import, an output directory in use, a ``--resume``
