@@ -315,7 +315,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"collectives"}, {**_KDA2, **_ACCUM}, quiet={"sync": "every"}, patch=rp.early_reduce_scatter),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
-           {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence"},
+           {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "grad.shard"},
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"}, patch=cp.tp_partial_reduce_bf16),
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
            {"dtype.reduce", "grad", "grad_norm", "collectives", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
@@ -332,7 +332,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "fully_shard casts ignored parameters on another parallelism's mesh (the experts) to param_dtype",
            {"ownership", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "input_grad",
             "grad", "grad_norm", "param", "trajectory", "trajectory.emulation", "divergence", "state_dict",
-            "checkpoint.same", "checkpoint.cross"},
+            "checkpoint.same", "checkpoint.cross", "grad.shard"},
            {**_COMPOSED, "path": "legacy", "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.recast_foreign_params),
     _fault("tp_shards_swapped_on_load",
            "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict)",

@@ -14,9 +14,9 @@ the observations) it derives the records the cell owes:
   ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
-- ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation),
-  and there ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains
-  (each rank's shard as the reductions left it);
+- ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
+- ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains, on every
+  mesh (each rank's shard as the reductions left it);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -64,7 +64,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         for t in trained:
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
-                if accumulation.judged(cell) and t.ownership == "managed":
+                if t.ownership == "managed":
                     out.append(("grad.shard", t.fqn, step))
     out += [("trajectory", t.fqn, cell.steps - 1) for t in trained if t.trainable_from < cell.steps]
     out += [("plan", t.fqn, None) for t in plan.params]

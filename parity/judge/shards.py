@@ -12,8 +12,10 @@ unscaled; it is compared with the same slice of the emulated gradient
 dtype and accumulated in the kept dtype, as FSDP does), with the allowance of the sum it is
 (:func:`parity.judge.tolerance.gradient`, over ranks x micro-batches so far). One record per
 step, micro-batch and parameter: the worst rank's, every rank judged. A rank that recorded no
-shard where the reference has a gradient is missing evidence (FAIL). Judged on 1-D FSDP and
-HSDP meshes (:func:`parity.judge.accumulation.judged`).
+shard where the reference has a gradient is missing evidence (FAIL). Judged on every mesh: the
+offsets come from each gradient's own mesh and placements, so a tensor-parallel weight's shard
+(FSDP's over ``dp``, TP's over ``tp``) is a slice of the whole gradient like any other; the
+experts, which FSDP ignores, have none.
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ def _slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> t
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan,
           base: dict) -> list[Record]:
-    if not accumulation.judged(cell):
-        return []
     rows = []
     for (step, mb), wants in sorted(ref.shards.items()):
         terms = cell.topology().data_world * (mb + 1)
