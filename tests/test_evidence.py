@@ -135,6 +135,12 @@ def test_a_sharded_gradient_is_judged_slice_by_slice_and_a_rank_without_one_fail
     obs[1].contracts.shards[(0, 0)][fqn][1][3, 4] += 1e-3  # one element of rank 1's shard
     [bad] = shards.check(cell, obs, ref, plan, BASE)
     assert bad.verdict == Verdict.FAIL and "rank 1 after micro-batch 0, shard at [16, 0]" in bad.detail
+    zero_half = whole.clone()
+    zero_half[16:] = 0  # rank 1's rows got no gradient: judged against the whole gradient's size
+    obs[1].contracts.shards = {(0, 0): {fqn: ((16, 0), zero_half[16:].clone())}}
+    obs[0].contracts.shards = {(0, 0): {fqn: ((0, 0), zero_half[:16].clone())}}
+    [quiet] = shards.check(cell, obs, ReferenceRun(shards={(0, 0): {fqn: (zero_half, 1.0)}}), plan, BASE)
+    assert quiet.verdict == Verdict.PASS
     obs[1].contracts.shards = {}
     [missing] = shards.check(cell, obs, ref, plan, BASE)
     assert missing.verdict == Verdict.FAIL and "rank 1" in missing.detail and "no shard recorded" in missing.detail

@@ -11,8 +11,10 @@ unscaled; it is compared with the same slice of the emulated gradient
 (:attr:`parity.judge.reference.ReferenceRun.shards`: the ranks' gradients reduced in the reduce
 dtype and accumulated in the kept dtype, as FSDP does), with the allowance of the sum it is
 (:func:`parity.judge.tolerance.gradient`, over ranks x micro-batches so far). One record per
-step, micro-batch and parameter: the worst rank's, every rank judged. A rank that recorded no
-shard where the reference has a gradient is missing evidence (FAIL). Judged on every mesh: the
+step, micro-batch and parameter: the worst rank's, every rank judged, against the whole
+gradient's size (a shard is a piece of what ``grad`` judges, so a rank whose slice is all
+zero is not INCONCLUSIVE for it). A rank that recorded no shard where the reference has a
+gradient is missing evidence (FAIL). Judged on every mesh: the
 offsets come from each gradient's own mesh and placements, so a tensor-parallel weight's shard
 (FSDP's over ``dp``, TP's over ``tp``) is a slice of the whole gradient like any other; the
 experts, which FSDP ignores, have none.
@@ -21,12 +23,13 @@ experts, which FSDP ignores, have none.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge import accumulation, tolerance
-from parity.judge.compare import Comparison
+from parity.judge import tolerance
+from parity.judge.compare import Comparison, amax, max_abs
 from parity.judge.record import Record
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
@@ -41,6 +44,14 @@ def _slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> t
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How far a rank's shard is from its slice (inf when missing or misshapen; NaN counts as inf)."""
+    if not got.numel() and want.numel():
+        return math.inf
+    err = max_abs(got, want)
+    return math.inf if err != err else err
+
+
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan,
           base: dict) -> list[Record]:
     rows = []
@@ -50,8 +61,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
             entry = plan.get(fqn)
             if entry is None:
                 continue
-            allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, terms, scale)
-            worst = None
+            worst = None  # (error, rank, got, want, where): every rank compared, the worst recorded
             for o in observations:
                 read = o.contracts.shards.get((step, mb), {}).get(fqn)
                 if read is None:
@@ -61,10 +71,14 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
                     if not got.numel():  # an empty shard (uneven sharding): nothing to compare
                         continue
                     want, where = _slice(whole, offset, got.shape), f"shard at {list(offset)}"
-                row = Comparison(step, CHECK, fqn, got, want, allow).record(base)
-                row = dataclasses.replace(row, detail=f"rank {o.rank} after micro-batch {mb}, {where}: {row.detail}")
-                if worst is None or accumulation.badness(row) > accumulation.badness(worst):
-                    worst = row
-            if worst is not None:
-                rows.append(worst)
+                err = _error(got, want)
+                if worst is None or err > worst[0]:
+                    worst = (err, o.rank, got, want, where)
+            if worst is None:
+                continue
+            _, rank, got, want, where = worst
+            # the signal is the whole gradient's, as ``grad`` judges it: a shard is a piece of it
+            allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, terms, scale)
+            row = Comparison(step, CHECK, fqn, got, want, allow, signal=amax(whole)).record(base)
+            rows.append(dataclasses.replace(row, detail=f"rank {rank} after micro-batch {mb}, {where}: {row.detail}"))
     return rows
