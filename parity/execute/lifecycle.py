@@ -167,7 +167,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     the collectives of both (``checkpoint/load``, then the step's segments)."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
-    segments = collectives.Segments()
+    segments = collectives.Segments(collectives.functional_scope(cell))  # counted as the uninterrupted step
     with segments.counted():
         with segments.segment(cell.resume_step, "checkpoint/load"):
             load(s, ckpt)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parity.execute import collectives
 from parity.model.dtypes import dtype_name
 from parity.model.quantized import main_weight
 from parity.model.spec import Fixture
@@ -65,7 +66,9 @@ def parallelize(model: nn.Module, fixture: Fixture, topo: Topology, mesh) -> dic
 
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on every rank (a collective for a DTensor), detached, on the CPU."""
-    t = t.full_tensor() if isinstance(t, DTensor) else t
+    if isinstance(t, DTensor):
+        with collectives.unseen():  # parity's read, not the recipe's exchange
+            t = t.full_tensor()
     return main_weight(t).detach().cpu().clone()
 
 

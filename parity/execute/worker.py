@@ -14,7 +14,7 @@ import time
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import lifecycle, moves, oplog, parallel, probes
+from parity.execute import collectives, lifecycle, moves, oplog, parallel, probes
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -59,6 +59,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             raise
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
+        recorder.segments.functional = collectives.functional_scope(cell)
         tp = None
         t1 = time.perf_counter()
         try:  # from here on the recorder's patches are undone whatever happens: the worker lives on

@@ -75,7 +75,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "explicit_unshard_regathers", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
-                     "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_partial_bf16", "window_replays_accumulation",
+                     "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_partial_bf16", "tp_reduces_twice", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
     "perturb_grad": "collectives",
@@ -317,6 +317,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
            {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "grad.shard"},
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"}, patch=cp.tp_partial_reduce_bf16),
+    _fault("tp_reduces_twice", "DTensor all-reduces each Partial activation and input gradient twice, the "
+           "first result dropped (Partial._reduce_value): numerically invisible", {"collectives"},
+           {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"}, patch=cp.tp_reduces_twice),
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
            {"dtype.reduce", "grad", "grad_norm", "collectives", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
            patch=cp.hsdp_replica_reduce_bf16),

@@ -32,6 +32,20 @@ def tp_partial_reduce_bf16():
     return swap_attr(Partial, "_reduce_value", make)
 
 
+def tp_reduces_twice():
+    """DTensor all-reduces a Partial activation or input gradient twice, the first result
+    discarded (``Partial._reduce_value``): numerically invisible, one more collective each time."""
+    from torch.distributed.tensor.placement_types import Partial
+
+    def make(orig):
+        def _reduce_value(self, tensor, mesh, mesh_dim):
+            if tensor.dim() >= 2:  # activations, not (stacked) norm pieces
+                _ = orig(self, tensor.clone(), mesh, mesh_dim) + 0  # waited on, then dropped
+            return orig(self, tensor, mesh, mesh_dim)
+        return _reduce_value
+    return swap_attr(Partial, "_reduce_value", make)
+
+
 def hsdp_replica_reduce_bf16():
     """FSDP all-reduces HSDP gradients across replicas in BF16 (the reduce-scatter output is
     downcast for the all-reduce in ``foreach_reduce``)."""

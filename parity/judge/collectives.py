@@ -7,8 +7,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from parity.execute.collectives import FUNCTIONAL_PREFIX
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
+from parity.judge import exchanges
 from parity.judge.record import Record
 from parity.judge.reference import ReferenceRun
 from parity.judge.rows import contract_row as _row
@@ -169,14 +171,19 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
     backward that synchronizes them (:func:`_syncs`), carrying the unit's shard. FSDP x TP and EP:
     the same for FSDP's own collectives, counts and bytes, over the dimension FSDP shards (TP:
     ``dp``, whose all-gathers carry each tensor-parallel weight's local tp shard; EP: every rank,
-    the experts excluded); TP's and the experts' own exchanges go through DTensor's functional
-    collectives, which are not counted."""
+    the experts excluded). TP's and the experts' own exchanges and the gradient norm's all-reduces
+    are functional collectives, counted at the dispatcher and held to :mod:`.exchanges` (counts;
+    their dtypes: ``dtype.tp_reduce``)."""
     counts = obs.contracts.collectives
     units = sum(1 for u in obs.report.units if u.params)
     ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
     rows = []
+    fixture = get_fixture(cell.fixture, cell.source)
     for step in range(cell.steps):
         got = {(label, kind): len(sizes) for (s, label, kind), sizes in counts.items() if s == step}
+        functional = {(label, kind.removeprefix(FUNCTIONAL_PREFIX)): n for (label, kind), n in got.items()
+                      if kind.startswith(FUNCTIONAL_PREFIX)}
+        got = {k: n for k, n in got.items() if not k[1].startswith(FUNCTIONAL_PREFIX)}
         want: dict[tuple[str, str], int] = {}
         bound: dict[tuple[str, str], int] = {}
         floor: dict[tuple[str, str], int] = {}
@@ -224,12 +231,17 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
                                  "sharded again after the optimizer step)"))
         if cell.ranks > 1 and ref is not None and ref.params:
             problems += _wire(cell, obs, plan, ref, step)
+        graded = set(ref.grads[step]) if ref is not None and step < len(ref.grads) else None
+        odd, owed = exchanges.problems(cell, fixture, plan, step, graded, functional)
+        problems += odd
         labels = cell.segments(step)
         labels += sorted(({label for label, _ in got} | {label for label, _ in problems}) - set(labels))
         for label in labels:
             bad = [text for where, text in problems if where == label]
             expected = _expected(label, want, bound, floor, scales, units) if cell.ranks > 1 else \
                 "no FSDP collective on one rank"
+            if owed.get(label):
+                expected += f"; {owed[label]} (tensor / expert parallelism, the gradient norm)"
             row = _row(base, "collectives", label, not bad, expected, "; ".join(bad) or "as expected")
             rows.append(replace(row, step=step))
     return rows

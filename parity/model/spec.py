@@ -108,6 +108,11 @@ class Fixture:
     """Modules that own their experts under mesh ``ep``: each has ``shard_experts(mesh)``
     (keep this rank's experts on the ``ep`` dimension) and an ``experts`` parameter, which
     ``ignored`` must return (on other meshes an emulated owner reduces it over all ranks)."""
+    expert_exchanges: tuple[str, ...] = ("all-to-all", "all-to-all")
+    """The functional collectives each ``expert_parallel`` module issues in one forward under
+    mesh ``ep``, in order (dispatch, combine): ``all-to-all``, ``all-gather`` or
+    ``reduce-scatter``; its backward issues their adjoints. Counted per segment
+    (:mod:`parity.judge.exchanges`)."""
     quantizable: tuple[str, ...] = ()
     """Linear layers (module FQNs) whose weights take the cell's ``weights`` format (FP8 all-gather,
     :mod:`parity.model.formats`); ``mixed`` alternates the two FP8 formats in this order."""
@@ -175,6 +180,8 @@ class Fixture:
 
 
 TP_STYLES = ("colwise", "rowwise")
+#: The collectives an expert-parallel module may declare (:attr:`Fixture.expert_exchanges`).
+EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 #: The native path's fallback reason for a unit mixing quantized weight formats.
 MIXED_FORMATS = "mixes weight formats"
 
@@ -250,6 +257,9 @@ def validate(spec: object, where: str) -> Fixture:
         if mod is None or not callable(getattr(mod, "shard_experts", None)) or f"{fqn}.experts" not in params:
             raise UsageError(f"{where}: Fixture.expert_parallel names {fqn!r}; give a module with shard_experts(mesh) "
                              "and an experts parameter")
+    if spec.expert_parallel and (not spec.expert_exchanges or set(spec.expert_exchanges) - set(EXCHANGES)):
+        raise UsageError(f"{where}: Fixture.expert_exchanges = {spec.expert_exchanges!r}; give the collectives one "
+                         f"forward of an expert-parallel module issues, each one of {', '.join(EXCHANGES)}")
     for fqn in spec.quantizable:
         mod = dict(model.named_modules()).get(fqn)
         if not isinstance(mod, nn.Linear) or mod.in_features % BLOCK:

@@ -1,0 +1,108 @@
+"""What the functional collectives of a step must be (tensor and expert parallelism's exchanges,
+a gradient norm over DTensors), per segment of the loop, from the model's declarations and the
+mesh; :mod:`parity.judge.collectives` holds each segment's count to it.
+
+Counted at the dispatcher (:class:`parity.execute.collectives.Exchanges`), where the backwards
+torch issues from C++ pass too, over :func:`parity.execute.collectives.functional_scope`:
+
+- a forward (a micro-batch's or an evaluation's): one all-reduce per ``rowwise`` layer of the
+  tensor-parallel plan (its Partial output made whole), and each ``expert_parallel`` module's
+  declared ``expert_exchanges`` (dispatch, combine);
+- a backward: one all-reduce per ``colwise`` layer (its input gradient, Partial over ``tp``),
+  and the adjoint of each expert exchange (an all-gather's is a reduce-scatter, and back; an
+  all-to-all's an all-to-all); with activation checkpointing a recomputed forward may issue its
+  exchanges again (torch stops recomputing once the saved tensors are rebuilt): at most one
+  forward's more;
+- the optimizer segment: the gradient norm all-reduces once per mesh dimension its gradients
+  are sharded over, per mesh they live on (FSDP's dimension; a tensor-parallel weight's ``dp``
+  and ``tp``; the experts' ``ep``);
+- nothing anywhere else (state dicts, loads, the loss: parity's own reads are not counted).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from parity.execute.collectives import FUNCTIONAL_PREFIX, functional_scope
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionPlan
+
+#: The backward of each expert exchange (autograd's adjoint collective).
+ADJOINT = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
+
+
+def _forward(cell: Cell, fixture) -> Counter:
+    got: Counter = Counter()
+    if cell.mesh == "fsdp+tp":
+        got["all-reduce"] += sum(1 for s in fixture.tensor_parallel.values() if s == "rowwise")
+    if cell.mesh == "ep":
+        for _ in fixture.expert_parallel:
+            got.update(fixture.expert_exchanges)
+    return got
+
+
+def _backward(cell: Cell, fixture) -> Counter:
+    got: Counter = Counter()
+    if cell.mesh == "fsdp+tp":
+        got["all-reduce"] += sum(1 for s in fixture.tensor_parallel.values() if s == "colwise")
+    if cell.mesh == "ep":
+        for _ in fixture.expert_parallel:
+            got.update(ADJOINT[k] for k in fixture.expert_exchanges)
+    return got
+
+
+def norm_all_reduces(cell: Cell, plan: PrecisionPlan, step: int, graded: set | None) -> int:
+    """The gradient norm's all-reduces at ``step``: per mesh holding a gradient, one per dimension
+    the gradients there are sharded over (FSDP's meshes: one; tensor parallelism's 2-D mesh: two;
+    the experts' ``(dp, ep)``: one, over ``ep``). Plain gradients (an emulated owner's) need none."""
+    def trains(t) -> bool:
+        return t.requires_grad and t.trainable_from <= step and (graded is None or t.fqn in graded)
+    params = [t for t in plan.params if trains(t)]
+    fsdp = any(t.ownership == "managed" and not t.parallel.startswith("tp-") for t in params)
+    tp = any(t.ownership == "managed" and t.parallel.startswith("tp-") for t in params)
+    experts = cell.mesh == "ep" and any(t.parallel == "ep" for t in params)
+    return int(fsdp) + 2 * int(tp) + int(experts)
+
+
+def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None) -> dict[str, tuple[Counter, Counter]]:
+    """Segment label -> (floor, ceiling) of the functional collectives counted there, by kind; a
+    segment absent here owes none. Empty where nothing is counted (one rank)."""
+    scope = functional_scope(cell)
+    out: dict[str, tuple[Counter, Counter]] = {}
+    if scope == "none":
+        return out
+    if scope == "all":
+        fwd, bwd = _forward(cell, fixture), _backward(cell, fixture)
+        for mb in range(cell.microbatches):
+            out[f"mb{mb}/forward"] = (fwd, fwd)
+            out[f"mb{mb}/backward"] = (bwd, bwd + fwd if cell.checkpointing != "none" else bwd)
+        evals = len(cell.eval_labels(step))
+        if evals:
+            each = Counter({k: n * evals for k, n in fwd.items()})
+            out["eval"] = (each, each)
+    norm = Counter({"all-reduce": norm_all_reduces(cell, plan, step, graded)})
+    out["optimizer"] = (norm, norm)
+    return out
+
+
+def problems(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None,
+             got: dict[tuple[str, str], int]) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(segment, problem) pairs for ``got`` ((segment, kind) -> count, kinds without the prefix)
+    against :func:`expected`, and what each segment owes in words."""
+    want = expected(cell, fixture, plan, step, graded)
+    found: list[tuple[str, str]] = []
+    labels = {label for label, _ in got} | set(want)
+    for label in sorted(labels):
+        low, high = want.get(label, (Counter(), Counter()))
+        for kind in sorted({k for (lb, k) in got if lb == label} | set(high)):
+            n = got.get((label, kind), 0)
+            if not low[kind] <= n <= high[kind]:
+                bound = str(low[kind]) if low[kind] == high[kind] else f"{low[kind]}-{high[kind]}"
+                found.append((label, f"{n} {FUNCTIONAL_PREFIX}{kind}, expected {bound}"))
+    words = {label: ", ".join(_words(low, high)) for label, (low, high) in want.items() if +high}
+    return found, words
+
+
+def _words(low: Counter, high: Counter) -> list[str]:
+    return [f"{low[k] if low[k] == high[k] else f'{low[k]}-{high[k]}'} {FUNCTIONAL_PREFIX}{k}"
+            for k in sorted(high) if high[k]]
