@@ -298,7 +298,8 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
     obs.grad_norms.append(norm)
     if cell.clip:  # the recipe's clipping, then what it left: the global norm after it
         parallel.clip_gradients(s.params, cell.clip, norm)
-        obs.clipped_norms.append(parallel.global_grad_norm(s.params))
+        with collectives.unseen():  # parity's read, not the recipe's all-reduce
+            obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
     if s.scaler:
         s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does

@@ -75,7 +75,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "explicit_unshard_regathers", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
-                     "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_partial_bf16", "tp_reduces_twice", "window_replays_accumulation",
+                     "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
     "perturb_grad": "collectives",
@@ -320,6 +320,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("tp_reduces_twice", "DTensor all-reduces each Partial activation and input gradient twice, the "
            "first result dropped (Partial._reduce_value): numerically invisible", {"collectives"},
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"}, patch=cp.tp_reduces_twice),
+    _fault("combine_backward_regathers", "the experts' reduce-scatter combine all-gathers its input's gradient twice "
+           "in backward, the first result dropped (reduce_scatter_tensor_autograd): numerically invisible",
+           {"collectives"}, {**_COMPOSED, "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.combine_backward_regathers),
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
            {"dtype.reduce", "grad", "grad_norm", "collectives", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
            patch=cp.hsdp_replica_reduce_bf16),
@@ -338,8 +341,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
             "checkpoint.same", "checkpoint.cross", "grad.shard"},
            {**_COMPOSED, "path": "legacy", "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.recast_foreign_params),
     _fault("tp_shards_swapped_on_load",
-           "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict)",
-           {"checkpoint.same", "checkpoint.cross"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
+           "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict), "
+           "fetching its peer's shard with an all-gather (a functional collective while loading)",
+           {"checkpoint.same", "checkpoint.cross", "checkpoint.collectives"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
            patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
     # quantized weight groups (FP8 all-gather)
     _fault("local_amax", "tensorwise FP8 scales from each shard's own amax (no all-reduce over the shard group)",

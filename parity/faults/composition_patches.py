@@ -46,6 +46,29 @@ def tp_reduces_twice():
     return swap_attr(Partial, "_reduce_value", make)
 
 
+def combine_backward_regathers():
+    """The experts' reduce-scatter combine (``reduce_scatter_tensor_autograd``) all-gathers the
+    gradient twice in its backward, the first result dropped: numerically invisible, one more
+    exchange per backward -- an exchange torch issues from C++ in the unbroken op, which only a
+    count at the dispatcher sees."""
+    import torch.distributed._functional_collectives as funcol
+
+    def make(orig):
+        def reduce_scatter_tensor_autograd(tensor, reduce_op, scatter_dim, group, tag=""):
+            class Regathered(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x):
+                    return x.view_as(x)
+
+                @staticmethod
+                def backward(ctx, grad):
+                    _ = funcol.all_gather_tensor(grad.contiguous(), scatter_dim, group) + 0  # waited on, dropped
+                    return grad
+            return orig(Regathered.apply(tensor), reduce_op, scatter_dim, group, tag)
+        return reduce_scatter_tensor_autograd
+    return swap_attr(funcol, "reduce_scatter_tensor_autograd", make)
+
+
 def hsdp_replica_reduce_bf16():
     """FSDP all-reduces HSDP gradients across replicas in BF16 (the reduce-scatter output is
     downcast for the all-reduce in ``foreach_reduce``)."""

@@ -15,7 +15,8 @@ torch issues from C++ pass too, over :func:`parity.execute.collectives.functiona
   forward's more;
 - the optimizer segment: the gradient norm all-reduces once per mesh dimension its gradients
   are sharded over, per mesh they live on (FSDP's dimension; a tensor-parallel weight's ``dp``
-  and ``tp``; the experts' ``ep``);
+  and ``tp``; the experts' ``ep``); a loss scaler's found-inf once per gradient dtype (DTensor's
+  agreement; the scaler's own all-reduce over the process group is FSDP's kind, counted there);
 - nothing anywhere else (state dicts, loads, the loss: parity's own reads are not counted).
 """
 
@@ -26,6 +27,7 @@ from collections import Counter
 from parity.execute.collectives import FUNCTIONAL_PREFIX, functional_scope
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
+from parity.model.recipe import loss_scale
 
 #: The backward of each expert exchange (autograd's adjoint collective).
 ADJOINT = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
@@ -51,17 +53,35 @@ def _backward(cell: Cell, fixture) -> Counter:
     return got
 
 
+def _trained(plan: PrecisionPlan, step: int, graded: set | None) -> list:
+    return [t for t in plan.params
+            if t.requires_grad and t.trainable_from <= step and (graded is None or t.fqn in graded)]
+
+
 def norm_all_reduces(cell: Cell, plan: PrecisionPlan, step: int, graded: set | None) -> int:
     """The gradient norm's all-reduces at ``step``: per mesh holding a gradient, one per dimension
     the gradients there are sharded over (FSDP's meshes: one; tensor parallelism's 2-D mesh: two;
     the experts' ``(dp, ep)``: one, over ``ep``). Plain gradients (an emulated owner's) need none."""
-    def trains(t) -> bool:
-        return t.requires_grad and t.trainable_from <= step and (graded is None or t.fqn in graded)
-    params = [t for t in plan.params if trains(t)]
+    params = _trained(plan, step, graded)
     fsdp = any(t.ownership == "managed" and not t.parallel.startswith("tp-") for t in params)
     tp = any(t.ownership == "managed" and t.parallel.startswith("tp-") for t in params)
     experts = cell.mesh == "ep" and any(t.parallel == "ep" for t in params)
     return int(fsdp) + 2 * int(tp) + int(experts)
+
+
+def found_inf_all_reduces(cell: Cell, plan: PrecisionPlan, step: int, graded: set | None) -> tuple[int, int]:
+    """(floor, ceiling) of the loss scaler's found-inf agreements at ``step``: ``ShardedGradScaler``
+    unscales once per gradient dtype, and DTensor agrees on each call's found-inf over every
+    sharded dimension of the first gradient's mesh (``found_inf_reduce_handler``): one on 1-D FSDP
+    and HSDP, one or two where a tensor-parallel or expert gradient may come first. None
+    without a loss scale."""
+    if loss_scale(plan.config.param_dtype) == 1.0:
+        return 0, 0
+    params = _trained(plan, step, graded)
+    if not any(t.ownership == "managed" for t in params):
+        return 0, 0
+    dtypes = len({t.grad or t.storage for t in params})
+    return dtypes, dtypes * (2 if cell.mesh in ("fsdp+tp", "ep") else 1)
 
 
 def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None) -> dict[str, tuple[Counter, Counter]]:
@@ -80,8 +100,9 @@ def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | 
         if evals:
             each = Counter({k: n * evals for k, n in fwd.items()})
             out["eval"] = (each, each)
-    norm = Counter({"all-reduce": norm_all_reduces(cell, plan, step, graded)})
-    out["optimizer"] = (norm, norm)
+    norm = norm_all_reduces(cell, plan, step, graded)
+    low, high = found_inf_all_reduces(cell, plan, step, graded)
+    out["optimizer"] = (Counter({"all-reduce": norm + low}), Counter({"all-reduce": norm + high}))
     return out
 
 
