@@ -42,3 +42,12 @@ def test_setup_and_after_training_records_by_their_names():
 def test_every_staged_check_has_a_known_stage_and_the_run_has_none():
     assert set(STAGE_OF.values()) <= set(STAGES)
     assert first_stage([_r("run", "cell", verdict=Verdict.ERROR), _r("divergence")], 2, BASE) is None
+
+
+def test_the_optimizer_segments_collectives_come_after_the_backwards_reductions():
+    """A scaler that skips the sharded gradients' found-inf agreement fails the optimizer
+    segment's ``collectives`` and the norm: located at ``gradients``, where it acts."""
+    assert stage_of(_r("collectives", "optimizer", 0)) == "gradients"
+    assert stage_of(_r("collectives", "mb0/backward", 0)) == "collectives"
+    got = first_stage([_r("collectives", "optimizer", 0), _r("grad_norm", "global", 0)], 2, BASE)
+    assert (got.name, got.step) == ("gradients", 0)

@@ -76,7 +76,9 @@ class Exchanges(TorchDispatchMode):
 
     def __init__(self, calls: dict, key: Callable[[str], object]):
         super().__init__()
-        self.calls, self.key, self.paused = calls, key, False
+        from torch.distributed.tensor import DTensor
+
+        self.calls, self.key, self.paused, self.dtensor = calls, key, False, DTensor
         ns = torch.ops._c10d_functional
         self.kinds = {getattr(ns, name): kind for name, kind in FUNCTIONAL.items() if hasattr(ns, name)}
 
@@ -92,9 +94,7 @@ class Exchanges(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
         kind = self.kinds.get(func._overloadpacket)
         if kind is not None and not self.paused:

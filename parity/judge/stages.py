@@ -13,7 +13,7 @@ the failing records the way training runs and names the earliest:
   step's all-gathers and reductions: counts, bytes, reduce, accumulation and kept gradient
   dtypes),
   ``gradients`` (each gradient as the reduction left it, divided by the loss scale, and
-  the global norm after the scaler unscaled), ``clipping`` (the clipped norm and the gradient
+  the global norm after the scaler unscaled; the optimizer segment's collectives), ``clipping`` (the clipped norm and the gradient
   the optimizer steps with, where unscaling or clipping changed it: ``grad.clipped``),
   ``optimizer`` (the updated parameters and their trajectory);
 - ``state-dict`` (state dicts taken during training), ``trained`` (the trained model's
@@ -59,8 +59,12 @@ _LATER = {"@trained": "trained", "@lazy_init": "forward"}
 
 
 def stage_of(r: Record) -> str:
-    """The stage ``r`` judges ("" for records that judge no stage: coverage, the run itself)."""
+    """The stage ``r`` judges ("" for records that judge no stage: coverage, the run itself). The
+    ``collectives`` of a step's optimizer segment (an owner's reduction, the scaler's found-inf,
+    the gradient norm) come after the backward's reductions: ``gradients``."""
     stage = STAGE_OF.get(r.check, "")
+    if r.check == "collectives" and r.name == "optimizer":
+        return "gradients"
     if stage == "setup":
         return next((later for suffix, later in _LATER.items() if str(r.name).endswith(suffix)), stage)
     return stage
