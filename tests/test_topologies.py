@@ -124,7 +124,10 @@ def test_the_functional_collectives_a_step_owes_come_from_the_plans_and_the_mesh
     ep = _owed("ep", eval="between-steps")
     assert ep["mb0/forward"][0] == {"all-gather": 1, "reduce-scatter": 1} == ep["mb0/backward"][0] == ep["eval"][0]
     assert ep["optimizer"][0] == {"all-reduce": 2}
+    # a recompute may repeat the checkpointed blocks' exchanges, never the experts' (not in a block)
     assert _owed("fsdp+tp", checkpointing="full")["mb0/backward"] == ({"all-reduce": 2}, {"all-reduce": 4})
+    assert _owed("ep", checkpointing="full")["mb0/backward"] == ({"all-gather": 1, "reduce-scatter": 1},) * 2
+    assert _owed("ep", checkpointing="outer")["mb0/backward"][1] == {"all-gather": 2, "reduce-scatter": 2}
     assert _owed("hsdp") == {"optimizer": ({"all-reduce": 1}, {"all-reduce": 1})}  # only its norm is counted
 
 

@@ -92,12 +92,12 @@ class Exchanges(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, torch._ops.HigherOrderOperator):  # its body's collectives are not seen
             return func(*args, **kwargs)
         if any(issubclass(t, self.dtensor) for t in types):
             return NotImplemented
         kind = self.kinds.get(func._overloadpacket)
-        if kind is not None and not self.paused:
+        if kind is not None and not self.paused:  # a coalesced call: one call, its list's bytes not summed
             self.calls.setdefault(self.key(FUNCTIONAL_PREFIX + kind), []).append(nbytes(args, kwargs))
         return func(*args, **kwargs)
 
@@ -127,8 +127,13 @@ class Segments:
             self.current = outer
 
     def _exchanges(self):
-        """:class:`Exchanges` into these calls, unless one is counting already."""
-        return contextlib.nullcontext() if _ACTIVE else Exchanges(self.calls, self.key)
+        """:class:`Exchanges` into these calls, unless one counts into them already; another
+        object's mode still open would take these collectives for its own."""
+        if _ACTIVE and _ACTIVE[-1].calls is self.calls:
+            return contextlib.nullcontext()
+        if _ACTIVE:
+            raise RuntimeError("functional collectives are being counted for another loop already")
+        return Exchanges(self.calls, self.key)
 
     def key(self, kind: str) -> tuple[int, str, str]:
         return (*self.current, kind)

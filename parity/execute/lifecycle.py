@@ -76,7 +76,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     if world > 1:
         dist.broadcast_object_list(ckpt_dir, src=0)
     out: dict[str, Resumed] = {}
-    saving = collectives.Segments()
+    saving = collectives.Segments(collectives.functional_scope(cell))
     targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
     try:
         try:

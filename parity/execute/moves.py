@@ -138,7 +138,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     lifecycle.init_optimizer_state(s.opt)  # before DCP's helpers read the fresh optimizer
     before = _layouts(s)
-    segments = collectives.Segments()
+    segments = collectives.Segments(collectives.functional_scope(layout))
     with segments.counted(cell.resume_step, "checkpoint/load"):
         lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
@@ -185,7 +185,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     if world > 1:
         dist.broadcast_object_list(ckpt, src=0)
     saved, straight, error, skip = {}, {}, "", ""
-    saving = collectives.Segments()
+    saving = collectives.Segments(collectives.functional_scope(save_l))
     try:
         if save_mesh is not None:
             try:

@@ -323,7 +323,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"}, patch=cp.tp_reduces_twice),
     _fault("combine_backward_regathers", "the experts' reduce-scatter combine all-gathers its input's gradient twice "
            "in backward, the first result dropped (reduce_scatter_tensor_autograd): numerically invisible",
-           {"collectives"}, {**_COMPOSED, "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.combine_backward_regathers),
+           # with the blocks checkpointed: a recompute may repeat their exchanges, never the experts'
+           {"collectives"}, {**_COMPOSED, "mesh": "ep", "checkpointing": "full"}, quiet={"mesh": "fsdp"},
+           patch=cp.combine_backward_regathers),
     _fault("hsdp_replica_reduce_bf16", "FSDP all-reduces HSDP gradients across replicas in BF16 (foreach_reduce)",
            {"dtype.reduce", "grad", "grad_norm", "collectives", "grad.shard"}, {**_COMPOSED, "mesh": "hsdp"}, quiet={"mesh": "fsdp"},
            patch=cp.hsdp_replica_reduce_bf16),

@@ -242,6 +242,8 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
                 "no FSDP collective on one rank"
             if owed.get(label):
                 expected += f"; {owed[label]} (tensor / expert parallelism, the gradient norm)"
+            elif exchanges.unobserved(cell, label):
+                expected += " (functional collectives not counted in this segment on this mesh)"
             row = _row(base, "collectives", label, not bad, expected, "; ".join(bad) or "as expected")
             rows.append(replace(row, step=step))
     return rows

@@ -10,14 +10,18 @@ torch issues from C++ pass too, over :func:`parity.execute.collectives.functiona
   declared ``expert_exchanges`` (dispatch, combine);
 - a backward: one all-reduce per ``colwise`` layer (its input gradient, Partial over ``tp``),
   and the adjoint of each expert exchange (an all-gather's is a reduce-scatter, and back; an
-  all-to-all's an all-to-all); with activation checkpointing a recomputed forward may issue its
-  exchanges again (torch stops recomputing once the saved tensors are rebuilt): at most one
-  forward's more;
+  all-to-all's an all-to-all); with activation checkpointing a recompute may issue the
+  exchanges of the modules it runs again (torch stops recomputing once the saved tensors are
+  rebuilt): at most those of the checkpointed modules' forward (the blocks; under ``outer``
+  the whole model);
 - the optimizer segment: the gradient norm all-reduces once per mesh dimension its gradients
   are sharded over, per mesh they live on (FSDP's dimension; a tensor-parallel weight's ``dp``
   and ``tp``; the experts' ``ep``); a loss scaler's found-inf once per gradient dtype (DTensor's
   agreement; the scaler's own all-reduce over the process group is FSDP's kind, counted there);
 - nothing anywhere else (state dicts, loads, the loss: parity's own reads are not counted).
+
+On 1-D FSDP and HSDP only the optimizer segment is counted (:func:`unobserved` says where not).
+Collectives inside a higher-order operator's body (a compiled region) are not counted.
 """
 
 from __future__ import annotations
@@ -33,14 +37,26 @@ from parity.model.recipe import loss_scale
 ADJOINT = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
 
 
-def _forward(cell: Cell, fixture) -> Counter:
+def _inside(fqn: str, roots: tuple[str, ...] | None) -> bool:
+    return roots is None or any(r == "" or fqn == r or fqn.startswith(r + ".") for r in roots)
+
+
+def _forward(cell: Cell, fixture, within: tuple[str, ...] | None = None) -> Counter:
+    """One forward's exchanges; of the modules under ``within`` only, when given."""
     got: Counter = Counter()
     if cell.mesh == "fsdp+tp":
-        got["all-reduce"] += sum(1 for s in fixture.tensor_parallel.values() if s == "rowwise")
+        got["all-reduce"] += sum(1 for m, s in fixture.tensor_parallel.items() if s == "rowwise" and _inside(m, within))
     if cell.mesh == "ep":
-        for _ in fixture.expert_parallel:
-            got.update(fixture.expert_exchanges)
+        for m in fixture.expert_parallel:
+            if _inside(m, within):
+                got.update(fixture.expert_exchanges)
     return got
+
+
+def _recomputed(cell: Cell, fixture) -> tuple[str, ...]:
+    """What activation checkpointing may run again in backward: the blocks (``full``,
+    ``selective``), the whole model (``outer`` checkpoints every unit and the root), nothing."""
+    return {"none": (), "outer": ("",)}.get(cell.checkpointing, tuple(fixture.blocks))
 
 
 def _backward(cell: Cell, fixture) -> Counter:
@@ -80,7 +96,7 @@ def found_inf_all_reduces(cell: Cell, plan: PrecisionPlan, step: int, graded: se
     params = _trained(plan, step, graded)
     if not any(t.ownership == "managed" for t in params):
         return 0, 0
-    dtypes = len({t.grad or t.storage for t in params})
+    dtypes = len({t.grad or t.storage for t in params if t.ownership == "managed"})  # groups holding a DTensor
     return dtypes, dtypes * (2 if cell.mesh in ("fsdp+tp", "ep") else 1)
 
 
@@ -95,7 +111,7 @@ def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | 
         fwd, bwd = _forward(cell, fixture), _backward(cell, fixture)
         for mb in range(cell.microbatches):
             out[f"mb{mb}/forward"] = (fwd, fwd)
-            out[f"mb{mb}/backward"] = (bwd, bwd + fwd if cell.checkpointing != "none" else bwd)
+            out[f"mb{mb}/backward"] = (bwd, bwd + _forward(cell, fixture, _recomputed(cell, fixture)))
         evals = len(cell.eval_labels(step))
         if evals:
             each = Counter({k: n * evals for k, n in fwd.items()})
@@ -104,6 +120,12 @@ def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | 
     low, high = found_inf_all_reduces(cell, plan, step, graded)
     out["optimizer"] = (Counter({"all-reduce": norm + low}), Counter({"all-reduce": norm + high}))
     return out
+
+
+def unobserved(cell: Cell, label: str) -> bool:
+    """Whether functional collectives go uncounted in segment ``label`` of ``cell``."""
+    scope = functional_scope(cell)
+    return scope == "optimizer" and label != "optimizer"
 
 
 def problems(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None,
