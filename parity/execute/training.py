@@ -208,9 +208,10 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
 
     def segment(label: str):
         return segments.segment(step, label) if segments else contextlib.nullcontext()
+    reductions = segments.reductions if segments else contextlib.nullcontext
     with segment(BETWEEN):  # whatever runs between the named segments is counted too
-        _microbatches(cell, s, step, fixture, segment, taking, rank=rank, world=world, device=device, obs=obs,
-                      recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor, fold=fold)
+        _microbatches(cell, s, step, fixture, segment, taking, reductions=reductions, rank=rank, world=world,
+                      device=device, obs=obs, recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor, fold=fold)
 
 
 #: The segment label of what a step runs outside its named segments (the loss, the recorder's reads):
@@ -218,7 +219,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
 BETWEEN = "between segments"
 
 
-def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: bool, *, rank: int, world: int,
+def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: bool, *, reductions, rank: int, world: int,
                   device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor, fold) -> None:
     """The body of :func:`train_step`: its micro-batches, the optimizer step, evaluations and state
     dicts, each in its segment."""
@@ -262,7 +263,8 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with segment("eval"):
                 _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=taking)
     with segment("optimizer"):
-        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture, fold=fold)
+        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture, fold=fold,
+                     reductions=reductions)
     if taking and "after-step" in cell.state_dict_points(step):
         with segment("state-dict"):
             _state_dicts(cell, s, step, "after-step", obs)
@@ -272,7 +274,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
 
 
 def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture,
-                 fold: int = 1) -> None:
+                 fold: int = 1, reductions=contextlib.nullcontext) -> None:
     """After the last micro-batch: the ignored parameters' owner reduction, the average over
     folded data ranks (``fold``, :func:`train_step`), (unscaling,) the
     gradient norm (and clipping), the optimizer step; records gradients (as reduced, when
@@ -292,12 +294,14 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
     if rescales_gradients(cell.clip, s.plan.config.param_dtype):  # the reduction's output, before that
         factor = s.scaler.get_scale() if s.scaler else 1.0
         obs.reduced.append({s.names[id(p)]: probes.unscaled(keep(p.grad), factor) for p in s.params if p.grad is not None})
-    if s.scaler:
-        s.scaler.unscale_(s.opt)
-    norm = parallel.global_grad_norm(s.params)
+    with reductions():  # the step's own exchanges (the optimizer's update owes none)
+        if s.scaler:
+            s.scaler.unscale_(s.opt)
+        norm = parallel.global_grad_norm(s.params)
+        if cell.clip:  # the recipe's clipping, then what it left: the global norm after it
+            parallel.clip_gradients(s.params, cell.clip, norm)
     obs.grad_norms.append(norm)
-    if cell.clip:  # the recipe's clipping, then what it left: the global norm after it
-        parallel.clip_gradients(s.params, cell.clip, norm)
+    if cell.clip:
         with collectives.unseen():  # parity's read, not the recipe's all-reduce
             obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})

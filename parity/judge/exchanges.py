@@ -20,7 +20,8 @@ torch issues from C++ pass too, over :func:`parity.execute.collectives.functiona
   agreement; the scaler's own all-reduce over the process group is FSDP's kind, counted there);
 - nothing anywhere else (state dicts, loads, the loss: parity's own reads are not counted).
 
-On 1-D FSDP and HSDP only the optimizer segment is counted (:func:`unobserved` says where not).
+On 1-D FSDP and HSDP only the optimizer segment's reductions are counted (unscaling, the norm,
+clipping; :func:`unobserved` says where not).
 Collectives inside a higher-order operator's body (a compiled region) are not counted.
 """
 
@@ -125,7 +126,7 @@ def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | 
 def unobserved(cell: Cell, label: str) -> bool:
     """Whether functional collectives go uncounted in segment ``label`` of ``cell``."""
     scope = functional_scope(cell)
-    return scope == "optimizer" and label != "optimizer"
+    return scope == "reductions" and label != "optimizer"
 
 
 def problems(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None,
