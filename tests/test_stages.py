@@ -26,6 +26,15 @@ def test_the_earliest_stage_wins_over_the_largest_ratio():
     assert "held before it: setup, gather at step 0, forward at step 0, backward at step 0" in got.detail
 
 
+def test_the_checks_that_held_within_the_stage_are_named():
+    """HSDP: the shard group's partial held and the shard after the replica all-reduce did not --
+    the fault sits between them; checks of other stages or steps are not listed."""
+    rows = [_r("grad.shard", "w", 0, ratio=4.0), _r("grad.partial", "w", 0, verdict=Verdict.PASS),
+            _r("grad.partial", "w", 1, verdict=Verdict.PASS), _r("grad", "w", 0, verdict=Verdict.PASS)]
+    got = first_stage(rows, 2, BASE)
+    assert got.detail.endswith("; held within it: grad.partial"), got.detail
+
+
 def test_a_later_step_says_the_earlier_steps_held():
     got = first_stage([_r("output", "rank1/mb0", 2), _r("checkpoint.same", "native:grad:w")], 3, BASE)
     assert (got.name, got.step) == ("forward", 2) and "held before it: setup, steps 0-1, gather at step 2" in got.detail

@@ -80,7 +80,7 @@ def test_topologies_matrix_passes_with_composition_checks(run_matrix):
            if r["verdict"] not in ("PASS", "SKIP")]
     assert code == 0 and not bad, bad[:5]
     seen = {(r["mesh"], r["check"]) for r in records if r["verdict"] == "PASS"}
-    assert {("fsdp+tp", "dtype.tp_reduce"), ("hsdp", "dtype.reduce"), ("hsdp", "dtype.accum"),
+    assert {("fsdp+tp", "dtype.tp_reduce"), ("hsdp", "dtype.reduce"), ("hsdp", "dtype.accum"), ("hsdp", "grad.partial"),
             ("ep", "ownership"), ("fsdp+tp", "ownership")} <= seen
     for mesh in ("hsdp", "fsdp+tp", "ep"):  # DCP across paths on every 2-D mesh
         assert (mesh, "checkpoint.cross") in seen
@@ -140,3 +140,31 @@ def test_an_undeclarable_expert_exchange_is_one_line_naming_the_field():
     bad = replace(get_fixture("composed"), expert_exchanges=("broadcast",))
     with pytest.raises(UsageError, match=r"Fixture.expert_exchanges = \('broadcast',\); give the collectives"):
         validate(bad, "composed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shard,replicas", [(2, 2), (4, 2), (2, 1), (1, 2), (8, 4)])
+@pytest.mark.parametrize("factor,force_sum", [(None, False), (1.0, True), (2.0, False), (4.0, False)])
+def test_the_shard_groups_divisor_is_fsdps_own_rule(dtype, shard, replicas, factor, force_sum):
+    """The reference divides each shard group's sum as FSDP's reduce-scatter does before the
+    replica all-reduce (``grad.partial``); held to torch's own rule, which it does not call."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    from parity.judge.emulate import shard_group_divisor
+
+    class Group:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    pre, _, rs_op, _ = _get_gradient_divide_factors(Group(shard), Group(replicas), dtype, "cpu", factor, force_sum)
+    if pre is not None or rs_op == dist.ReduceOp.SUM:
+        torch_rule = float(pre or 1)  # pre-divided, then summed
+    elif rs_op == dist.ReduceOp.AVG:
+        torch_rule = float(shard)
+    else:  # a pre-multiplied sum by 1 / factor
+        torch_rule = float(factor)
+    assert shard_group_divisor(dtype, shard, shard * replicas, factor, force_sum) == torch_rule

@@ -182,6 +182,10 @@ class ContractsSeen:
     synchronizing backward left them (reduce-scatter, HSDP's replica all-reduce and the
     accumulation into ``.grad``), unscaled: ``.get(FQN)`` -> (the shard's offset in the whole
     parameter, its values)."""
+    partials: dict[tuple[int, int], "PackedShards"] = field(default_factory=dict)
+    """HSDP: (step, micro-batch) -> what each all-reduce across replicas took on this rank (the
+    shard group's reduce-scattered partial, unscaled), per parameter: ``.get(FQN)`` -> (offset,
+    values)."""
     buffers: dict[str, dict[str, BufferSeen]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> buffer FQN -> dtype and value on this rank."""
     markers: dict[str, MarkerSeen] = field(default_factory=dict)

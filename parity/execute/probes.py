@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,28 @@ def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> PackedShards:
         _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh, grad.placements)
         out[fqn_of(fp)] = (tuple(int(o) for o in offset), unscaled(grad.to_local().detach().cpu(), scale))
     return PackedShards.pack(out)
+
+
+def _shard_offset(fp) -> tuple[int, ...]:
+    """Where an FSDP parameter's local shard sits in the whole parameter (its mesh and placements)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    p = fp.sharded_param
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(int(o) for o in offset)
+
+
+def replica_inputs(flat: torch.Tensor, fsdp_params) -> dict:
+    """HSDP: what the all-reduce across replicas takes, per parameter -- the shard group's
+    reduce-scattered partial, cut from FSDP's flat buffer as FSDP views it after the all-reduce
+    (each parameter's padded shard in turn, its unpadded shard at the start): FSDP parameter ->
+    (the shard's offset in the whole parameter, its values, copied)."""
+    out, start, flat = {}, 0, flat.detach().reshape(-1)
+    for fp in fsdp_params:
+        n = math.prod(fp.sharded_size)
+        out[fp] = (_shard_offset(fp), flat[start:start + n].reshape(fp.sharded_size).cpu().clone())
+        start += fp.padded_sharded_param_size.numel()
+    return out
 
 
 def _fsdp_params(model: nn.Module):
@@ -190,6 +213,9 @@ class Recorder:
         """Set by the training loop around a backward that synchronizes: each reduction's input is
         read (:meth:`after_backward` files it with a no-sync window's reads)."""
         self._reduce_inputs: dict[str, torch.Tensor] = {}
+        self._replica_inputs: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.partials: dict[tuple[int, int], PackedShards] = {}
+        """HSDP: (step, micro-batch) -> each replica all-reduce's input on this rank, per parameter."""
         self.all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = {}
         """Step -> segment (``mb0/forward``, ``mb0/backward`` ...) -> FQN -> each distinct value an
         all-gather handed compute there (:data:`ContractsSeen.all_gathers`)."""
@@ -281,6 +307,9 @@ class Recorder:
         def all_reduce(tensor, *args, **kwargs):  # HSDP: across replicas, inside foreach_reduce only
             for fp in current:
                 recorder._note(recorder.replicas, fp, dtype_name(tensor.dtype))
+            if current and recorder.reading_reduce:
+                for fp, read in replica_inputs(tensor, current).items():
+                    recorder._replica_inputs[recorder._fqn(fp)] = read
             return recorder._orig_ar(tensor, *args, **kwargs)
 
         def foreach_reduce(fsdp_params, *args, **kwargs):
@@ -336,6 +365,10 @@ class Recorder:
             if self._reduce_inputs:
                 self.accumulated[(step, mb)] = {f: unscaled(v, scale) for f, v in self._reduce_inputs.items()}
             self._reduce_inputs = {}
+            if self._replica_inputs:
+                self.partials[(step, mb)] = PackedShards.pack(
+                    {f: (offset, unscaled(v, scale)) for f, (offset, v) in self._replica_inputs.items()})
+            self._replica_inputs = {}
             self.shards[(step, mb)] = sharded_grads(model, self._fqn, scale)
             return
         for fp in _fsdp_params(model):
@@ -377,4 +410,5 @@ class Recorder:
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
         seen.accumulated = self.accumulated
         seen.shards = self.shards
+        seen.partials = self.partials
         seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

@@ -113,6 +113,24 @@ def hsdp_replica_sums():
     return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
 
 
+def hsdp_shard_group_sums():
+    """FSDP's reduce-scatter sums HSDP gradients over the shard group where it should average,
+    and the all-reduce across replicas still averages: every gradient is the shard group's size
+    times too large, and the all-reduce's input is where it starts (``grad.partial``), unlike
+    :func:`hsdp_replica_sums`, whose partials are right."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    def make(orig):
+        def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, *args, **kwargs):
+            pre, post, rs_op, ar_op = orig(reduce_scatter_group, all_reduce_group, *args, **kwargs)
+            if all_reduce_group is not None and rs_op == dist.ReduceOp.AVG:
+                rs_op = dist.ReduceOp.SUM
+            return pre, post, rs_op, ar_op
+        return _get_gradient_divide_factors
+    return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
+
+
 def hsdp_partial_bf16():
     """HSDP without the replica all-reduce holds its reduce-scattered partial sums in BF16
     across micro-batches (``foreach_reduce``'s partial output)."""

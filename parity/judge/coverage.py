@@ -16,7 +16,8 @@ the observations) it derives the records the cell owes:
   ``quant.blocks`` (MX) for every quantized weight;
 - ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
 - ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains, on every
-  mesh (each rank's shard as the reductions left it);
+  mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
+  all-reduce across replicas took);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -66,6 +67,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
                 if t.ownership == "managed":
                     out.append(("grad.shard", t.fqn, step))
+                    if cell.mesh == "hsdp":
+                        out.append(("grad.partial", t.fqn, step))
     out += [("trajectory", t.fqn, cell.steps - 1) for t in trained if t.trainable_from < cell.steps]
     out += [("plan", t.fqn, None) for t in plan.params]
     out += [("dtype.reduce", t.fqn, None) for t in plan.params

@@ -1,4 +1,5 @@
-"""Tensor parallelism as the reference emulates it, in one process.
+"""Tensor parallelism as the reference emulates it, in one process; the order and the
+divisions of FSDP's own reductions (:func:`ordered_sum`, :func:`shard_group_divisor`).
 
 A colwise layer computes each rank's slice of output features and concatenates them
 (exact: each element is one rank's dot product); its input gradient is the sum of the
@@ -66,3 +67,22 @@ def emulate_tensor_parallel(model: nn.Module, plan: PrecisionPlan, tp: int) -> l
         mod.forward = types.MethodType(make(tp), mod)
         handles.append(_Restore(mod))
     return handles
+
+
+def shard_group_divisor(reduce_dtype: torch.dtype, shard: int, data: int, factor: float | None = None,
+                        force_sum: bool = False) -> float:
+    """What FSDP divides a shard group's gradient sum by before the all-reduce across replicas
+    (torch 2.15's ``_get_gradient_divide_factors``, held to it by a test): in FP32 and BF16 the
+    reduce-scatter averages over the shard group (or pre-multiplies by ``1 / factor`` when the
+    recipe set a divide factor) and the all-reduce averages (sums) the rest; in other dtypes, or
+    with sum-only collectives, each rank pre-divides by the power of two nearest below the square
+    root of the factor (``data`` ranks by default) and both collectives sum."""
+    if reduce_dtype in (torch.float32, torch.bfloat16) and not force_sum:
+        if factor is None:
+            return float(shard) if data > 1 else 1.0
+        return float(factor)
+    factor = float(data) if factor is None else factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre)

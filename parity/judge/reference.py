@@ -36,7 +36,7 @@ from torch.torch_version import TorchVersion
 from torch import nn
 from torch.func import functional_call
 
-from parity.judge.emulate import emulate_tensor_parallel, ordered_sum
+from parity.judge.emulate import emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.formats import fake_quantize
@@ -78,6 +78,11 @@ class ReferenceRun:
     """(step, micro-batch) -> each FSDP-managed parameter's whole gradient (kept dtype) as the
     reductions of every synchronizing backward up to that micro-batch left it, before unscaling
     and clipping (each rank holds its shard of it), with the sum of the max |term| so far."""
+    partials: dict[tuple[int, int], dict[str, tuple[list[torch.Tensor], float, int]]] = field(default_factory=dict)
+    """HSDP: (step, micro-batch) of each all-reduce across replicas -> each FSDP-managed
+    parameter's shard-group partials as it takes them (one whole tensor per shard group, reduce
+    dtype, divided as FSDP divides there: :func:`parity.judge.emulate.shard_group_divisor`),
+    with a bound on the sum of |terms| and how many terms each sums."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -139,6 +144,13 @@ def _keep_shards(run: ReferenceRun, key: tuple[int, int], grads: dict[str, torch
     """Each FSDP-managed parameter's gradient as the reductions up to micro-batch ``key`` left it
     (:attr:`ReferenceRun.shards`)."""
     run.shards[key] = {f: (g.detach().cpu().clone(), scales[f]) for f, g in grads.items()}
+
+
+def _keep_partial(run: ReferenceRun, key: tuple[int, int], fqn: str, sums: list[torch.Tensor], divisor: float,
+                  scale: float, terms: int) -> None:
+    """One parameter's shard-group sums as HSDP's all-reduce across replicas takes them
+    (:attr:`ReferenceRun.partials`)."""
+    run.partials.setdefault(key, {})[fqn] = ([(s / divisor).detach().cpu() for s in sums], scale / divisor, terms)
 
 
 def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[dict], scales: list[dict],
@@ -210,6 +222,11 @@ def run_reference(
     entries_by_alias = {a: t.fqn for t in plan.params for a in t.tie_group[1:]}
     managed = {f for f in trainable if entries[f].ownership == "managed"}
     deferred = cell.sync == "replicas-last" and micro > 1
+    hsdp = len(groups) > 1 and not fp64  # the replica all-reduce's inputs are kept
+
+    def divided(f) -> float:
+        force_sum = cell.reduction == "sum"
+        return shard_group_divisor(reduce_dtype(f), len(groups[0]), world, 1.0 if force_sum else None, force_sum)
     handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp)
     run = ReferenceRun(grad_terms=world * micro)
     run.buffers["initial"] = float_buffers(model)
@@ -313,6 +330,9 @@ def run_reference(
                     if mb < micro - 1:
                         partial[f] = sums
                         continue
+                if hsdp and f in managed:
+                    _keep_partial(run, (step, mb), f, sums, divided(f), terms_scale[f] * max(mean, 1),
+                                  len(groups[0]) * (mb + 1 if deferred else 1))
                 total = ordered_sum(sums)  # across replicas (HSDP); one group otherwise
                 reduced = (total / mean if mean > 1 else total).to(masters[f].grad_dtype)
                 synced[f] = reduced if f not in synced else synced[f] + reduced
@@ -330,6 +350,12 @@ def run_reference(
                 total = ordered_sum([u[f] for u in unsynced if f in u])
                 summed = entries[f].ownership == "ignored" and owner_reduction(cell.reduction, fixture.ignored_reduction) == "sum"
                 masters[f].grad = (total / mean if mean > 1 and not summed else total).to(masters[f].grad_dtype)
+        if accumulate_unsharded and hsdp:  # the window's shard-group sums, after its last backward
+            for f in sorted(managed):
+                held = {r: u[f] for r, u in enumerate(unsynced) if f in u}
+                if held:
+                    _keep_partial(run, (step, micro - 1), f, _group_sums(held, reduce_dtype(f), groups), divided(f),
+                                  terms_scale[f] * max(mean, 1), len(groups[0]) * micro)
         if accumulate_unsharded and not fp64:  # the window's reduction, after its last backward
             _keep_shards(run, (step, micro - 1), {f: masters[f].grad for f in trainable
                                                   if f in managed and masters[f].grad is not None}, terms_scale)

@@ -24,27 +24,31 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from parity.execute.observation import Observation
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, max_abs
 from parity.judge.record import Record
-from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
+
+if TYPE_CHECKING:
+    from parity.execute.observation import Observation
+    from parity.judge.reference import ReferenceRun
 
 CHECK = "grad.shard"
 
 
-def _slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+def shard_slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+    """The piece of ``whole`` a rank's shard of ``shape`` at ``offset`` holds (empty if it does not fit)."""
     if len(offset) != whole.dim() or any(o + n > d for o, n, d in zip(offset, shape, whole.shape)):
         return torch.zeros(0)  # a shard that does not fit the parameter: judged as missing
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+def shard_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """How far a rank's shard is from its slice (inf when missing or misshapen; NaN counts as inf)."""
     if not got.numel() and want.numel():
         return math.inf
@@ -70,8 +74,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
                     offset, got = read
                     if not got.numel():  # an empty shard (uneven sharding): nothing to compare
                         continue
-                    want, where = _slice(whole, offset, got.shape), f"shard at {list(offset)}"
-                err = _error(got, want)
+                    want, where = shard_slice(whole, offset, got.shape), f"shard at {list(offset)}"
+                err = shard_error(got, want)
                 if worst is None or err > worst[0]:
                     worst = (err, o.rank, got, want, where)
             if worst is None:

@@ -24,8 +24,10 @@ Names and identities read right after the first forward (``@lazy_init``) belong 
 ``forward``.
 
 A record without a step belongs to the first step of its stage. The ``stage`` record names
-the stage and step, the check and tensor that failed first there (the worst of them), and the
-stages before it that held; the ``divergence`` record of a traced re-run narrows a forward
+the stage and step, the check and tensor that failed first there (the worst of them), the
+stages before it that held, and the checks of that stage and step that held (on HSDP,
+``grad.partial`` holding where ``grad.shard`` fails puts the fault after the shard group's
+reduce-scatter); the ``divergence`` record of a traced re-run narrows a forward
 or backward stage down to a module. A cell that did not finish (``run``) has no stage.
 """
 
@@ -44,7 +46,8 @@ STAGE_OF = {
                      "quant.refresh"), "gather"),
     **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce"), "forward"),
     "input_grad": "backward",
-    **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "grad.shard", "dtype.grad"),
+    **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "grad.partial", "grad.shard",
+                     "dtype.grad"),
                     "collectives"),
     **dict.fromkeys(("grad", "grad_norm", "ranks"), "gradients"),
     **dict.fromkeys(("clip", "grad.clipped"), "clipping"),
@@ -101,8 +104,12 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
         held += [f"{s} at step {step}" for s in _STEPPED[:_STEPPED.index(stage)]]
     else:
         held = ["setup", "every step", *STAGES[STAGES.index("state-dict"):index]]
+    failed = {r.check for r in here}
+    within = sorted({r.check for r in records if r.verdict == Verdict.PASS and stage_of(r)
+                     and _position(r, steps) == first} - failed)
     detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}: {worst.check} {worst.name}"
-              f"{ratio}; {len(here)} failing record(s) there; held before it: {', '.join(held) or 'nothing'}")
+              f"{ratio}; {len(here)} failing record(s) there; held before it: {', '.join(held) or 'nothing'}"
+              f"{'; held within it: ' + ', '.join(within) if within else ''}")
     return Record(**base, check="stage", name=stage, step=step if stage in _STEPPED else "",
                   observed=worst.observed, allowed=worst.allowed, ratio=worst.ratio, dtype=worst.dtype,
                   verdict=Verdict.FAIL, detail=detail)
