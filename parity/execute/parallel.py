@@ -131,12 +131,14 @@ def owner_reduce(p: nn.Parameter, *, world: int, reduction: str, group=None) -> 
 class TPReductions:
     """Dtypes of the tensor-parallel reductions (Partial -> Replicate all-reduces), per TP
     module and direction: a rowwise layer reduces its output in forward, a colwise layer its
-    input gradient in backward. Recorded while ``active``."""
+    input gradient in backward; and what the first of each took on this rank (``partials``:
+    its local partial sum). Recorded while ``active``."""
 
     def __init__(self, model: nn.Module, owners: dict[str, str]):
         import torch.distributed._functional_collectives as funcol
 
         self.seen: dict[str, set[str]] = {}
+        self.partials: dict[str, torch.Tensor] = {}
         self.active = False
         self._current: list[str] = []
         self._funcol, self._orig = funcol, funcol.all_reduce
@@ -152,6 +154,8 @@ class TPReductions:
             if me.active:
                 where = me._current[-1] if me._current else "<unattributed>"
                 me.seen.setdefault(where, set()).add(dtype_name(t.dtype))
+                if where not in me.partials:  # the first: a recompute's is the same forward again
+                    me.partials[where] = t.detach().cpu().clone()
             return me._orig(t, *args, **kwargs)
 
         funcol.all_reduce = all_reduce

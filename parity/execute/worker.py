@@ -84,7 +84,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
             if tp is not None:
-                obs.contracts.tp_reduce = tp.close()
+                obs.contracts.tp_reduce, obs.contracts.tp_partials = tp.close(), tp.partials
         obs.timings["steps"] = time.perf_counter() - t1
     if cell.lifecycle and not cell.trace:
         t2 = time.perf_counter()

@@ -316,8 +316,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"collectives"}, {**_KDA2, **_ACCUM}, quiet={"sync": "every"}, patch=rp.early_reduce_scatter),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
-           {"dtype.tp_reduce", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "grad.shard"},
-           {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"}, patch=cp.tp_partial_reduce_bf16),
+           {"dtype.tp_reduce", "tp.partial", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
+            "divergence", "grad.shard"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"},
+           patch=cp.tp_partial_reduce_bf16),
     _fault("tp_reduces_twice", "DTensor all-reduces each Partial activation and input gradient twice, the "
            "first result dropped (Partial._reduce_value): numerically invisible", {"collectives"},
            {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"}, patch=cp.tp_reduces_twice),

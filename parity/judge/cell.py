@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge import accumulation, composition, contracts, coverage, gathered, partials, quantized, shards, stages
+from parity.judge import (accumulation, composition, contracts, coverage, gathered, partials, quantized, shards, stages,
+                          tensor_parallel)
 from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
@@ -121,6 +122,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     records += accumulation.check(cell, observations, ref, base)
     records += shards.check(cell, observations, ref, plan, base)
     records += partials.check(cell, observations, ref, plan, base)
+    records += tensor_parallel.check(cell, observations, ref, plan, base)
     records += composition.check(cell, observations, plan, base)
     befores = [before for before, _ in replayed]
     records += quantized.check(cell, observations, plan, befores, base)

@@ -27,6 +27,14 @@ _S0, _S1 = str(Shard(0)), str(Shard(1))  # as DTensor prints placements
 _PLACEMENT = {"tp-colwise": (_S0, "-"), "tp-rowwise": (_S1, "-"), "ep": ("-", _S0)}
 
 
+def tp_reductions(plan: PrecisionPlan) -> dict[str, TensorPlan]:
+    """The tensor-parallel all-reduces a forward and backward owe: ``MODULE@forward`` for each
+    rowwise layer (its output), ``MODULE@backward`` for each colwise layer (its input gradient),
+    with the layer's weight's plan."""
+    return {f"{t.fqn.rpartition('.')[0]}@{'forward' if t.parallel == 'tp-rowwise' else 'backward'}": t
+            for t in plan.params if t.parallel.startswith("tp-")}
+
+
 def expected_ownership(t: TensorPlan) -> str:
     tp, ep = _PLACEMENT.get(t.parallel, ("-", "-"))
     return f"{'fsdp' if t.ownership == 'managed' else 'not fsdp'}; tp={tp}; ep={ep}; {dtype_name(t.storage)}"
@@ -59,11 +67,9 @@ def reduction_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: di
             got = ",".join(sorted(c.owner_reduce.get(t.fqn, ["<no reduction seen>"])))
             rows.append(_row(base, "dtype.reduce", f"{t.fqn}@owner", got == want, want, got,
                              "its owner's all-reduce", dtype_name(t.storage)))
-    tp_layers = {t.fqn.rpartition(".")[0]: t for t in plan.params if t.parallel.startswith("tp-")}
-    if not tp_layers:
+    expected = {key: dtype_name(t.compute) for key, t in tp_reductions(plan).items()}
+    if not expected:
         return rows
-    expected = {f"{m}@{'forward' if t.parallel == 'tp-rowwise' else 'backward'}": dtype_name(t.compute)
-                for m, t in tp_layers.items()}
     for key in sorted(set(expected) | set(c.tp_reduce)):
         want = expected.get(key, "no reduction")
         got = ",".join(c.tp_reduce.get(key, ["<no reduction seen>"]))

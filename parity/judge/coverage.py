@@ -17,7 +17,8 @@ the observations) it derives the records the cell owes:
 - ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
 - ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains, on every
   mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
-  all-reduce across replicas took);
+  all-reduce across replicas took); on FSDP x TP ``tp.partial`` for every TP layer's reduction
+  (what each rank's all-reduce took, step 0);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -30,6 +31,7 @@ records; it is reported as a ``no-gradient`` finding instead.
 from __future__ import annotations
 
 from parity.judge import accumulation
+from parity.judge.composition import tp_reductions
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
@@ -81,6 +83,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
     if accumulation.judged(cell) and any(
             t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
+    if cell.topology().tp > 1:
+        out += [("tp.partial", key, 0) for key in tp_reductions(plan)]
     if cell.lifecycle:
         out += [("checkpoint.same", None, None), ("checkpoint.collectives", None, None)]
         if cell.crossload_targets:

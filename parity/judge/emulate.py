@@ -21,9 +21,38 @@ from torch import nn
 from parity.model.plan import PrecisionPlan
 
 
-def _colwise(tp: int):
+class Partials:
+    """What each emulated TP rank's reduction takes, per layer, while ``on``: ``seen[KEY][c]``, KEY
+    ``MODULE@forward`` (a rowwise layer's partial output of chunk ``c``) or ``MODULE@backward``
+    (a colwise layer's partial input gradient of chunk ``c``), the first of each."""
+
+    def __init__(self):
+        self.on = False
+        self.seen: dict[str, dict[int, torch.Tensor]] = {}
+
+    def keep(self, key: str, chunk: int, value: torch.Tensor) -> None:
+        self.seen.setdefault(key, {}).setdefault(chunk, value.detach().cpu().clone())
+
+
+class _Tap(torch.autograd.Function):
+    """Identity whose backward hands the gradient through unchanged and keeps a copy."""
+
+    @staticmethod
+    def forward(ctx, x, partials, key, chunk):
+        ctx.partials, ctx.key, ctx.chunk = partials, key, chunk
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.partials.keep(ctx.key, ctx.chunk, grad)
+        return grad, None, None, None
+
+
+def _colwise(tp: int, key: str, partials: Partials | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.linear(x, w) for w in self.weight.chunk(tp, dim=0)], dim=-1)
+        tap = partials is not None and partials.on and x.requires_grad
+        return torch.cat([F.linear(_Tap.apply(x, partials, key, c) if tap else x, w)
+                          for c, w in enumerate(self.weight.chunk(tp, dim=0))], dim=-1)
     return forward
 
 
@@ -36,9 +65,13 @@ def ordered_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _rowwise(tp: int):
+def _rowwise(tp: int, key: str, partials: Partials | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ordered_sum([F.linear(xi, wi) for xi, wi in zip(x.chunk(tp, dim=-1), self.weight.chunk(tp, dim=1))])
+        parts = [F.linear(xi, wi) for xi, wi in zip(x.chunk(tp, dim=-1), self.weight.chunk(tp, dim=1))]
+        if partials is not None and partials.on:
+            for c, part in enumerate(parts):
+                partials.keep(key, c, part)
+        return ordered_sum(parts)
     return forward
 
 
@@ -50,9 +83,12 @@ class _Restore:
         self.module.__dict__.pop("forward", None)
 
 
-def emulate_tensor_parallel(model: nn.Module, plan: PrecisionPlan, tp: int) -> list[_Restore]:
+def emulate_tensor_parallel(model: nn.Module, plan: PrecisionPlan, tp: int,
+                            partials: Partials | None = None) -> list[_Restore]:
     """Replace the forward of every layer the plan gives a TP owner; returns handles whose
-    ``remove()`` restores it. ``tp`` 1: nothing to emulate."""
+    ``remove()`` restores it. ``tp`` 1: nothing to emulate. ``partials``: where each chunk's
+    partial sums are kept while it is ``on`` (the backward's through an identity that passes
+    the gradient on unchanged)."""
     if tp <= 1:
         return []
     modules = dict(model.named_modules())
@@ -63,8 +99,9 @@ def emulate_tensor_parallel(model: nn.Module, plan: PrecisionPlan, tp: int) -> l
         mod = modules[t.fqn.rpartition(".")[0]]
         if getattr(mod, "bias", None) is not None:
             raise ValueError(f"{t.fqn}: tensor-parallel emulation covers bias-free linear layers only")
-        make = _colwise if t.parallel == "tp-colwise" else _rowwise
-        mod.forward = types.MethodType(make(tp), mod)
+        name = t.fqn.rpartition(".")[0]
+        make, key = (_colwise, f"{name}@backward") if t.parallel == "tp-colwise" else (_rowwise, f"{name}@forward")
+        mod.forward = types.MethodType(make(tp, key, partials), mod)
         handles.append(_Restore(mod))
     return handles
 

@@ -44,7 +44,8 @@ STAGE_OF = {
                      "buffer", "marker", "expected_error", "fallback"), "setup"),
     **dict.fromkeys(("dtype.compute", "gathered", "quant.gather", "quant.scale", "quant.blocks", "quant.values",
                      "quant.refresh"), "gather"),
-    **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce"), "forward"),
+    **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce",
+                     "tp.partial"), "forward"),
     "input_grad": "backward",
     **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "grad.partial", "grad.shard",
                      "dtype.grad"),
@@ -64,10 +65,13 @@ _LATER = {"@trained": "trained", "@lazy_init": "forward"}
 def stage_of(r: Record) -> str:
     """The stage ``r`` judges ("" for records that judge no stage: coverage, the run itself). The
     ``collectives`` of a step's optimizer segment (an owner's reduction, the scaler's found-inf,
-    the gradient norm) come after the backward's reductions: ``gradients``."""
+    the gradient norm) come after the backward's reductions: ``gradients``; a colwise layer's
+    ``tp.partial`` (``MODULE@backward``) is the backward's."""
     stage = STAGE_OF.get(r.check, "")
     if r.check == "collectives" and r.name == "optimizer":
         return "gradients"
+    if r.check == "tp.partial" and str(r.name).endswith("@backward"):  # a colwise input gradient's
+        return "backward"
     if stage == "setup":
         return next((later for suffix, later in _LATER.items() if str(r.name).endswith(suffix)), stage)
     return stage
