@@ -35,6 +35,27 @@ def test_the_traced_rerun_of_a_correct_cell_reports_nothing(ranks, step):
         pool.stop()
 
 
+def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
+    """The traced re-run of a correct FSDP x TP cell reports nothing, and judges every rank's
+    colwise output (its slice of the features) and rowwise input gradient (its Shard(-1)) against
+    the same slice of the reference's; only the input gradients the ranks hold as partial sums
+    (before TP's all-reduce) are left unjudged."""
+    pool = RankPool(4)
+    try:
+        cell = Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", steps=1, trace=True)
+        document: dict = {}
+        record = locate(cell, pool.run(cell, 180), base_fields(cell), document=document)
+    finally:
+        pool.stop()
+    assert record.verdict == "PASS", record.detail
+    colwise = [t for t in document["tensors"] if t["kind"] == "output" and t["module"].endswith("mlp.up")]
+    assert len(colwise) == 8 and all(t["sharded"]["shape"][-1] * 2 == t["reference"]["shape"][-1]
+                                     and t["max_abs_diff"] <= t["allowed"] for t in colwise)
+    judged = {(t["kind"], t["module"]) for t in document["tensors"] if "max_abs_diff" in t}
+    assert ("input_grad", "blocks.0.mlp.down") in judged  # a rowwise input's gradient: each rank's Shard(-1)
+    assert "2 tensor(s) not judged" in record.detail and "mlp.up" in record.detail  # the colwise Partial sums
+
+
 def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
     """``traces/<cell>.json``: every traced module's tensors summarized on both sides (dtype, shape,
     SHA-256, statistics), with the difference and allowance the divergence record judged."""

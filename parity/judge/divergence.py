@@ -44,25 +44,66 @@ def traced_step(records: list[Record]) -> int:
     return stage.step if stage is not None and isinstance(stage.step, int) else 0
 
 
-def _compared(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float] | None:
-    """A traced tensor against the reference's: (largest difference, the last-rounding allowance
-    of the coarser dtype), judged on the rank's whole tensor; None for a shard (not judged)."""
-    whole = _whole(got)
-    if whole is None or whole.shape != want.shape:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What each rank holds of a traced tensor on a tensor-parallel mesh: the outputs of the
+    colwise layers as plain local tensors (``ColwiseParallel`` hands on its output features,
+    ``torch.chunk``'s piece ``rank % tp`` of the last dimension), sharded DTensors (a rowwise
+    layer's input gradient, on the tp dimension) as their local shard at the offset the rank's tp
+    coordinate and the placements give (torch's own rule), Partial DTensors (a colwise layer's input gradient
+    before TP's all-reduce) as nothing comparable."""
+
+    tp: int = 1
+    colwise: frozenset = frozenset()
+
+    @classmethod
+    def of(cls, cell: Cell, plan) -> "Layout":
+        return cls(cell.topology().tp, frozenset(t.fqn.rpartition(".")[0] for t in plan.params
+                                                  if t.parallel == "tp-colwise"))
+
+    def held(self, fqn: str, kind: str, got: torch.Tensor, want: torch.Tensor, rank: int
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(what rank ``rank`` holds of ``got``, the same part of the reference's ``want``); None
+        where it holds a partial sum."""
+        if not isinstance(got, DTensor):
+            if self.tp > 1 and kind == "output" and fqn in self.colwise:
+                return got, want.chunk(self.tp, dim=-1)[rank % self.tp]
+            return got, want
+        if all(p.is_replicate() for p in got.placements):
+            return got.to_local(), want
+        if any(p.is_partial() for p in got.placements) or tuple(got.shape) != tuple(want.shape):
+            return None
+        if len(got.placements) != 1 or self.tp <= 1:  # an activation lives on the tp dimension alone
+            return None
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+        # the parent has no process group to ask the mesh: the rank's tp coordinate, row-major
+        shape, offset = _compute_local_shape_and_global_offset(tuple(want.shape), (self.tp,), [rank % self.tp],
+                                                               got.placements)
+        return got.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _compared(held: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float] | None:
+    """What a rank holds of a traced tensor against the same part of the reference's
+    (:meth:`Layout.held`): (largest difference, the last-rounding allowance of the coarser dtype);
+    None where it holds a partial sum or the shapes differ (not judged)."""
+    if held is None or held[0].shape != held[1].shape:
         return None
-    allow = tolerance.last_rounding(tolerance.coarser(got.dtype, want.dtype), amax(want)).allowed
-    return max_abs(whole, want), allow
+    mine, want = held
+    allow = tolerance.last_rounding(tolerance.coarser(mine.dtype, want.dtype), amax(want)).allowed
+    return max_abs(mine, want), allow
 
 
-def _first_over(actual: dict, expected: dict, skipped: set[str]) -> tuple[int, str, float, float, float] | None:
-    """The first module over its allowance, with its position in ``actual``'s order; modules whose
-    tensor is not the reference's whole tensor (a tensor-parallel shard of an activation) are
-    added to ``skipped``, not judged."""
+def _first_over(actual: dict, expected: dict, skipped: set[str], held=lambda fqn, got, want: (got, want)
+                ) -> tuple[int, str, float, float, float] | None:
+    """The first module over its allowance, with its position in ``actual``'s order (``held``: the
+    part of the reference's tensor the rank holds); modules whose tensor the rank holds neither
+    whole nor as a known shard are added to ``skipped``, not judged."""
     for order, (fqn, got) in enumerate(actual.items()):
         want = expected.get(fqn)
         if want is None:
             continue
-        judged = _compared(got, want)
+        judged = _compared(held(fqn, got, want))
         if judged is None:
             skipped.add(fqn)
             continue
@@ -83,12 +124,13 @@ def _pairs(cell: Cell, observations: list[Observation], ref: dict) -> list[tuple
             for mb in range(cell.microbatches) for o in sorted(observations, key=lambda o: o.rank) if mb in o.traces]
 
 
-def _first(pairs, phase: int, skipped: set[str]) -> Located | None:
+def _first(pairs, phase: int, skipped: set[str], layout: Layout = Layout()) -> Located | None:
     """The first divergent module of ``phase`` (0 outputs, 1 input gradients) in execution order."""
     found = []
+    kind = "output" if phase == 0 else "input_grad"
     for mb, rank, got, want in pairs:
         side = (got.outputs, want.outputs) if phase == 0 else (got.input_grads, want.input_grads)
-        hit = _first_over(*side, skipped)
+        hit = _first_over(*side, skipped, lambda fqn, g, w, rank=rank: layout.held(fqn, kind, g, w, rank))
         if hit is not None:
             found.append((mb, phase, hit[0], rank, *hit[1:]))
     return min(found, default=None)
@@ -115,15 +157,7 @@ def _summary(t: torch.Tensor) -> dict:
             "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), **stats, **placements}
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor | None:
-    """``t`` as a whole tensor on this rank: itself, a replicated DTensor's local copy; None for
-    a shard."""
-    if not isinstance(t, DTensor):
-        return t
-    return t.to_local() if all(p.is_replicate() for p in t.placements) else None
-
-
-def trace_document(cell: Cell, pairs) -> dict:
+def trace_document(cell: Cell, pairs, layout: Layout = Layout()) -> dict:
     """Every rank's micro-batches of the traced step, module by module (forward order, then
     backward order): each tensor's summary on the sharded run and in the reference, their largest
     difference and the allowance it was judged against. Written as ``traces/<cell>.json``
@@ -138,8 +172,8 @@ def trace_document(cell: Cell, pairs) -> dict:
                          "sharded": _summary(got)}
                 if want is not None:
                     entry["reference"] = _summary(want)
-                    judged = _compared(got, want)
-                    if judged is not None:  # a shard is not judged
+                    judged = _compared(layout.held(fqn, kind, got, want, rank))
+                    if judged is not None:  # a partial sum is not judged
                         entry["max_abs_diff"], entry["allowed"] = judged
                 entries.append(entry)
     return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"every rank and micro-batch of step {cell.trace_step}",
@@ -167,16 +201,18 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
                   trace=ref, trace_step=step, resync=run.params if run else None,
                   clip_norms=run.grad_norms if run else None)
     pairs = _pairs(cell, observations, ref)
+    layout = Layout.of(cell, first.plan)
     if document is not None:  # a trace that cannot be summarized must not cost the located record
         try:
-            document.update(trace_document(cell, pairs))
+            document.update(trace_document(cell, pairs, layout))
         except Exception as exc:  # noqa: BLE001
             document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
     skipped: set[str] = set()
-    fwd, bwd = _first(pairs, 0, skipped), _first(pairs, 1, skipped)
+    fwd, bwd = _first(pairs, 0, skipped, layout), _first(pairs, 1, skipped, layout)
     where = min((h for h in (fwd, bwd) if h is not None), default=None)
-    unjudged = (f"; {len(skipped)} tensor(s) not judged: the ranks hold shards of them on this mesh "
-                f"(e.g. {sorted(skipped)[0]})") if skipped else ""
+    unjudged = (f"; {len(skipped)} tensor(s) not judged (e.g. {sorted(skipped)[0]}): the ranks hold partial "
+                "sums of them on this mesh -- a colwise layer's input gradient before TP's all-reduce, which "
+                "tp.partial judges at step 0") if skipped else ""
     scope = f"every rank and micro-batch of step {step}"
     if where is None:
         return Record(**base, step=step, check="divergence", name="-", verdict=Verdict.PASS,
