@@ -35,6 +35,21 @@ def test_the_traced_rerun_of_a_correct_cell_reports_nothing(ranks, step):
         pool.stop()
 
 
+def test_under_activation_checkpointing_both_orders_are_traced_and_clean():
+    """A checkpointed block's modules run their forward again in backward: their input gradients
+    are the recomputed tensors', traced (backward order) and clean on a correct cell."""
+    pool = RankPool(1)
+    try:
+        cell = Cell(fixture="kda", path="native", ranks=1, steps=1, checkpointing="full", trace=True)
+        document: dict = {}
+        record = locate(cell, pool.run(cell, 120), base_fields(cell), document=document)
+    finally:
+        pool.stop()
+    assert record.verdict == "PASS", record.detail
+    grads = {t["module"] for t in document["tensors"] if t["kind"] == "input_grad" and "max_abs_diff" in t}
+    assert {"blocks.0.q_proj", "blocks.1.holder", "blocks.1"} <= grads
+
+
 def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
     """The traced re-run of a correct FSDP x TP cell reports nothing, and judges every rank's
     colwise output (its slice of the features) and rowwise input gradient (its Shard(-1)) against
