@@ -94,23 +94,29 @@ def hsdp_replica_reduce_bf16():
     return swap_attr(pg, "foreach_reduce", make)
 
 
-def hsdp_replica_sums():
-    """FSDP averages HSDP gradients over the shard group only: the all-reduce across replicas
-    sums (``_get_gradient_divide_factors`` hands ``foreach_reduce`` SUM for it), so every
-    gradient is the number of replicas times too large -- the class of a reported bug, where a
-    custom divide factor was applied differently on HSDP than on FSDP. Dtypes and counts are
-    unchanged; only the values after the replica all-reduce show it."""
+def _hsdp_sums_instead(which: int):
+    """FSDP's HSDP reduction sums where it should average: in the reduce-scatter over the shard
+    group (``which`` 2) or the all-reduce across replicas (3), as ``_get_gradient_divide_factors``
+    hands ``foreach_reduce`` its ops."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
     def make(orig):
         def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, *args, **kwargs):
-            pre, post, rs_op, ar_op = orig(reduce_scatter_group, all_reduce_group, *args, **kwargs)
-            if all_reduce_group is not None and ar_op == dist.ReduceOp.AVG:
-                ar_op = dist.ReduceOp.SUM
-            return pre, post, rs_op, ar_op
+            factors = list(orig(reduce_scatter_group, all_reduce_group, *args, **kwargs))
+            if all_reduce_group is not None and factors[which] == dist.ReduceOp.AVG:
+                factors[which] = dist.ReduceOp.SUM
+            return tuple(factors)
         return _get_gradient_divide_factors
     return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
+
+
+def hsdp_replica_sums():
+    """FSDP averages HSDP gradients over the shard group only: the all-reduce across replicas
+    sums, so every gradient is the number of replicas times too large -- the class of a reported
+    bug, where a custom divide factor was applied differently on HSDP than on FSDP. Dtypes and
+    counts are unchanged; only the values after the replica all-reduce show it."""
+    return _hsdp_sums_instead(3)
 
 
 def hsdp_shard_group_sums():
@@ -118,17 +124,7 @@ def hsdp_shard_group_sums():
     and the all-reduce across replicas still averages: every gradient is the shard group's size
     times too large, and the all-reduce's input is where it starts (``grad.partial``), unlike
     :func:`hsdp_replica_sums`, whose partials are right."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    def make(orig):
-        def _get_gradient_divide_factors(reduce_scatter_group, all_reduce_group, *args, **kwargs):
-            pre, post, rs_op, ar_op = orig(reduce_scatter_group, all_reduce_group, *args, **kwargs)
-            if all_reduce_group is not None and rs_op == dist.ReduceOp.AVG:
-                rs_op = dist.ReduceOp.SUM
-            return pre, post, rs_op, ar_op
-        return _get_gradient_divide_factors
-    return swap_attr(_fsdp_collectives, "_get_gradient_divide_factors", make)
+    return _hsdp_sums_instead(2)
 
 
 def hsdp_partial_bf16():
