@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
 from parity.model.dtypes import dtype_name
+from parity.model.plan import tp_reduction_key
 from parity.model.quantized import main_weight
 from parity.model.spec import Fixture
 from parity.model.topology import Topology
@@ -146,8 +147,7 @@ class TPReductions:
         modules = dict(model.named_modules())
         for fqn, owner in owners.items():
             if owner.startswith("tp-"):
-                mod_name = fqn.rpartition(".")[0]
-                self._watch(modules[mod_name], mod_name, owner.removeprefix("tp-"))
+                self._watch(modules[fqn.rpartition(".")[0]], tp_reduction_key(fqn, owner))
         me = self
 
         def all_reduce(t, *args, **kwargs):
@@ -160,9 +160,9 @@ class TPReductions:
 
         funcol.all_reduce = all_reduce
 
-    def _watch(self, mod: nn.Module, name: str, style: str) -> None:
-        if style == "rowwise":  # TP's output hook (registered first) all-reduces inside this window
-            self._handles.append(mod.register_forward_pre_hook(lambda m, a: self._current.append(f"{name}@forward")))
+    def _watch(self, mod: nn.Module, key: str) -> None:
+        if key.endswith("@forward"):  # rowwise: TP's output hook (registered first) all-reduces inside this window
+            self._handles.append(mod.register_forward_pre_hook(lambda m, a: self._current.append(key)))
             self._handles.append(mod.register_forward_hook(lambda m, a, o: self._current.pop() and None))
             return
 
@@ -170,7 +170,7 @@ class TPReductions:
             x = args[0]
             if self.active and isinstance(x, torch.Tensor) and x.requires_grad:
                 # its gradient arrives just before the backward of TP's input redistribution
-                x.register_hook(lambda g: self._current.append(f"{name}@backward"))
+                x.register_hook(lambda g: self._current.append(key))
 
         self._handles.append(mod.register_forward_pre_hook(mark_input))
 

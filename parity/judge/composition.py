@@ -21,18 +21,10 @@ from parity.judge.contracts import _row, on_every_rank
 from parity.judge.record import Record
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
-from parity.model.plan import PrecisionPlan, TensorPlan
+from parity.model.plan import PrecisionPlan, TensorPlan, tp_reductions
 
 _S0, _S1 = str(Shard(0)), str(Shard(1))  # as DTensor prints placements
 _PLACEMENT = {"tp-colwise": (_S0, "-"), "tp-rowwise": (_S1, "-"), "ep": ("-", _S0)}
-
-
-def tp_reductions(plan: PrecisionPlan) -> dict[str, TensorPlan]:
-    """The tensor-parallel all-reduces a forward and backward owe: ``MODULE@forward`` for each
-    rowwise layer (its output), ``MODULE@backward`` for each colwise layer (its input gradient),
-    with the layer's weight's plan."""
-    return {f"{t.fqn.rpartition('.')[0]}@{'forward' if t.parallel == 'tp-rowwise' else 'backward'}": t
-            for t in plan.params if t.parallel.startswith("tp-")}
 
 
 def expected_ownership(t: TensorPlan) -> str:

@@ -31,11 +31,10 @@ records; it is reported as a ``no-gradient`` finding instead.
 from __future__ import annotations
 
 from parity.judge import accumulation
-from parity.judge.composition import tp_reductions
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, tp_reductions
 from parity.model.recipe import rescales_gradients
 
 #: Owed records a cell's coverage row names at most (the count says how many more).

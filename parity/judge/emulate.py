@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, tp_reduction_key
 
 
 class Partials:
@@ -99,9 +99,8 @@ def emulate_tensor_parallel(model: nn.Module, plan: PrecisionPlan, tp: int,
         mod = modules[t.fqn.rpartition(".")[0]]
         if getattr(mod, "bias", None) is not None:
             raise ValueError(f"{t.fqn}: tensor-parallel emulation covers bias-free linear layers only")
-        name = t.fqn.rpartition(".")[0]
-        make, key = (_colwise, f"{name}@backward") if t.parallel == "tp-colwise" else (_rowwise, f"{name}@forward")
-        mod.forward = types.MethodType(make(tp, key, partials), mod)
+        make = _colwise if t.parallel == "tp-colwise" else _rowwise
+        mod.forward = types.MethodType(make(tp, tp_reduction_key(t.fqn, t.parallel), partials), mod)
         handles.append(_Restore(mod))
     return handles
 

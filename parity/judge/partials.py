@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-import torch
 
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax
 from parity.judge.record import Record
-from parity.judge.shards import shard_error, shard_slice
+from parity.judge.shards import worst_shard
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 
@@ -39,31 +38,23 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
           base: dict) -> list[Record]:
     topo = cell.topology()
     groups = topo.replica_groups()
+
+    def group_of(rank: int) -> int:
+        return next(i for i, g in enumerate(groups) if topo.data_rank(rank) in g)
     rows = []
     for (step, mb), wants in sorted(ref.partials.items()):
         for fqn, (partials, scale, terms) in sorted(wants.items()):
             entry = plan.get(fqn)
             if entry is None:
                 continue
-            worst = None  # (error, rank, got, want, where, whole)
-            for o in observations:
-                group = next(i for i, g in enumerate(groups) if topo.data_rank(o.rank) in g)
-                whole = partials[group]
-                read = o.contracts.partials.get((step, mb), {}).get(fqn)
-                if read is None:
-                    got, want, where = torch.zeros(0), whole, "no replica all-reduce input recorded"
-                else:
-                    offset, got = read
-                    if not got.numel():  # an empty shard (uneven sharding)
-                        continue
-                    want, where = shard_slice(whole, offset, got.shape), f"shard at {list(offset)}"
-                err = shard_error(got, want)
-                if worst is None or err > worst[0]:
-                    worst = (err, o.rank, got, want, f"replica group {group}, {where}", whole)
+            worst = worst_shard(observations, lambda o: o.contracts.partials.get((step, mb), {}).get(fqn),
+                                lambda o: partials[group_of(o.rank)], "no replica all-reduce input recorded")
             if worst is None:
                 continue
-            _, rank, got, want, where, whole = worst
+            _, rank, got, want, where = worst
+            group = group_of(rank)
             allow = tolerance.gradient(entry.sum_dtype, entry.sum_dtype, terms, scale)
-            row = Comparison(step, CHECK, fqn, got, want, allow, signal=amax(whole)).record(base)
-            rows.append(dataclasses.replace(row, detail=f"rank {rank} after micro-batch {mb}, {where}: {row.detail}"))
+            row = Comparison(step, CHECK, fqn, got, want, allow, signal=amax(partials[group])).record(base)
+            rows.append(dataclasses.replace(
+                row, detail=f"rank {rank} after micro-batch {mb}, replica group {group}, {where}: {row.detail}"))
     return rows

@@ -41,19 +41,40 @@ if TYPE_CHECKING:
 CHECK = "grad.shard"
 
 
-def shard_slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+def _slice(whole: torch.Tensor, offset: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
     """The piece of ``whole`` a rank's shard of ``shape`` at ``offset`` holds (empty if it does not fit)."""
     if len(offset) != whole.dim() or any(o + n > d for o, n, d in zip(offset, shape, whole.shape)):
         return torch.zeros(0)  # a shard that does not fit the parameter: judged as missing
     return whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def shard_error(got: torch.Tensor, want: torch.Tensor) -> float:
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     """How far a rank's shard is from its slice (inf when missing or misshapen; NaN counts as inf)."""
     if not got.numel() and want.numel():
         return math.inf
     err = max_abs(got, want)
     return math.inf if err != err else err
+
+
+def worst_shard(observations: list[Observation], read, whole_of, missing: str):
+    """Every rank's shard (``read(o)``: (offset, values) or None) against the same slice of the
+    whole tensor it is a piece of (``whole_of(o)``): the worst as (error, rank, got, want, where),
+    a rank with nothing recorded as ``missing`` (infinite error); None when every shard is empty
+    (uneven sharding: nothing to compare)."""
+    worst = None
+    for o in observations:
+        whole, got_read = whole_of(o), read(o)
+        if got_read is None:
+            got, want, where = torch.zeros(0), whole, missing
+        else:
+            offset, got = got_read
+            if not got.numel():
+                continue
+            want, where = _slice(whole, offset, got.shape), f"shard at {list(offset)}"
+        err = _error(got, want)
+        if worst is None or err > worst[0]:
+            worst = (err, o.rank, got, want, where)
+    return worst
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan,
@@ -65,19 +86,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
             entry = plan.get(fqn)
             if entry is None:
                 continue
-            worst = None  # (error, rank, got, want, where): every rank compared, the worst recorded
-            for o in observations:
-                read = o.contracts.shards.get((step, mb), {}).get(fqn)
-                if read is None:
-                    got, want, where = torch.zeros(0), whole, "no shard recorded"
-                else:
-                    offset, got = read
-                    if not got.numel():  # an empty shard (uneven sharding): nothing to compare
-                        continue
-                    want, where = shard_slice(whole, offset, got.shape), f"shard at {list(offset)}"
-                err = shard_error(got, want)
-                if worst is None or err > worst[0]:
-                    worst = (err, o.rank, got, want, where)
+            worst = worst_shard(observations, lambda o: o.contracts.shards.get((step, mb), {}).get(fqn),
+                                lambda o: whole, "no shard recorded")
             if worst is None:
                 continue
             _, rank, got, want, where = worst

@@ -24,10 +24,9 @@ import torch
 
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, max_abs
-from parity.judge.composition import tp_reductions
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, tp_reductions
 
 if TYPE_CHECKING:
     from parity.execute.observation import Observation

@@ -171,6 +171,19 @@ class PrecisionPlan:
         return "\n".join(lines)
 
 
+def tp_reduction_key(weight_fqn: str, owner: str) -> str:
+    """Where a tensor-parallel layer all-reduces: ``MODULE@forward`` for a rowwise layer (its
+    output), ``MODULE@backward`` for a colwise one (its input gradient); ``owner`` is the
+    weight's ``tp-rowwise`` / ``tp-colwise``."""
+    return f"{weight_fqn.rpartition('.')[0]}@{'forward' if owner == 'tp-rowwise' else 'backward'}"
+
+
+def tp_reductions(plan: PrecisionPlan) -> dict[str, TensorPlan]:
+    """The tensor-parallel all-reduces a forward and backward owe (:func:`tp_reduction_key`),
+    with the layer's weight's plan."""
+    return {tp_reduction_key(t.fqn, t.parallel): t for t in plan.params if t.parallel.startswith("tp-")}
+
+
 #: How a strict-FP32 name pattern selects tensors:
 #: ``transformers`` -- what Hugging Face transformers (5.x) does with ``_keep_in_fp32_modules_strict``
 #: (every submodule's patterns pooled, unprefixed; each a regular expression with ``*`` as ``.*``,
