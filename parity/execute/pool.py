@@ -24,7 +24,6 @@ Every file they create lives under the run's temporary folder, which the parent 
 
 from __future__ import annotations
 
-import io
 import os
 import queue
 import shutil
@@ -38,6 +37,7 @@ import torch
 
 from parity.execute import spawned, starting
 from parity.execute.starting import context
+from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted
 
 __all__ = ["CellFailure", "Interrupted", "RankPool", "context", "from_bytes", "to_bytes"]
@@ -49,14 +49,6 @@ class CellFailure(Exception):
         super().__init__(f"{verdict}: {reason}")
 
 
-def to_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _next_task(tasks, parent: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 
 from parity.errors import UsageError
 from parity.model.dtypes import dtype_name, parse_dtype
@@ -305,8 +306,10 @@ class Cell:
         """Unsharded gradients accumulate across micro-batches (no reduction until the last)."""
         return self.sync == "last" and self.microbatches > 1
 
-    @property
+    @cached_property
     def id(self) -> str:
+        """The cell's name in every record (cached: a cell is frozen, and judging names it once
+        per record -- tens of thousands of times in a matrix)."""
         parts = [
             self.fixture, self.path, f"r{self.ranks}", f"mb{self.microbatches}-{self.sync}",
             f"ac-{self.checkpointing}", f"reshard-{'on' if self.reshard else 'off'}",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import operator
 import os
 
 from parity.errors import UsageError
@@ -11,6 +12,7 @@ from parity.judge.record import COLUMNS, Record, Verdict
 
 NUMERIC_COLUMNS = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
 _INTS = ("ranks", "microbatches", "seed")
+_values = operator.attrgetter(*COLUMNS)
 
 
 def _fmt(v):
@@ -27,14 +29,15 @@ class RecordWriter:
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._fh = open(path, "a" if append else "w", newline="")
-        self._csv = csv.DictWriter(self._fh, fieldnames=COLUMNS)
+        self._rows = csv.writer(self._fh)
         if not append:
-            self._csv.writeheader()
+            self._rows.writerow(COLUMNS)
         self._fh.flush()
 
     def write(self, records: list[Record]) -> None:
-        for r in records:
-            self._csv.writerow({k: _fmt(getattr(r, k)) for k in COLUMNS})  # not asdict: it deep-copies every row
+        # rows as lists in COLUMNS' order (not asdict, which deep-copies, nor a dict per row:
+        # a matrix writes ~100,000 rows and this was a tenth of the parent's judging time)
+        self._rows.writerows([[_fmt(v) for v in _values(r)] for r in records])
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
