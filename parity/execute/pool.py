@@ -40,15 +40,13 @@ from parity.execute.starting import context
 from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted
 
-__all__ = ["CellFailure", "Interrupted", "RankPool", "context", "from_bytes", "to_bytes"]
+__all__ = ["CellFailure", "Interrupted", "RankPool", "context"]
 
 
 class CellFailure(Exception):
     def __init__(self, verdict: str, reason: str):
         self.verdict, self.reason = verdict, reason
         super().__init__(f"{verdict}: {reason}")
-
-
 
 
 def _next_task(tasks, parent: int):

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from parity.matrix.cell import Cell
-from parity.execute.pool import CellFailure, from_bytes, to_bytes
+from parity.execute.pool import CellFailure
+from parity.execute.wire import from_bytes, to_bytes
 
 
 def under_torchrun() -> bool:
