@@ -53,8 +53,8 @@ def test_under_activation_checkpointing_both_orders_are_traced_and_clean():
 def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
     """The traced re-run of a correct FSDP x TP cell reports nothing, and judges every rank's
     colwise output (its slice of the features) and rowwise input gradient (its Shard(-1)) against
-    the same slice of the reference's; only the input gradients the ranks hold as partial sums
-    (before TP's all-reduce) are left unjudged."""
+    the same slice of the reference's, and the colwise input gradients the ranks hold as partial
+    sums (before TP's all-reduce) against the emulated partial of their tp chunk."""
     pool = RankPool(4)
     try:
         cell = Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", steps=1, trace=True)
@@ -68,7 +68,10 @@ def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
                                      and t["max_abs_diff"] <= t["allowed"] for t in colwise)
     judged = {(t["kind"], t["module"]) for t in document["tensors"] if "max_abs_diff" in t}
     assert ("input_grad", "blocks.0.mlp.down") in judged  # a rowwise input's gradient: each rank's Shard(-1)
-    assert "2 tensor(s) not judged" in record.detail and "mlp.up" in record.detail  # the colwise Partial sums
+    partial = [t for t in document["tensors"] if t["kind"] == "input_grad" and t["module"].endswith("mlp.up")]
+    assert len(partial) == 8 and all(t["sharded"]["placements"] == ["P(sum)"]
+                                     and t["max_abs_diff"] <= t["allowed"] for t in partial)
+    assert "not judged" not in record.detail
 
 
 def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):

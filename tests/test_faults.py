@@ -23,6 +23,10 @@ def _failing(records, name: str, cell: dict | None = None) -> set[str]:
             and r["check"] != "stage"}
 
 
+#: Faults also run on a second configuration, for a test of what only that one shows (below).
+ALSO = {"backward_gather_stale": dict(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2)}
+
+
 def _run_faults(names: list[str], out: str) -> list[dict]:
     """Each fault's cell, and for a fault only one configuration reveals, the cell with that
     configuration turned off (which must flag nothing)."""
@@ -32,6 +36,7 @@ def _run_faults(names: list[str], out: str) -> list[dict]:
     cells = [Cell(**FAULTS[name].cell, faults=(name,)) for name in names]
     cells += [Cell(**{**FAULTS[name].cell, **FAULTS[name].quiet}, faults=(name,)) for name in names
               if FAULTS[name].quiet]
+    cells += [Cell(**ALSO[name], faults=(name,)) for name in names if name in ALSO]
     code = run_cells(cells, RunOptions(out_dir=out, timeout=120, progress=False))
     assert code == 1
     return read_records(out)
@@ -146,8 +151,7 @@ def test_no_fault_name_appears_in_production_modules():
 #: Faults confined to one module, and the module the traced re-run must name first (forward order).
 LOCATED = {"holder_dt_bias_bf16": "blocks.1.holder",
            # DTensor reduces FP32 Partial activations in BF16: block 1's strict-FP32 rowwise layer
-           # (block 0's MLP computes in BF16, where BF16 is the right reduction); its colwise
-           # shards are not judged on rank 0 (a shard is not the reference's tensor)
+           # (block 0's MLP computes in BF16, where BF16 is the right reduction)
            "tp_partial_reduce_bf16": "blocks.1.mlp.down",
            # rank 1 alone computes with a wrong weight: found on rank 1 (rank 0 holds nothing over)
            "rank1_gather_corrupt": "blocks.1.q_proj"}
@@ -163,3 +167,17 @@ def test_a_fault_confined_to_one_module_is_located_there(request, name):
     rows = [r for r in fault_records if r["cell"].endswith(f"fault-{name}") and r["check"] == "divergence"]
     assert [(r["name"], r["verdict"]) for r in rows] == [(LOCATED[name], "FAIL")]
     assert rows[0]["detail"].startswith(f"first in forward order: {LOCATED[name]} (rank {LOCATED_ON.get(name, 0)}, ")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a" if "backward_gather_stale" in HALVES["a"] else "faults-b")
+def test_tp_partial_reads_every_step_and_microbatch(request):
+    """A backward all-gather that hands compute step 0's weights again is wrong from step 1 on, in
+    backward only: on FSDP x TP, ``tp.partial`` fails each colwise layer's partial input gradient at
+    step 1 (every micro-batch read), and passes step 0 and every rowwise layer's partial output."""
+    cell = Cell(**ALSO["backward_gather_stale"], faults=("backward_gather_stale",)).id
+    rows = [r for r in _records_of(request, "backward_gather_stale") if r["cell"] == cell and r["check"] == "tp.partial"]
+    failed = {(r["step"], r["name"]) for r in rows if r["verdict"] == "FAIL"}
+    backward = {r["name"] for r in rows if r["name"].endswith("@backward")}
+    assert backward and failed == {("1", name) for name in backward}, rows
+    assert {r["step"] for r in rows} == {"0", "1"} and all(r["verdict"] == "PASS" for r in rows if (r["step"], r["name"]) not in failed)

@@ -60,3 +60,11 @@ def test_the_optimizer_segments_collectives_come_after_the_backwards_reductions(
     assert stage_of(_r("collectives", "mb0/backward", 0)) == "collectives"
     got = first_stage([_r("collectives", "optimizer", 0), _r("grad_norm", "global", 0)], 2, BASE)
     assert (got.name, got.step) == ("gradients", 0)
+
+
+def test_the_stage_names_the_rank_and_micro_batch_its_worst_record_names():
+    row = Record(**BASE, check="tp.partial", name="mlp.up@backward", step=1, verdict=Verdict.FAIL, ratio=9.0,
+                 detail="rank 2, tp chunk 0 of data rank 1, micro-batch 1: 2 x u(float32) x 0.001")
+    got = first_stage([row], 2, BASE)
+    assert "tp.partial mlp.up@backward (ratio 9) (rank 2, tp chunk 0 of data rank 1, micro-batch 1);" in got.detail
+    assert "(ratio 2);" in first_stage([_r("grad", "w", 0)], 2, BASE).detail  # a detail naming neither adds nothing

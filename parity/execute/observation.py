@@ -203,9 +203,10 @@ class ContractsSeen:
     """FSDP-ignored parameter FQN -> "dtype over group" of its owner's reduction."""
     tp_reduce: dict[str, list[str]] = field(default_factory=dict)
     """``module@forward`` / ``module@backward`` -> dtypes of its tensor-parallel all-reduces."""
-    tp_partials: dict[str, torch.Tensor] = field(default_factory=dict)
-    """``MODULE@forward|backward`` -> what this rank's first tensor-parallel all-reduce there took
-    (its local partial sum: a rowwise output, a colwise input gradient), step 0's first micro-batch."""
+    tp_partials: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    """``(step, mb)`` -> ``MODULE@forward|backward`` -> what this rank's first tensor-parallel
+    all-reduce there took in that micro-batch (its local partial sum: a rowwise output, a colwise
+    input gradient)."""
     quant: list[dict[str, object]] = field(default_factory=list)
     """Per step, quantized parameter FQN -> its :class:`~parity.model.quantized.GatherStats`."""
     collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)

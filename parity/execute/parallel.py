@@ -132,15 +132,17 @@ def owner_reduce(p: nn.Parameter, *, world: int, reduction: str, group=None) -> 
 class TPReductions:
     """Dtypes of the tensor-parallel reductions (Partial -> Replicate all-reduces), per TP
     module and direction: a rowwise layer reduces its output in forward, a colwise layer its
-    input gradient in backward; and what the first of each took on this rank (``partials``:
-    its local partial sum). Recorded while ``active``."""
+    input gradient in backward; and what the first of each took on this rank in every
+    micro-batch (``partials[(step, mb)][KEY]``: its local partial sum). Recorded inside a
+    micro-batch's :meth:`window` (its forward and backward, never an evaluation's)."""
 
     def __init__(self, model: nn.Module, owners: dict[str, str]):
         import torch.distributed._functional_collectives as funcol
 
         self.seen: dict[str, set[str]] = {}
-        self.partials: dict[str, torch.Tensor] = {}
+        self.partials: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.active = False
+        self._slot: dict[str, torch.Tensor] = {}
         self._current: list[str] = []
         self._funcol, self._orig = funcol, funcol.all_reduce
         self._handles = []
@@ -154,8 +156,8 @@ class TPReductions:
             if me.active:
                 where = me._current[-1] if me._current else "<unattributed>"
                 me.seen.setdefault(where, set()).add(dtype_name(t.dtype))
-                if where not in me.partials:  # the first: a recompute's is the same forward again
-                    me.partials[where] = t.detach().cpu().clone()
+                if where not in me._slot:  # the first: a recompute's is the same forward again
+                    me._slot[where] = t.detach().cpu().clone()
             return me._orig(t, *args, **kwargs)
 
         funcol.all_reduce = all_reduce
@@ -175,8 +177,9 @@ class TPReductions:
         self._handles.append(mod.register_forward_pre_hook(mark_input))
 
     @contextlib.contextmanager
-    def window(self, on: bool):
-        self.active, self._current[:] = on, []
+    def window(self, step: int, mb: int):
+        self.active, self._current[:] = True, []
+        self._slot = self.partials.setdefault((step, mb), {})
         try:
             yield
         finally:

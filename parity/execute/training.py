@@ -233,7 +233,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
         inputs = batch.inputs
         if not fixture.token_input:
             inputs = tuple(x.requires_grad_() for x in inputs)
-        with tp.window(step == 0 and mb == 0) if tp else contextlib.nullcontext():
+        with tp.window(step, mb) if tp else contextlib.nullcontext():
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
                 knobs.before_forward(cell, s.model)
                 out = fixture.output(_forward(cell, s.model, inputs))

@@ -18,7 +18,7 @@ the observations) it derives the records the cell owes:
 - ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains, on every
   mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
   all-reduce across replicas took); on FSDP x TP ``tp.partial`` for every TP layer's reduction
-  (what each rank's all-reduce took, step 0);
+  (what each rank's all-reduce took, every step);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -83,7 +83,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
     if cell.topology().tp > 1:
-        out += [("tp.partial", key, 0) for key in tp_reductions(plan)]
+        out += [("tp.partial", key, step) for key in tp_reductions(plan) for step in range(cell.steps)]
     if cell.lifecycle:
         out += [("checkpoint.same", None, None), ("checkpoint.collectives", None, None)]
         if cell.crossload_targets:

@@ -50,28 +50,41 @@ class Layout:
     colwise layers as plain local tensors (``ColwiseParallel`` hands on its output features,
     ``torch.chunk``'s piece ``rank % tp`` of the last dimension), sharded DTensors (a rowwise
     layer's input gradient, on the tp dimension) as their local shard at the offset the rank's tp
-    coordinate and the placements give (torch's own rule), Partial DTensors (a colwise layer's input gradient
-    before TP's all-reduce) as nothing comparable."""
+    coordinate and the placements give (torch's own rule), and Partial DTensors (a colwise layer's
+    input gradient before TP's all-reduce) as the rank's partial sum, against the reference's
+    emulated partial of the same tp chunk (``partials``; where it has none, not judged)."""
 
     tp: int = 1
     colwise: frozenset = frozenset()
+    partials: dict = dataclasses.field(default_factory=dict, compare=False)
+    """(micro-batch, rank) -> colwise module -> the reference's partial input gradient of the
+    rank's tp chunk, at the traced step."""
 
     @classmethod
-    def of(cls, cell: Cell, plan) -> "Layout":
-        return cls(cell.topology().tp, frozenset(t.fqn.rpartition(".")[0] for t in plan.params
-                                                  if t.parallel == "tp-colwise"))
+    def of(cls, cell: Cell, plan, tp_partials: dict | None = None) -> "Layout":
+        """``tp_partials``: the reference's :attr:`~parity.judge.reference.ReferenceRun.tp_partials`."""
+        topo, partials = cell.topology(), {}
+        for (step, mb, data_rank), keys in (tp_partials or {}).items():
+            for rank in (r for r in range(cell.ranks) if step == cell.trace_step and topo.data_rank(r) == data_rank):
+                partials[(mb, rank)] = {key.rpartition("@")[0]: chunks[rank % topo.tp] for key, chunks in keys.items()
+                                        if key.endswith("@backward") and rank % topo.tp in chunks}
+        return cls(topo.tp, frozenset(t.fqn.rpartition(".")[0] for t in plan.params if t.parallel == "tp-colwise"),
+                   partials)
 
-    def held(self, fqn: str, kind: str, got: torch.Tensor, want: torch.Tensor, rank: int
+    def held(self, fqn: str, kind: str, got: torch.Tensor, want: torch.Tensor, rank: int, mb: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(what rank ``rank`` holds of ``got``, the same part of the reference's ``want``); None
-        where it holds a partial sum."""
+        """(what rank ``rank`` holds of ``got`` in micro-batch ``mb``, the same part of the
+        reference's ``want``); None where it holds a partial sum the reference did not emulate."""
         if not isinstance(got, DTensor):
             if self.tp > 1 and kind == "output" and fqn in self.colwise:
                 return got, want.chunk(self.tp, dim=-1)[rank % self.tp]
             return got, want
         if all(p.is_replicate() for p in got.placements):
             return got.to_local(), want
-        if any(p.is_partial() for p in got.placements) or tuple(got.shape) != tuple(want.shape):
+        if any(p.is_partial() for p in got.placements):
+            part = self.partials.get((mb, rank), {}).get(fqn) if kind == "input_grad" else None
+            return None if part is None else (got.to_local(), part)
+        if tuple(got.shape) != tuple(want.shape):
             return None
         if len(got.placements) != 1 or self.tp <= 1:  # an activation lives on the tp dimension alone
             return None
@@ -130,7 +143,7 @@ def _first(pairs, phase: int, skipped: set[str], layout: Layout = Layout()) -> L
     kind = "output" if phase == 0 else "input_grad"
     for mb, rank, got, want in pairs:
         side = (got.outputs, want.outputs) if phase == 0 else (got.input_grads, want.input_grads)
-        hit = _first_over(*side, skipped, lambda fqn, g, w, rank=rank: layout.held(fqn, kind, g, w, rank))
+        hit = _first_over(*side, skipped, lambda fqn, g, w, rank=rank, mb=mb: layout.held(fqn, kind, g, w, rank, mb))
         if hit is not None:
             found.append((mb, phase, hit[0], rank, *hit[1:]))
     return min(found, default=None)
@@ -172,7 +185,7 @@ def trace_document(cell: Cell, pairs, layout: Layout = Layout()) -> dict:
                          "sharded": _summary(got)}
                 if want is not None:
                     entry["reference"] = _summary(want)
-                    judged = _compared(layout.held(fqn, kind, got, want, rank))
+                    judged = _compared(layout.held(fqn, kind, got, want, rank, mb))
                     if judged is not None:  # a partial sum is not judged
                         entry["max_abs_diff"], entry["allowed"] = judged
                 entries.append(entry)
@@ -197,11 +210,11 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     ref: dict[tuple[int, int], Trace] = {}
     step = cell.trace_step
     run = assemble(observations, first.plan) if step else None  # the run's weights before the traced step
-    run_reference(dataclasses.replace(cell, steps=step + 1), fixture, first.plan, first.report, device=device,
-                  trace=ref, trace_step=step, resync=run.params if run else None,
-                  clip_norms=run.grad_norms if run else None)
+    emulated = run_reference(dataclasses.replace(cell, steps=step + 1), fixture, first.plan, first.report,
+                             device=device, trace=ref, trace_step=step, resync=run.params if run else None,
+                             clip_norms=run.grad_norms if run else None)
     pairs = _pairs(cell, observations, ref)
-    layout = Layout.of(cell, first.plan)
+    layout = Layout.of(cell, first.plan, emulated.tp_partials)
     if document is not None:  # a trace that cannot be summarized must not cost the located record
         try:
             document.update(trace_document(cell, pairs, layout))
@@ -211,8 +224,7 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     fwd, bwd = _first(pairs, 0, skipped, layout), _first(pairs, 1, skipped, layout)
     where = min((h for h in (fwd, bwd) if h is not None), default=None)
     unjudged = (f"; {len(skipped)} tensor(s) not judged (e.g. {sorted(skipped)[0]}): the ranks hold partial "
-                "sums of them on this mesh -- a colwise layer's input gradient before TP's all-reduce, which "
-                "tp.partial judges at step 0") if skipped else ""
+                "sums of them on this mesh the reference did not emulate") if skipped else ""
     scope = f"every rank and micro-batch of step {step}"
     if where is None:
         return Record(**base, step=step, check="divergence", name="-", verdict=Verdict.PASS,

@@ -83,9 +83,9 @@ class ReferenceRun:
     parameter's shard-group partials as it takes them (one whole tensor per shard group, reduce
     dtype, divided as FSDP divides there: :func:`parity.judge.emulate.shard_group_divisor`),
     with a bound on the sum of |terms| and how many terms each sums."""
-    tp_partials: dict[int, dict[str, dict[int, torch.Tensor]]] = field(default_factory=dict)
-    """FSDP x TP: emulated data rank -> ``MODULE@forward|backward`` -> TP chunk -> what that
-    chunk's rank takes into the layer's all-reduce, step 0's first micro-batch (:class:`Partials`)."""
+    tp_partials: dict[tuple[int, int, int], dict[str, dict[int, torch.Tensor]]] = field(default_factory=dict)
+    """FSDP x TP: (step, micro-batch, emulated data rank) -> ``MODULE@forward|backward`` -> TP
+    chunk -> what that chunk's rank takes into the layer's all-reduce (:class:`Partials`)."""
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
@@ -287,8 +287,8 @@ def run_reference(
                           for f, t in entries.items()}
                 uses = _per_use(copies, entries) if per_use and mb == 0 else {}
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
-                if tp_partials is not None:  # what each TP reduction takes, step 0's first micro-batch
-                    tp_partials.on, tp_partials.seen = step == mb == 0, {}
+                if tp_partials is not None:  # what each TP reduction takes, every micro-batch
+                    tp_partials.on, tp_partials.seen = True, {}
                 if trace is not None and step == trace_step:
                     rec += install_trace(model, trace.setdefault((rank, mb), Trace()))
                 out = fixture.output(functional_call(model, {**copies, **uses}, inputs, tie_weights=not uses))
@@ -298,8 +298,8 @@ def run_reference(
                 if divisor != 1:  # the recipe normalizes over the ranks itself; the reduction sums
                     loss = loss / divisor
                 (loss * scale).backward()
-                if tp_partials is not None and tp_partials.on:
-                    run.tp_partials[rank], tp_partials.on = tp_partials.seen, False
+                if tp_partials is not None:
+                    run.tp_partials[(step, mb, rank)], tp_partials.on = tp_partials.seen, False
                 outs.append(out.detach().cpu())  # results live on the CPU, like the ranks'
                 in_grads.append(None if fixture.token_input else inputs[0].grad.cpu() / scale)
                 got = {f: copies[f].grad for f in trainable if copies[f].grad is not None}

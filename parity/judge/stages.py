@@ -89,6 +89,12 @@ def _position(r: Record, steps: int) -> tuple[int, int]:
     return step, STAGES.index(stage)
 
 
+def _where(r: Record) -> str:
+    """The rank and micro-batch of ``r``'s worst tensor, as its detail opens by naming them."""
+    head = str(r.detail).split(": ", 1)[0]
+    return f" ({head})" if len(head) <= 120 and ("rank" in head or "micro-batch" in head) else ""
+
+
 def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
     """The ``stage`` record of a cell whose records failed a staged check; None otherwise."""
     bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR) and stage_of(r)]
@@ -112,7 +118,7 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
     within = sorted({r.check for r in records if r.verdict == Verdict.PASS and stage_of(r)
                      and _position(r, steps) == first} - failed)
     detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}: {worst.check} {worst.name}"
-              f"{ratio}; {len(here)} failing record(s) there; held before it: {', '.join(held) or 'nothing'}"
+              f"{ratio}{_where(worst)}; {len(here)} failing record(s) there; held before it: {', '.join(held) or 'nothing'}"
               f"{'; held within it: ' + ', '.join(within) if within else ''}")
     return Record(**base, check="stage", name=stage, step=step if stage in _STEPPED else "",
                   observed=worst.observed, allowed=worst.allowed, ratio=worst.ratio, dtype=worst.dtype,

@@ -1,17 +1,19 @@
-"""``tp.partial``: what each tensor-parallel all-reduce takes, per layer and rank.
+"""``tp.partial``: what each tensor-parallel all-reduce takes, per layer, step and rank.
 
 ``dtype.tp_reduce`` judges the dtype of TP's Partial -> Replicate all-reduces; the layer's
 output and the gradients judge what came out of them. This check judges what went in: on
-every rank, the local partial sum the first all-reduce of each TP layer took in step 0's
-first micro-batch -- a rowwise layer's partial output (its slice of the input times its
+every rank, the local partial sum the first all-reduce of each TP layer took in every
+micro-batch of every step -- a rowwise layer's partial output (its slice of the input times its
 columns of the weight), a colwise layer's partial input gradient (its rows of the weight
-times its slice of the output gradient) -- against the emulated chunk of the same data rank
-(:class:`parity.judge.emulate.Partials`), with the last-rounding allowance the outputs get in
-the layer's planned compute dtype (a partial handed over in a coarser dtype fails).
+times its slice of the output gradient) -- against the emulated chunk of the same data rank and
+micro-batch (:class:`parity.judge.emulate.Partials`; a later step's reference starts from the
+run's own weights, so each step is judged on its own), with the last-rounding allowance the
+outputs get in the layer's planned compute dtype (a partial handed over in a coarser dtype fails).
 A fault in one rank's local computation or in what it hands the collective is named at the
-layer, direction and rank; one that only the reduction itself makes (its dtype, its order)
-passes here and fails after it. One record per layer and direction, the worst rank's; a rank
-that recorded nothing where the reference has a partial FAILs (missing evidence).
+layer, direction, step, micro-batch and rank; one that only the reduction itself makes (its
+dtype, its order) passes here and fails after it. One record per layer, direction and step, the
+worst micro-batch and rank's; a rank that recorded nothing where the reference has a partial
+FAILs (missing evidence).
 """
 
 from __future__ import annotations
@@ -40,27 +42,32 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
     topo = cell.topology()
     if topo.tp <= 1:
         return []
-    rows = []
-    for key, t in sorted(tp_reductions(plan).items()):
-        worst = None  # (error, rank, got, want)
+    return [_record(cell, observations, ref, key, t, step, base)
+            for step in range(cell.steps) for key, t in sorted(tp_reductions(plan).items())]
+
+
+def _record(cell: Cell, observations: list[Observation], ref: ReferenceRun, key: str, t, step: int,
+            base: dict) -> Record:
+    """The worst micro-batch and rank of one layer's reduction at ``step``."""
+    topo = cell.topology()
+    worst = None  # (error, mb, rank, got, want)
+    for mb in range(cell.microbatches):
         for o in observations:
-            want = ref.tp_partials.get(topo.data_rank(o.rank), {}).get(key, {}).get(o.rank % topo.tp)
-            got = o.contracts.tp_partials.get(key)
+            want = ref.tp_partials.get((step, mb, topo.data_rank(o.rank)), {}).get(key, {}).get(o.rank % topo.tp)
+            got = o.contracts.tp_partials.get((step, mb), {}).get(key)
             if want is None and got is None:
                 continue
             got, want = (torch.zeros(0) if x is None else x for x in (got, want))
             err = max_abs(got, want) if got.numel() and want.numel() else math.inf
             err = math.inf if err != err else err
             if worst is None or err > worst[0]:
-                worst = (err, o.rank, got, want)
-        if worst is None:  # neither side reduced: nothing before the layer needs its gradient
-            rows.append(Record(**base, step=0, check=CHECK, name=key, verdict=Verdict.SKIP,
-                               detail="no all-reduce here on any rank nor in the reference (no gradient flows into it)"))
-            continue
-        _, rank, got, want = worst
-        allow = tolerance.last_rounding(t.compute, amax(want))  # the plan's dtype, never the observed one
-        row = Comparison(0, CHECK, key, got, want, allow).record(base)
-        where = "no partial recorded" if not got.numel() else "no emulated partial" if not want.numel() else \
-            f"tp chunk {rank % topo.tp} of data rank {topo.data_rank(rank)}"
-        rows.append(dataclasses.replace(row, detail=f"rank {rank}, {where}, step 0 micro-batch 0: {row.detail}"))
-    return rows
+                worst = (err, mb, o.rank, got, want)
+    if worst is None:  # neither side reduced: nothing before the layer needs its gradient
+        return Record(**base, step=step, check=CHECK, name=key, verdict=Verdict.SKIP,
+                      detail="no all-reduce here on any rank nor in the reference (no gradient flows into it)")
+    _, mb, rank, got, want = worst
+    allow = tolerance.last_rounding(t.compute, amax(want))  # the plan's dtype, never the observed one
+    row = Comparison(step, CHECK, key, got, want, allow).record(base)
+    where = "no partial recorded" if not got.numel() else "no emulated partial" if not want.numel() else \
+        f"tp chunk {rank % topo.tp} of data rank {topo.data_rank(rank)}"
+    return dataclasses.replace(row, detail=f"rank {rank}, {where}, micro-batch {mb}: {row.detail}")
