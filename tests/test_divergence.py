@@ -123,3 +123,21 @@ def test_two_op_logs_of_a_cell_diff_with_debugmodes_own_tool():
     assert DebugMode.check_hash_mismatches(first, again) == []
     moved = DebugMode.check_hash_mismatches(first, other)
     assert moved and all(m["rel_diff"] > 0 for m in moved[:1])
+
+
+def test_a_trace_document_keeps_the_first_tensors_up_to_its_cap_and_counts_the_rest():
+    import torch
+
+    from parity.judge.divergence import trace_document
+    from parity.model.trace import Trace
+
+    def trace(scale):
+        return Trace(outputs={f"m{i}": torch.full((2,), scale * i) for i in range(3)},
+                     input_grads={f"m{i}": torch.ones(2) for i in reversed(range(3))})
+
+    pairs = [(mb, 0, trace(1.0), trace(1.0)) for mb in range(2)]  # 12 tensors
+    cell = Cell(fixture="kda", path="native")
+    whole = trace_document(cell, pairs)
+    assert len(whole["tensors"]) == 12 and whole["dropped"] == 0
+    capped = trace_document(cell, pairs, cap=5)
+    assert capped["tensors"] == whole["tensors"][:5] and capped["dropped"] == 7

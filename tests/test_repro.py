@@ -20,10 +20,10 @@ def failing_run(tmp_path_factory):
     return out
 
 
-def _divergence(path) -> str:
+def _located(path, check: str = "divergence") -> str:
     from parity.report.records import read_records
 
-    rows = [r for r in read_records(str(path / "cells.csv")) if r.check == "divergence"]
+    rows = [r for r in read_records(str(path / "cells.csv")) if r.check == check]
     assert rows and rows[0].verdict == "FAIL"
     return rows[0].detail
 
@@ -33,12 +33,13 @@ def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(faili
     script = tmp_path / "repro.py"
     assert main(["repro", CELL.id, "--from", str(failing_run), "--out", str(script)]) == 0
     text = script.read_text()
-    assert "faults=('perturb_output',)" in text and _divergence(failing_run)[:80] in text
+    assert "faults=('perturb_output',)" in text and _located(failing_run)[:80] in text
     ops = tmp_path / "ops.json"
     done = subprocess.run([sys.executable, str(script), "--op-log", str(ops)], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
-    assert f"first divergence: {_divergence(failing_run)}" in done.stdout
+    assert f"first divergence: {_located(failing_run)}" in done.stdout
+    assert f"first divergent stage: {_located(failing_run, 'stage')}" in done.stdout
     from torch.utils._debug_mode import DebugMode
 
     assert DebugMode.load_logs(str(ops))  # the failing step, op by op, for the bug report

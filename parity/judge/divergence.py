@@ -170,16 +170,24 @@ def _summary(t: torch.Tensor) -> dict:
             "sha256": hashlib.sha256(raw.numpy().tobytes()).hexdigest(), **stats, **placements}
 
 
-def trace_document(cell: Cell, pairs, layout: Layout = Layout()) -> dict:
+#: The most tensors a trace document summarizes (each is hashed whole): the first in execution
+#: order are kept, the rest counted in its ``dropped``. The ``divergence`` record judges them all.
+TRACE_CAP = 4000
+
+
+def trace_document(cell: Cell, pairs, layout: Layout = Layout(), cap: int = TRACE_CAP) -> dict:
     """Every rank's micro-batches of the traced step, module by module (forward order, then
     backward order): each tensor's summary on the sharded run and in the reference, their largest
-    difference and the allowance it was judged against. Written as ``traces/<cell>.json``
-    beside ``cells.csv``."""
-    entries = []
+    difference and the allowance it was judged against, at most ``cap`` of them. Written as
+    ``traces/<cell>.json`` beside ``cells.csv``."""
+    entries, dropped = [], 0
     for mb, rank, sharded, reference in pairs:
         for kind, got_all, want_all in (("output", sharded.outputs, reference.outputs),
                                         ("input_grad", sharded.input_grads, reference.input_grads)):
             for order, (fqn, got) in enumerate(got_all.items()):
+                if len(entries) >= cap:
+                    dropped += 1
+                    continue
                 want = want_all.get(fqn)
                 entry = {"rank": rank, "microbatch": mb, "kind": kind, "order": order, "module": fqn,
                          "sharded": _summary(got)}
@@ -190,7 +198,7 @@ def trace_document(cell: Cell, pairs, layout: Layout = Layout()) -> dict:
                         entry["max_abs_diff"], entry["allowed"] = judged
                 entries.append(entry)
     return {"format": TRACE_FORMAT, "cell": cell.id, "scope": f"every rank and micro-batch of step {cell.trace_step}",
-            "tensors": entries}
+            "tensors": entries, "dropped": dropped}
 
 
 def _said(hit: Located | None, phase: str) -> str:
