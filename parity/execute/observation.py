@@ -280,6 +280,9 @@ class Observation:
     two: exact). Empty for other cells, whose ``grads`` are that gradient."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step, fqn -> local parameter shard after the optimizer step."""
+    moments: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    """Per step, optimizer state key (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) -> fqn ->
+    the local shard of that state after the optimizer step (scalars such as ``step`` left out)."""
     state_dicts: list[StateDictSeen] = field(default_factory=list)
     """State dicts taken during the cell's own training, in order."""
     evals: list[EvalSeen] = field(default_factory=list)

@@ -24,7 +24,8 @@ from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import loss_divisor, loss_scale, make_optimizer, owner_reduction, rescales_gradients
+from parity.model.recipe import (loss_divisor, loss_scale, make_optimizer, owner_reduction, rescales_gradients,
+                                 state_tensors)
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
 from parity.paths.reads import check_reads
@@ -312,5 +313,6 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
         s.opt.step()
     s.opt.zero_grad()
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
+    obs.moments.append(state_tensors(s.opt, s.names, keep))
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step
         obs.contracts.quant.append(take_stats({s.names[id(p)]: p for p in s.params}))

@@ -216,6 +216,23 @@ def perturb_param():
     return swap_attr(torch.optim.AdamW, "step", make)
 
 
+def moments_held_bf16():
+    """AdamW keeps its moments at BF16 precision (state created from the compute-dtype copy of a
+    sharded parameter, AdamW._init_group): each step's update is computed right, then the state it
+    keeps for the next step is rounded -- the parameters go wrong one step later."""
+    def make(orig):
+        def step(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            with torch.no_grad():
+                for state in self.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in state:
+                            state[key].copy_(state[key].to(torch.bfloat16))
+            return out
+        return step
+    return swap_attr(torch.optim.AdamW, "step", make)
+
+
 # --- DCP-side: state-dict mapping ----------------------------------------------------------
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge import (accumulation, composition, contracts, coverage, gathered, partials, quantized, shards, stages,
-                          tensor_parallel)
+from parity.judge import (accumulation, composition, contracts, coverage, gathered, moments, partials, quantized, shards,
+                          stages, tensor_parallel)
 from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict
@@ -105,13 +105,15 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params, clip_norms=run.grad_norms)
     truth = _fp64_reference(cell, fixture, plan, report, device)
     own = _own_trajectory(cell, fixture, plan, report, device, ref, run)
-    replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device)
+    replayed_moments: list = []
+    replayed = replay_optimizer(cell, fixture, plan, run.grads, run.params, device=device, moments=replayed_moments)
     topo = cell.topology()
     comps = plan_comparisons(run, ref, plan, micro=cell.microbatches,
                              replayed=replayed, world=cell.ranks, truth=truth if fp64 else None,
                              optimizer=cell.optimizer, data_ranks=[topo.data_rank(r) for r in range(cell.ranks)])
     records += [c.record(base) for c in comps]
     records += trajectory_records(run.params, own, truth, replayed[0][0], plan, base)
+    records += moments.check(run, replayed_moments, moments.owed(cell, plan, ref.grads), base)
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))

@@ -26,6 +26,8 @@ class Assembled:
     reduced: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """Per step of a clipping or loss-scaled cell, the gradients before unscaling and clipping."""
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    moments: list[dict[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+    """Per step, optimizer state key -> fqn -> the full state tensor after the step."""
     grad_norms: list[float] = field(default_factory=list)
     clipped_norms: list[float] = field(default_factory=list)
     evals: dict[tuple[int, str], list[torch.Tensor | None]] = field(default_factory=dict)
@@ -68,6 +70,9 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     for step in range(len(observations[0].grads)):
         run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
         run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
+    for step in range(min(len(o.moments) for o in observations)):
+        run.moments.append({key: {f: full(f, [o.moments[step].get(key, {}) for o in observations]) for f in per_fqn}
+                            for key, per_fqn in observations[0].moments[step].items()})
     for step in range(min(len(o.reduced) for o in observations)):
         run.reduced.append({f: full(f, [o.reduced[step] for o in observations]) for f in observations[0].reduced[step]})
     return run

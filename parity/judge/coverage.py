@@ -19,6 +19,9 @@ the observations) it derives the records the cell owes:
   mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
   all-reduce across replicas took); on FSDP x TP ``tp.partial`` for every TP layer's reduction
   (what each rank's all-reduce took, every step);
+- ``optim.moments`` for every moment the optimizer recipe keeps (AdamW's two, SGD's momentum) of
+  every parameter at every step it trains (any one on a loss-scaled cell, whose first steps
+  may be skipped);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -35,7 +38,7 @@ from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, tp_reductions
-from parity.model.recipe import rescales_gradients
+from parity.model.recipe import loss_scale, optimizer_recipe, rescales_gradients
 
 #: Owed records a cell's coverage row names at most (the count says how many more).
 NAMED = 8
@@ -63,9 +66,13 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         if cell.clip:
             out.append(("clip", "global", step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
+        # the optimizer's state after the step: the recipe's moments of every parameter it stepped
+        # (a loss-scaled step may be skipped, holding no state yet: then any such record)
+        moment_keys = optimizer_recipe(cell.optimizer).moments if loss_scale(plan.config.param_dtype) == 1.0 else ()
         for t in trained:
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
+                out += [("optim.moments", f"{t.fqn}:{key}", step) for key in moment_keys]
                 if t.ownership == "managed":
                     out.append(("grad.shard", t.fqn, step))
                     if cell.mesh == "hsdp":
@@ -82,6 +89,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
     if accumulation.judged(cell) and any(
             t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
+    if loss_scale(plan.config.param_dtype) != 1.0 and trained:
+        out.append(("optim.moments", None, None))
     if cell.topology().tp > 1:
         out += [("tp.partial", key, step) for key in tp_reductions(plan) for step in range(cell.steps)]
     if cell.lifecycle:

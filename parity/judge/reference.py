@@ -42,7 +42,7 @@ from parity.model.boundaries import float_buffers, record_boundaries
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,
-                                 rescales_gradients)
+                                 rescales_gradients, state_tensors)
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace
@@ -397,6 +397,7 @@ def run_reference(
 def replay_optimizer(
     cell: Cell, fixture: Fixture, plan: PrecisionPlan, grads: list[dict[str, torch.Tensor]],
     params: list[dict[str, torch.Tensor]], *, device: torch.device | str = "cpu",
+    moments: list | None = None,
 ) -> list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     """The reference optimizer stepped on *observed* gradients, each step starting from the
     *observed* parameters after the previous one: (before, after) parameters per step.
@@ -404,7 +405,8 @@ def replay_optimizer(
     Post-step parameters are judged against this, so the parameter check isolates one
     optimizer step (sharded AdamW, its state, master dtypes) from gradient differences, which
     the gradient check judges on its own. Adam's moments depend on gradients only, so the
-    replayed optimizer state follows the sharded one exactly.
+    replayed optimizer state follows the sharded one exactly; ``moments``, when given, receives
+    it after every step (:func:`parity.model.recipe.state_tensors`).
     """
     model = fixture.make(cell.seed).to(device)
     masters = dict(model.named_parameters())
@@ -429,4 +431,6 @@ def replay_optimizer(
             opt.step()
         opt.zero_grad()
         out.append((before, {t.fqn: masters[t.fqn].detach().cpu().clone() for t in plan.params}))
+        if moments is not None:
+            moments.append(state_tensors(opt, {id(p): f for f, p in masters.items()}))
     return out

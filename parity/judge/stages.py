@@ -52,7 +52,7 @@ STAGE_OF = {
                     "collectives"),
     **dict.fromkeys(("grad", "grad_norm", "ranks"), "gradients"),
     **dict.fromkeys(("clip", "grad.clipped"), "clipping"),
-    **dict.fromkeys(("param", "trajectory", "trajectory.emulation"), "optimizer"),
+    **dict.fromkeys(("param", "optim.moments", "trajectory", "trajectory.emulation"), "optimizer"),
     "state_dict": "state-dict",
     **dict.fromkeys(("optim.state", "checkpoint.same", "checkpoint.cross", "checkpoint.moved",
                      "checkpoint.collectives"), "checkpoint"),

@@ -119,3 +119,15 @@ def owner_reduction(reduction: str, ignored_reduction: str) -> str:
     """How the owner of FSDP-ignored parameters combines their gradients across ranks: as the
     recipe's reduction under ``sum``, else as the fixture declares."""
     return "sum" if reduction == "sum" else ignored_reduction
+
+
+def state_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
+                  keep=lambda t: t.detach().cpu().clone()) -> dict[str, dict[str, torch.Tensor]]:
+    """An optimizer's per-parameter state tensors, state key -> parameter name (``names``: by
+    ``id``) -> ``keep(tensor)``; scalars (AdamW's ``step``) left out."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out.setdefault(key, {})[names[id(p)]] = keep(value)
+    return out

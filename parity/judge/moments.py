@@ -1,0 +1,75 @@
+"""``optim.moments``: the optimizer's state after every step, per parameter and state tensor.
+
+``param`` judges what an optimizer step wrote into the parameters, against the reference
+optimizer stepped on the run's own gradients from the run's own parameters
+(:func:`parity.judge.reference.replay_optimizer`). The state it keeps for the next step --
+AdamW's first and second moments, SGD's momentum buffer -- only shows in the parameters one
+step later, and then as a parameter error. This check reads that state itself, after every
+step, on every rank (each rank's shard, reassembled), against the replayed optimizer's, which
+sees the same gradients and so holds the same state: a moment stored coarser, updated twice or
+filed under another parameter is named at the step and tensor where it happened.
+
+The allowance is one last rounding in the state's own dtype (the same element-wise update, on a
+shard or on the whole tensor, may differ by a rounding where vectorized and scalar code paths
+fuse differently). A state tensor the reference holds and the run does not, or the other way
+round, FAILs (missing or unexpected evidence), and so does a moment the reference owes that
+neither holds (:func:`owed`: the optimizer never stepped the parameter). Scalars (``step``) are the checkpoint's to judge
+(``optim.state``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parity.judge import tolerance
+from parity.judge.compare import Assembled, Comparison, amax
+from parity.judge.record import Record, Verdict
+from parity.matrix.cell import Cell
+from parity.model.plan import PrecisionPlan
+from parity.model.recipe import loss_scale, optimizer_recipe
+
+CHECK = "optim.moments"
+
+
+def owed(cell: Cell, plan: PrecisionPlan, ref_grads: list[dict[str, torch.Tensor]]) -> set[tuple[int, str, str]]:
+    """(step, state key, fqn) the optimizer must hold after each step, from the reference, not
+    from the run: every moment the optimizer recipe keeps, of every parameter the reference
+    differentiated at that step or before (a moment, once made, stays). A loss-scaled cell owes
+    none by name: its first steps may be skipped on overflow, making no state yet."""
+    if loss_scale(plan.config.param_dtype) != 1.0:
+        return set()
+    keys, seen, out = optimizer_recipe(cell.optimizer).moments, set(), set()
+    for step, grads in enumerate(ref_grads):
+        seen |= set(grads)
+        out |= {(step, key, f) for f in seen for key in keys}
+    return out
+
+
+def check(run: Assembled, replayed: list[dict[str, dict[str, torch.Tensor]]], owed_state: set[tuple[int, str, str]],
+          base: dict) -> list[Record]:
+    """One record per step, state key and parameter (``FQN:KEY``) that the reference owes, the
+    replayed optimizer holds or the run holds."""
+    rows = []
+    for step in range(max(len(replayed), 1 + max((s for s, _, _ in owed_state), default=-1))):
+        want_step = replayed[step] if step < len(replayed) else {}
+        got_step = run.moments[step] if step < len(run.moments) else {}
+        names = {(key, f) for s, key, f in owed_state if s == step}
+        names |= {(key, f) for key, per in want_step.items() for f in per}
+        names |= {(key, f) for key, per in got_step.items() for f in per}
+        for key, f in sorted(names):
+            want = want_step.get(key, {}).get(f, torch.zeros(0))
+            got = got_step.get(key, {}).get(f, torch.zeros(0))
+            if not want.numel() and not got.numel():
+                rows.append(Record(**base, step=step, check=CHECK, name=f"{f}:{key}", observed=math.inf, allowed=0.0,
+                                   ratio=math.inf, verdict=Verdict.FAIL,
+                                   detail=f"no {key} of {f} after step {step}, in the run or in the optimizer replayed "
+                                          "on its gradients: the optimizer never stepped a parameter the reference "
+                                          "trains"))
+                continue
+            dtype = want.dtype if want.numel() else got.dtype
+            allow = tolerance.last_rounding(dtype, amax(want))
+            rows.append(Comparison(step, CHECK, f"{f}:{key}", got, want, allow).record(base))
+    return rows
+
