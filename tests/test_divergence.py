@@ -74,6 +74,22 @@ def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
     assert "not judged" not in record.detail
 
 
+@pytest.mark.parametrize("mesh", ["hsdp", "ep"])
+def test_on_hsdp_and_expert_parallel_meshes_the_traced_rerun_of_a_correct_cell_reports_nothing(mesh):
+    """Replicated shard groups (HSDP) and experts owned by another parallelism (EP): every rank's
+    trace against its data rank's emulation is clean, both orders, nothing left unjudged."""
+    pool = RankPool(4)
+    try:
+        cell = Cell(fixture="composed", path="native", ranks=4, mesh=mesh, microbatches=2, steps=1, trace=True)
+        document: dict = {}
+        record = locate(cell, pool.run(cell, 180), base_fields(cell), document=document)
+    finally:
+        pool.stop()
+    assert record.verdict == "PASS" and "not judged" not in record.detail, record.detail
+    judged = [t for t in document["tensors"] if "max_abs_diff" in t]
+    assert {t["rank"] for t in judged} == {0, 1, 2, 3} and {t["kind"] for t in judged} == {"output", "input_grad"}
+
+
 def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
     """``traces/<cell>.json``: every traced module's tensors summarized on both sides (dtype, shape,
     SHA-256, statistics), with the difference and allowance the divergence record judged."""

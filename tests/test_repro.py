@@ -51,3 +51,25 @@ def test_a_cell_the_run_did_not_have_is_a_one_line_error(failing_run, capsys):
     assert main(["repro", "kda/native/r9", "--from", str(failing_run)]) == 2
     err = capsys.readouterr().err
     assert "is not a cell of the run" in err and CELL.id in err and err.count("\n") == 1
+
+
+def test_a_reproducer_of_a_model_file_carries_the_file(tmp_path):
+    """A cell of ``--model path/to/file.py:factory`` re-runs where that file is not: the script
+    holds its text and points the cell at a fresh copy."""
+    import dataclasses
+    import runpy
+
+    from parity.report.repro import render
+
+    model = tmp_path / "their_model.py"
+    model.write_text("FACTORY = 'their model'\n")
+    cell = dataclasses.replace(CELL, source=f"{model}:FACTORY")
+    script = tmp_path / "repro.py"
+    script.write_text(render(cell, [], "a run"))
+    model.unlink()  # the reader of a bug report has only the script
+    moved = runpy.run_path(str(script))["with_model"](cell)
+    path, _, attr = moved.source.rpartition(":")
+    assert attr == "FACTORY" and path != str(model) and open(path).read() == "FACTORY = 'their model'\n"
+    assert moved.id == cell.id
+    plain = render(CELL, [], "a run")  # a registered model needs nothing embedded
+    assert "MODEL_SOURCE" not in plain and "rerun(CELL, sys.argv[1:])" in plain

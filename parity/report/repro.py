@@ -84,8 +84,30 @@ def render(cell: Cell, bad: list, origin: str) -> str:
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cell.ranks} rank(s), {cell.device})",
         "     python <this file> --op-log FILE  also writes the failing step's operator log (DebugMode's format)",
     ])
+    embedded = _embedded_model(cell)
+    run = "rerun(with_model(CELL), sys.argv[1:])" if embedded else "rerun(CELL, sys.argv[1:])"
     return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
-            f"CELL = {cell!r}\n\nif __name__ == \"__main__\":\n    raise SystemExit(rerun(CELL, sys.argv[1:]))\n")
+            f"CELL = {cell!r}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
+
+
+def _embedded_model(cell: Cell) -> str:
+    """For a model loaded from a file (``path/to/file.py:factory``): the file's text and a
+    ``with_model`` that writes it to a fresh folder and points the cell there, so the reproducer
+    runs where that file is not (a bug report's reader). Other sources -- an installed
+    ``pkg.module`` -- are named in the cell and must be installed."""
+    target, _, attr = cell.source.rpartition(":")
+    if not target.endswith(".py") or not os.path.isfile(target):
+        return ""
+    with open(target) as fh:
+        text = fh.read()
+    name = os.path.basename(target)
+    return (f"\n#: {target}, as the run loaded it\nMODEL_SOURCE = {text!r}\n\n\n"
+            "def with_model(cell):\n"
+            "    import dataclasses, os, tempfile\n\n"
+            f"    path = os.path.join(tempfile.mkdtemp(prefix='parity-repro-'), {name!r})\n"
+            "    with open(path, 'w') as fh:\n"
+            "        fh.write(MODEL_SOURCE)\n"
+            f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
 def rerun(cell: Cell, argv: list[str] | None = None) -> int:
