@@ -185,11 +185,16 @@ def test_tp_partial_reads_every_step_and_microbatch(request):
     backward only: on FSDP x TP, ``tp.partial`` fails each colwise layer's partial input gradient at
     step 1 (every micro-batch read), and passes step 0 and every rowwise layer's partial output."""
     cell = Cell(**ALSO["backward_gather_stale"], faults=("backward_gather_stale",)).id
-    rows = [r for r in _records_of(request, "backward_gather_stale") if r["cell"] == cell and r["check"] == "tp.partial"]
+    everything = [r for r in _records_of(request, "backward_gather_stale") if r["cell"] == cell]
+    rows = [r for r in everything if r["check"] == "tp.partial"]
     failed = {(r["step"], r["name"]) for r in rows if r["verdict"] == "FAIL"}
     backward = {r["name"] for r in rows if r["name"].endswith("@backward")}
     assert backward and failed == {("1", name) for name in backward}, rows
     assert {r["step"] for r in rows} == {"0", "1"} and all(r["verdict"] == "PASS" for r in rows if (r["step"], r["name"]) not in failed)
+    # the gather handed over stale TP shards too: each judged against its own piece of the master
+    stale = {r["name"] for r in everything if r["check"] == "gathered" and r["verdict"] == "FAIL" and r["step"] == "1"}
+    assert {"blocks.0.mlp.up.weight", "blocks.1.mlp.down.weight"} <= stale
+    assert [(r["name"], r["step"]) for r in everything if r["check"] == "stage"] == [("gather", "1")]
 
 
 @pytest.mark.slow

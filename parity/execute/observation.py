@@ -154,7 +154,9 @@ class ContractsSeen:
     """Parameter FQN (per module alias) -> dtype read inside forward."""
     gathered: dict[int, dict[str, tuple[str, float, float]]] = field(default_factory=dict)
     """Step -> parameter FQN (per module alias) -> (dtype, sum of |values|, sum of values) of the
-    parameter as its module's forward read it in the step's first micro-batch (all-gathered)."""
+    parameter as its module's forward read it in the step's first micro-batch (all-gathered); a
+    tensor-parallel shard's also says where its piece sits, ``((offset, length), ...)``
+    (:func:`parity.execute.probes.gathered_read`)."""
     all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = field(default_factory=dict)
     """Per step, per segment of the loop (``mb1/forward``, ``mb0/backward`` ...), per parameter:
     each distinct (dtype, sum of |values|, sum of values) an all-gather's output held once FSDP

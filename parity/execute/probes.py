@@ -36,6 +36,21 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def gathered_read(t: torch.Tensor) -> tuple:
+    """How a parameter handed to compute is recorded (:attr:`ContractsSeen.gathered`): its dtype
+    and :func:`value_sums`; of a tensor-parallel shard (a DTensor after FSDP's all-gather), the
+    sums of this rank's local piece and where that piece sits in the whole tensor, ``((offset,
+    length), ...)`` per dimension, by torch's own placement rule."""
+    if not isinstance(t, DTensor):
+        return (dtype_name(t.dtype), *value_sums(t))
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh.shape,
+                                                           t.device_mesh.get_coordinate(), t.placements)
+    local = t.to_local()
+    return (dtype_name(local.dtype), *value_sums(local), tuple(zip(offset, shape)))
+
+
 def names_snapshot(model: nn.Module) -> NamesSnapshot:
     return NamesSnapshot(
         params=[canonical_fqn(n) for n, _ in model.named_parameters()],
@@ -253,9 +268,9 @@ class Recorder:
         seen = self.gathered.setdefault(self._gather_step, {})
         for local, p in module._parameters.items():
             key = f"{fqn}.{local}" if fqn else local
-            if p is None or key in seen or isinstance(p, DTensor):
+            if p is None or key in seen:
                 continue
-            seen[key] = (dtype_name(p.dtype), *value_sums(p))
+            seen[key] = gathered_read(p)
 
     def _patch_gathers(self) -> None:
         """Read every all-gather's output once FSDP has copied it out (``wait_for_unshard``):
@@ -281,10 +296,10 @@ class Recorder:
         seen = self.all_gathers.setdefault(step, {}).setdefault(label, {})
         for fp in group.fsdp_params:
             t = fp.unsharded_param
-            if isinstance(t, DTensor) or type(t.data) is not torch.Tensor:  # a TP shard, a quantized copy
+            if type((t.to_local() if isinstance(t, DTensor) else t).data) is not torch.Tensor:  # a quantized copy
                 continue
             fqn = self._fqn(fp)
-            read = (dtype_name(t.dtype), *value_sums(t))
+            read = gathered_read(t)
             if read not in seen.setdefault(fqn, []):
                 seen[fqn].append(read)
 

@@ -13,8 +13,9 @@ update is the optimizer's. What only this check sees: a gather that hands comput
 other than the current master -- a stale unsharded copy kept across an optimizer step, a
 copy-in reading the wrong buffer, shards concatenated in the wrong order.
 
-Parameters FSDP manages, unquantized (``quant.values`` judges quantized copies), on 1-D FSDP
-and HSDP (whose unsharded parameters are whole tensors). A parameter ``dtype.compute`` saw read
+Parameters FSDP manages, unquantized (``quant.values`` judges quantized copies), on every mesh:
+a tensor-parallel weight, which FSDP's all-gather hands over as this rank's TP shard, is read
+as that piece with its offset and judged against the same piece of the master. A parameter ``dtype.compute`` saw read
 in forward is owed: judged in every step and on every rank whose first forward read it (a
 routed expert may go unread), at least once, and every rank records some gather every step.
 """
@@ -43,7 +44,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
           base: dict) -> list[Record]:
     """``befores[k]``: the run's masters before step ``k`` -- the initial model, then every parameter
     as the ranks recorded it after step ``k - 1`` (frozen ones included)."""
-    if cell.mesh not in ("fsdp", "hsdp") or not befores:
+    if not befores:
         return []
     owed = {f for o in observations for f in o.contracts.compute}  # read in forward (``dtype.compute``)
     gathered = {f for o in observations for segments in o.contracts.all_gathers.values()
@@ -61,7 +62,9 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                         problems.append(f"step {step} rank {o.rank}: no master recorded before the step")
                         continue
                     judged += 1
-                    want = value_sums(master.to(parse_dtype(dtype)))
+                    got, region = got[:2], (got[2] if len(got) > 2 else ())
+                    piece = master[tuple(slice(o, o + n) for o, n in region)] if region else master
+                    want = value_sums(piece.to(parse_dtype(dtype)))
                     if not _close(tuple(got), want):
                         problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "
                                         f"before the step gives {want[0]:.9g} in {dtype}")
