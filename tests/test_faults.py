@@ -194,6 +194,9 @@ def test_tp_partial_reads_every_step_and_microbatch(request):
     # the gather handed over stale TP shards too: each judged against its own piece of the master
     stale = {r["name"] for r in everything if r["check"] == "gathered" and r["verdict"] == "FAIL" and r["step"] == "1"}
     assert {"blocks.0.mlp.up.weight", "blocks.1.mlp.down.weight"} <= stale
+    # and each rank's TP piece of their gradients, as the reduce-scatter takes it, is off at step 1
+    reduced = {r["name"] for r in everything if r["check"] == "grad.accum" and r["verdict"] == "FAIL" and r["step"] == "1"}
+    assert {"blocks.0.mlp.up.weight", "blocks.1.mlp.down.weight"} <= reduced
     assert [(r["name"], r["step"]) for r in everything if r["check"] == "stage"] == [("gather", "1")]
 
 

@@ -174,6 +174,9 @@ class ContractsSeen:
     reduce_observable: bool = True
     accum: dict[str, list[str]] = field(default_factory=dict)
     """Parameter FQN -> dtypes of its unsharded gradient while sync was off."""
+    accum_regions: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """FQN -> where this rank's piece of a tensor-parallel weight's unsharded gradient (in
+    ``accumulated``) sits in the whole, ``((offset, length), ...)`` (torch's placement rule)."""
     accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     """(step, micro-batch) -> parameter FQN -> what that micro-batch's reductions took as input on
     this rank, where its backward synchronized, or its unsharded accumulated gradient after it,

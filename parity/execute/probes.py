@@ -43,12 +43,18 @@ def gathered_read(t: torch.Tensor) -> tuple:
     length), ...)`` per dimension, by torch's own placement rule."""
     if not isinstance(t, DTensor):
         return (dtype_name(t.dtype), *value_sums(t))
+    local = t.to_local()
+    return (dtype_name(local.dtype), *value_sums(local), region(t))
+
+
+def region(t: DTensor) -> tuple[tuple[int, int], ...]:
+    """Where this rank's local piece of ``t`` sits in the whole tensor, ``((offset, length), ...)``
+    per dimension, by torch's own placement rule."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     shape, offset = _compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh.shape,
                                                            t.device_mesh.get_coordinate(), t.placements)
-    local = t.to_local()
-    return (dtype_name(local.dtype), *value_sums(local), tuple(zip(offset, shape)))
+    return tuple(zip(offset, shape))
 
 
 def names_snapshot(model: nn.Module) -> NamesSnapshot:
@@ -204,6 +210,7 @@ class Recorder:
         self.replicas: dict[str, set[str]] = {}
         self.accum: dict[str, set[str]] = {}
         self.accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.regions: dict[str, tuple[tuple[int, int], ...]] = {}
         self.shards: dict[tuple[int, int], PackedShards] = {}
         self.reduce_observable = True
         self._orig_reduce = None
@@ -330,9 +337,12 @@ class Recorder:
         def foreach_reduce(fsdp_params, *args, **kwargs):
             current[:] = list(fsdp_params)
             if recorder.reading_reduce and args:  # args[0]: the unsharded gradients it reduces
-                for fp, grad in zip(fsdp_params, args[0]):
-                    if not isinstance(grad, DTensor):
-                        recorder._reduce_inputs[recorder._fqn(fp)] = grad.detach().cpu().clone()
+                for fp, grad in zip(fsdp_params, args[0]):  # a TP weight's: its local TP piece
+                    if isinstance(grad, DTensor):
+                        continue
+                    if isinstance(fp.unsharded_param, DTensor):
+                        recorder.regions[recorder._fqn(fp)] = region(fp.unsharded_param)
+                    recorder._reduce_inputs[recorder._fqn(fp)] = grad.detach().cpu().clone()
             out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
             group = args[1] if len(args) > 1 else None
             if group is None or group.size() == 1:  # no collective: the buffer it would reduce
@@ -394,8 +404,10 @@ class Recorder:
             if grad is not None:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
-                if not isinstance(grad, DTensor):
-                    self.accumulated.setdefault((step, mb), {})[fqn] = unscaled(grad.detach().cpu().clone(), scale)
+                if isinstance(grad, DTensor):  # a TP weight's: its local TP piece
+                    self.regions[fqn] = region(grad)
+                    grad = grad.to_local()
+                self.accumulated.setdefault((step, mb), {})[fqn] = unscaled(grad.detach().cpu().clone(), scale)
 
     def close(self) -> None:
         """Remove hooks and restore FSDP's reduction functions (idempotent)."""
@@ -423,7 +435,7 @@ class Recorder:
         seen.ownership = {"sharded": self.owned, "trained": ownership(model)}
         seen.reduce_observable = self.reduce_observable
         seen.accum = {k: sorted(v) for k, v in self.accum.items()}
-        seen.accumulated = self.accumulated
+        seen.accumulated, seen.accum_regions = self.accumulated, self.regions
         seen.shards = self.shards
         seen.partials = self.partials
         seen.buffers = {**self.buffers, "trained": buffers_snapshot(model)}

@@ -319,7 +319,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"collectives"}, {**_KDA2, **_ACCUM}, quiet={"sync": "every"}, patch=rp.early_reduce_scatter),
     # mesh compositions (4 ranks): each revealed by its composition only
     _fault("tp_partial_reduce_bf16", "DTensor reduces FP32 Partial placements in BF16 (Partial._reduce_value)",
-           {"dtype.tp_reduce", "tp.partial", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
+           {"grad.accum", "dtype.tp_reduce", "tp.partial", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation",
             "divergence", "grad.shard"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "fsdp"},
            patch=cp.tp_partial_reduce_bf16),
     _fault("tp_reduces_twice", "DTensor all-reduces each Partial activation and input gradient twice, the "
@@ -348,7 +348,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"sync": "every"}, patch=cp.hsdp_partial_bf16),
     _fault("recast_foreign_params",
            "fully_shard casts ignored parameters on another parallelism's mesh (the experts) to param_dtype",
-           {"optim.moments", "ownership", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "input_grad",
+           {"grad.accum", "optim.moments", "ownership", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "input_grad",
             "grad", "grad_norm", "param", "trajectory", "trajectory.emulation", "divergence", "state_dict",
             "checkpoint.same", "checkpoint.cross", "grad.shard"},
            {**_COMPOSED, "path": "legacy", "mesh": "ep"}, quiet={"mesh": "fsdp"}, patch=cp.recast_foreign_params),

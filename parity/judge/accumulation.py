@@ -2,8 +2,8 @@
 window, micro-batch by micro-batch, as it accumulates.
 
 The gradient the optimizer steps with (``grad``) shows a fault before the reduction only after
-it, mixed with every rank's; this check reads each rank's side. On FSDP and HSDP meshes
-(:func:`judged`), what every synchronizing backward's reductions take as input (read as
+it, mixed with every rank's; this check reads each rank's side. On every mesh (a
+tensor-parallel weight's gradient as the rank's TP piece, against that piece), what every synchronizing backward's reductions take as input (read as
 ``foreach_reduce`` begins) and, with ``set_requires_gradient_sync(False)``, each rank's unsharded
 gradient after every micro-batch of the window (recorded by
 :meth:`parity.execute.probes.Recorder.after_backward`), divided by the loss scale, are compared
@@ -35,9 +35,9 @@ def badness(r: Record) -> tuple[bool, float]:
 
 
 def judged(cell: Cell) -> bool:
-    """Cells whose unsharded gradients are judged: on a mesh where every rank's unsharded gradient
-    is the whole parameter's (FSDP, HSDP; a tensor-parallel or expert-parallel rank holds a part)."""
-    return cell.mesh in ("fsdp", "hsdp")
+    """Cells whose unsharded gradients are judged: every mesh (a tensor-parallel weight's as the
+    rank's TP piece, against the same piece of the emulated gradient)."""
+    return True
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
@@ -53,6 +53,9 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                 if fqn not in per_rank[d]:  # this rank's data gave it nothing to accumulate yet
                     continue
                 want, scale = per_rank[d][fqn]
+                piece = o.contracts.accum_regions.get(fqn)
+                if piece:
+                    want = want[tuple(slice(offset, offset + n) for offset, n in piece)]
                 got = o.contracts.accumulated.get((step, mb), {}).get(fqn, torch.zeros(0))
                 terms = mb + 1 if cell.accumulating else 1  # a window's micro-batches, or this one's
                 allow = tolerance.gradient(want.dtype, want.dtype, terms, scale)

@@ -14,7 +14,7 @@ the observations) it derives the records the cell owes:
   ``plan`` for every parameter;
 - ``quant.gather``, ``quant.refresh``, ``quant.values`` and ``quant.scale`` (tensorwise) or
   ``quant.blocks`` (MX) for every quantized weight;
-- ``grad.accum`` on a 1-D or HSDP mesh (the reductions' inputs, the no-sync window's accumulation);
+- ``grad.accum`` (the reductions' inputs, the no-sync window's accumulation);
 - ``grad.shard`` for every trainable FSDP-managed parameter at every step it trains, on every
   mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
   all-reduce across replicas took); on FSDP x TP ``tp.partial`` for every TP layer's reduction
