@@ -19,9 +19,9 @@ the observations) it derives the records the cell owes:
   mesh (each rank's shard as the reductions left it), and on HSDP ``grad.partial`` (what the
   all-reduce across replicas took); on FSDP x TP ``tp.partial`` for every TP layer's reduction
   (what each rank's all-reduce took, every step);
-- ``optim.moments`` for every moment the optimizer recipe keeps (AdamW's two, SGD's momentum) of
-  every parameter at every step it trains (any one on a loss-scaled cell, whose first steps
-  may be skipped);
+- ``optim.moments`` for every parameter at every step it trains, when the optimizer recipe keeps
+  moments (AdamW's two, SGD's momentum; any one on a loss-scaled cell, whose first steps may be
+  skipped);
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -72,7 +72,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         for t in trained:
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
-                out += [("optim.moments", f"{t.fqn}:{key}", step) for key in moment_keys]
+                out += [("optim.moments", t.fqn, step)] if moment_keys else []
                 if t.ownership == "managed":
                     out.append(("grad.shard", t.fqn, step))
                     if cell.mesh == "hsdp":

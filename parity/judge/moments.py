@@ -19,11 +19,13 @@ neither holds (:func:`owed`: the optimizer never stepped the parameter). Scalars
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from parity.judge import tolerance
+from parity.judge.accumulation import badness
 from parity.judge.compare import Assembled, Comparison, amax
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
@@ -49,27 +51,31 @@ def owed(cell: Cell, plan: PrecisionPlan, ref_grads: list[dict[str, torch.Tensor
 
 def check(run: Assembled, replayed: list[dict[str, dict[str, torch.Tensor]]], owed_state: set[tuple[int, str, str]],
           base: dict) -> list[Record]:
-    """One record per step, state key and parameter (``FQN:KEY``) that the reference owes, the
-    replayed optimizer holds or the run holds."""
+    """One record per step and parameter that the reference owes a moment, the replayed optimizer
+    holds one or the run holds one: its worst state tensor's (the key opens the detail)."""
     rows = []
     for step in range(max(len(replayed), 1 + max((s for s, _, _ in owed_state), default=-1))):
         want_step = replayed[step] if step < len(replayed) else {}
         got_step = run.moments[step] if step < len(run.moments) else {}
-        names = {(key, f) for s, key, f in owed_state if s == step}
-        names |= {(key, f) for key, per in want_step.items() for f in per}
-        names |= {(key, f) for key, per in got_step.items() for f in per}
-        for key, f in sorted(names):
-            want = want_step.get(key, {}).get(f, torch.zeros(0))
-            got = got_step.get(key, {}).get(f, torch.zeros(0))
-            if not want.numel() and not got.numel():
-                rows.append(Record(**base, step=step, check=CHECK, name=f"{f}:{key}", observed=math.inf, allowed=0.0,
-                                   ratio=math.inf, verdict=Verdict.FAIL,
-                                   detail=f"no {key} of {f} after step {step}, in the run or in the optimizer replayed "
-                                          "on its gradients: the optimizer never stepped a parameter the reference "
-                                          "trains"))
-                continue
-            dtype = want.dtype if want.numel() else got.dtype
-            allow = tolerance.last_rounding(dtype, amax(want))
-            rows.append(Comparison(step, CHECK, f"{f}:{key}", got, want, allow).record(base))
+        names = {(f, key) for s, key, f in owed_state if s == step}
+        names |= {(f, key) for key, per in want_step.items() for f in per}
+        names |= {(f, key) for key, per in got_step.items() for f in per}
+        worst: dict[str, Record] = {}
+        for f, key in sorted(names):
+            row = _record(step, f, key, got_step.get(key, {}).get(f), want_step.get(key, {}).get(f), base)
+            if f not in worst or badness(row) > badness(worst[f]):
+                worst[f] = row
+        rows += worst.values()
     return rows
 
+
+def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.Tensor | None, base: dict) -> Record:
+    if got is None and want is None:
+        return Record(**base, step=step, check=CHECK, name=f, observed=math.inf, allowed=0.0, ratio=math.inf,
+                      verdict=Verdict.FAIL, detail=f"{key}: none after step {step}, in the run or in the optimizer "
+                                                   "replayed on its gradients: the optimizer never stepped a "
+                                                   "parameter the reference trains")
+    got, want = (torch.zeros(0) if x is None else x for x in (got, want))
+    allow = tolerance.last_rounding(want.dtype if want.numel() else got.dtype, amax(want))
+    row = Comparison(step, CHECK, f, got, want, allow).record(base)
+    return dataclasses.replace(row, detail=f"{key}: {row.detail}")
