@@ -190,12 +190,14 @@ def test_tp_partial_reads_every_step_and_microbatch(request):
     failed = {(r["step"], r["name"]) for r in rows if r["verdict"] == "FAIL"}
     backward = {r["name"] for r in rows if r["name"].endswith("@backward")}
     assert backward and failed == {("1", name) for name in backward}, rows
-    assert {r["step"] for r in rows} == {"0", "1"} and all(r["verdict"] == "PASS" for r in rows if (r["step"], r["name"]) not in failed)
+    assert {r["step"] for r in rows} == {"0", "1"}
+    assert all(r["verdict"] == "PASS" for r in rows if (r["step"], r["name"]) not in failed)
     # the gather handed over stale TP shards too: each judged against its own piece of the master
     stale = {r["name"] for r in everything if r["check"] == "gathered" and r["verdict"] == "FAIL" and r["step"] == "1"}
     assert {"blocks.0.mlp.up.weight", "blocks.1.mlp.down.weight"} <= stale
     # and each rank's TP piece of their gradients, as the reduce-scatter takes it, is off at step 1
-    reduced = {r["name"] for r in everything if r["check"] == "grad.accum" and r["verdict"] == "FAIL" and r["step"] == "1"}
+    reduced = {r["name"] for r in everything
+               if r["check"] == "grad.accum" and r["verdict"] == "FAIL" and r["step"] == "1"}
     assert {"blocks.0.mlp.up.weight", "blocks.1.mlp.down.weight"} <= reduced
     assert [(r["name"], r["step"]) for r in everything if r["check"] == "stage"] == [("gather", "1")]
 

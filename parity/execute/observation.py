@@ -159,8 +159,8 @@ class ContractsSeen:
     (:func:`parity.execute.probes.gathered_read`)."""
     all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = field(default_factory=dict)
     """Per step, per segment of the loop (``mb1/forward``, ``mb0/backward`` ...), per parameter:
-    each distinct (dtype, sum of |values|, sum of values) an all-gather's output held once FSDP
-    copied it out -- every all-gather of the training loop, later micro-batches' forwards and
+    each distinct (dtype, sum of |values|, sum of values[, region of a TP shard]) an all-gather's
+    output held once FSDP copied it out -- every all-gather of the training loop, later micro-batches' forwards and
     backward re-gathers included."""
     policies: dict[str, dict[str, object]] = field(default_factory=dict)
     """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
@@ -180,8 +180,8 @@ class ContractsSeen:
     accumulated: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
     """(step, micro-batch) -> parameter FQN -> what that micro-batch's reductions took as input on
     this rank, where its backward synchronized, or its unsharded accumulated gradient after it,
-    inside a no-sync window (unscaled, in FP64 where a loss scale was divided out; plain tensors
-    only: a tensor-parallel parameter's is a DTensor and is not recorded)."""
+    inside a no-sync window (unscaled, in FP64 where a loss scale was divided out; a
+    tensor-parallel weight's is this rank's TP piece, placed by ``accum_regions``)."""
     shards: dict[tuple[int, int], "PackedShards"] = field(default_factory=dict)
     """(step, micro-batch) -> this rank's sharded gradients as the reductions of every
     synchronizing backward left them (reduce-scatter, HSDP's replica all-reduce and the

@@ -140,8 +140,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
-    _fault("moments_held_bf16", "AdamW keeps its moments at BF16 precision (AdamW._init_group on the compute-dtype "
-           "copy): each update is right, the state kept for the next step is not",
+    _fault("moments_held_bf16", "AdamW's moments are rounded to BF16 precision after every step (torch.optim.AdamW."
+           "step, state held at the compute dtype's precision): each update is right, the state kept is not",
            {"optim.moments", "param"}, _KDA2, patch=p.moments_held_bf16),
     _fault("misfile_optimizer_state", "DCP files one parameter's optimizer state under another FQN (get_state_dict)",
            {"optim.state", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "legacy", "ranks": 2},

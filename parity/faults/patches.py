@@ -217,8 +217,8 @@ def perturb_param():
 
 
 def moments_held_bf16():
-    """AdamW keeps its moments at BF16 precision (state created from the compute-dtype copy of a
-    sharded parameter, AdamW._init_group): each step's update is computed right, then the state it
+    """AdamW's moments are rounded to BF16 precision after every step (``AdamW.step``: state held
+    at the compute dtype's precision): each step's update is computed right, then the state it
     keeps for the next step is rounded -- the parameters go wrong one step later."""
     def make(orig):
         def step(self, *args, **kwargs):

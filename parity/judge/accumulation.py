@@ -3,8 +3,8 @@ window, micro-batch by micro-batch, as it accumulates.
 
 The gradient the optimizer steps with (``grad``) shows a fault before the reduction only after
 it, mixed with every rank's; this check reads each rank's side. On every mesh (a
-tensor-parallel weight's gradient as the rank's TP piece, against that piece), what every synchronizing backward's reductions take as input (read as
-``foreach_reduce`` begins) and, with ``set_requires_gradient_sync(False)``, each rank's unsharded
+tensor-parallel weight's gradient as the rank's TP piece, against that piece), what every
+synchronizing backward's reductions take as input (read as ``foreach_reduce`` begins) and, with ``set_requires_gradient_sync(False)``, each rank's unsharded
 gradient after every micro-batch of the window (recorded by
 :meth:`parity.execute.probes.Recorder.after_backward`), divided by the loss scale, are compared
 with the emulated rank's (:attr:`parity.judge.reference.ReferenceRun.accumulated`: its own
@@ -22,7 +22,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison
+from parity.judge.compare import Comparison, piece
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
@@ -34,15 +34,7 @@ def badness(r: Record) -> tuple[bool, float]:
     return r.verdict != Verdict.PASS, ratio
 
 
-def judged(cell: Cell) -> bool:
-    """Cells whose unsharded gradients are judged: every mesh (a tensor-parallel weight's as the
-    rank's TP piece, against the same piece of the emulated gradient)."""
-    return True
-
-
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:
-    if not judged(cell):
-        return []
     rows = []
     topo = cell.topology()
     for (step, mb), per_rank in sorted(ref.accumulated.items()):
@@ -53,9 +45,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                 if fqn not in per_rank[d]:  # this rank's data gave it nothing to accumulate yet
                     continue
                 want, scale = per_rank[d][fqn]
-                piece = o.contracts.accum_regions.get(fqn)
-                if piece:
-                    want = want[tuple(slice(offset, offset + n) for offset, n in piece)]
+                want = piece(want, o.contracts.accum_regions.get(fqn, ()))
                 got = o.contracts.accumulated.get((step, mb), {}).get(fqn, torch.zeros(0))
                 terms = mb + 1 if cell.accumulating else 1  # a window's micro-batches, or this one's
                 allow = tolerance.gradient(want.dtype, want.dtype, terms, scale)

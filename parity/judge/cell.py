@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge import (accumulation, composition, contracts, coverage, gathered, moments, partials, quantized, shards,
-                          stages, tensor_parallel)
+from parity.judge import (accumulation, composition, contracts, coverage, gathered, moments, partials, quantized,
+                          shards, stages, tensor_parallel)
 from parity.judge import plan as plan_check
 from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
 from parity.judge.record import Record, Verdict

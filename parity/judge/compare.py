@@ -41,6 +41,12 @@ def replicated(plan: PrecisionPlan, fqn: str, value, whole: bool) -> bool:
     return whole or bool(entry and entry.ownership == "ignored") or not isinstance(value, torch.Tensor) or value.dim() == 0
 
 
+def piece(t: torch.Tensor, region: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The part of the whole tensor ``t`` a rank holds, ``region`` ``((offset, length), ...)`` per
+    dimension (:func:`parity.execute.probes.region`); all of ``t`` for an empty region."""
+    return t[tuple(slice(offset, offset + n) for offset, n in region)] if region else t
+
+
 def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict], whole: bool = False) -> torch.Tensor:
     """The full tensor of ``fqn`` from each rank's local piece: FSDP2 shards dim 0 in rank
     order, so local shards concatenate; ignored parameters (and scalars such as an

@@ -33,7 +33,6 @@ records; it is reported as a ``no-gradient`` finding instead.
 
 from __future__ import annotations
 
-from parity.judge import accumulation
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
@@ -86,8 +85,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         if fmt != "none":
             kind = "quant.scale" if fmt == "fp8-tensorwise" else "quant.blocks"
             out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
-    if accumulation.judged(cell) and any(
-            t.ownership == "managed" and t.trainable_from == 0 for t in trained):
+    if any(t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
     if loss_scale(plan.config.param_dtype) != 1.0 and trained:
         out.append(("optim.moments", None, None))

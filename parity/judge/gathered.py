@@ -27,6 +27,7 @@ from dataclasses import replace
 
 
 from parity.execute.observation import Observation, value_sums
+from parity.judge.compare import piece
 from parity.judge.record import Record
 from parity.judge.rows import contract_row
 from parity.matrix.cell import Cell
@@ -63,8 +64,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                         continue
                     judged += 1
                     got, region = got[:2], (got[2] if len(got) > 2 else ())
-                    piece = master[tuple(slice(o, o + n) for o, n in region)] if region else master
-                    want = value_sums(piece.to(parse_dtype(dtype)))
+                    want = value_sums(piece(master, region).to(parse_dtype(dtype)))
                     if not _close(tuple(got), want):
                         problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "
                                         f"before the step gives {want[0]:.9g} in {dtype}")

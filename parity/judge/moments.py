@@ -9,11 +9,14 @@ step, on every rank (each rank's shard, reassembled), against the replayed optim
 sees the same gradients and so holds the same state: a moment stored coarser, updated twice or
 filed under another parameter is named at the step and tensor where it happened.
 
-The allowance is one last rounding in the state's own dtype (the same element-wise update, on a
-shard or on the whole tensor, may differ by a rounding where vectorized and scalar code paths
-fuse differently). A state tensor the reference holds and the run does not, or the other way
+The allowance is one last rounding in the state's own dtype per step so far (the same
+element-wise update, on a shard or on the whole tensor, may differ by a rounding where vectorized
+and scalar code paths fuse differently, and the replay carries its own state: differences add
+up, at most one rounding per update; :func:`parity.judge.tolerance.carried_roundings`). On this
+machine every such record has been exact. A state tensor the reference holds and the run does not, or the other way
 round, FAILs (missing or unexpected evidence), and so does a moment the reference owes that
-neither holds (:func:`owed`: the optimizer never stepped the parameter). Scalars (``step``) are the checkpoint's to judge
+neither holds (:func:`owed`: the optimizer never stepped the parameter).
+Scalars (``step``) are the checkpoint's to judge
 (``optim.state``).
 """
 
@@ -76,6 +79,6 @@ def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.T
                                                    "replayed on its gradients: the optimizer never stepped a "
                                                    "parameter the reference trains")
     got, want = (torch.zeros(0) if x is None else x for x in (got, want))
-    allow = tolerance.last_rounding(want.dtype if want.numel() else got.dtype, amax(want))
+    allow = tolerance.carried_roundings(want.dtype if want.numel() else got.dtype, amax(want), step + 1)
     row = Comparison(step, CHECK, f, got, want, allow).record(base)
     return dataclasses.replace(row, detail=f"{key}: {row.detail}")

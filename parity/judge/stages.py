@@ -118,7 +118,8 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
     within = sorted({r.check for r in records if r.verdict == Verdict.PASS and stage_of(r)
                      and _position(r, steps) == first} - failed)
     detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}: {worst.check} {worst.name}"
-              f"{ratio}{_where(worst)}; {len(here)} failing record(s) there; held before it: {', '.join(held) or 'nothing'}"
+              f"{ratio}{_where(worst)}; {len(here)} failing record(s) there; "
+              f"held before it: {', '.join(held) or 'nothing'}"
               f"{'; held within it: ' + ', '.join(within) if within else ''}")
     return Record(**base, check="stage", name=stage, step=step if stage in _STEPPED else "",
                   observed=worst.observed, allowed=worst.allowed, ratio=worst.ratio, dtype=worst.dtype,

@@ -40,6 +40,13 @@ def _fmt(n: float, u_dtype: torch.dtype, scale: float) -> str:
     return f"{n:g} x u({dtype_name(u_dtype)}) x {scale:.3g}"
 
 
+def carried_roundings(dtype: torch.dtype, scale: float, steps: int) -> Allowance:
+    """State carried across ``steps`` updates (an optimizer's moments), each update element-wise
+    and agreeing up to its last rounding: the differences add at most one rounding per update
+    (a moment decays what it carries), <= steps x 2u|x|."""
+    return Allowance(2 * steps * unit_roundoff(dtype) * scale, dtype, _fmt(2 * steps, dtype, scale))
+
+
 def last_rounding(dtype: torch.dtype, scale: float) -> Allowance:
     """Two computations agreeing up to a final correctly rounded op differ by <= 1 ulp
     (<= 2u|x|). Used for outputs and input gradients."""
