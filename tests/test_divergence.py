@@ -157,3 +157,5 @@ def test_a_trace_document_keeps_the_first_tensors_up_to_its_cap_and_counts_the_r
     assert len(whole["tensors"]) == 12 and whole["dropped"] == 0
     capped = trace_document(cell, pairs, cap=5)
     assert capped["tensors"] == whole["tensors"][:5] and capped["dropped"] == 7
+    located = trace_document(cell, pairs, cap=5, keep={(1, 0, "input_grad", "m0")})  # the located one stays
+    assert capped["tensors"] + [whole["tensors"][-1]] == located["tensors"] and located["dropped"] == 6

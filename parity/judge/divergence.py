@@ -171,21 +171,23 @@ def _summary(t: torch.Tensor) -> dict:
 
 
 #: The most tensors a trace document summarizes (each is hashed whole): the first in execution
-#: order are kept, the rest counted in its ``dropped``. The ``divergence`` record judges them all.
+#: order are kept, and the ones the ``divergence`` record names, the rest counted in its
+#: ``dropped``. The record judges them all.
 TRACE_CAP = 4000
 
 
-def trace_document(cell: Cell, pairs, layout: Layout = Layout(), cap: int = TRACE_CAP) -> dict:
+def trace_document(cell: Cell, pairs, layout: Layout = Layout(), cap: int = TRACE_CAP, keep=frozenset()) -> dict:
     """Every rank's micro-batches of the traced step, module by module (forward order, then
     backward order): each tensor's summary on the sharded run and in the reference, their largest
-    difference and the allowance it was judged against, at most ``cap`` of them. Written as
+    difference and the allowance it was judged against, at most ``cap`` of them besides those in
+    ``keep`` ((micro-batch, rank, kind, module): the located ones). Written as
     ``traces/<cell>.json`` beside ``cells.csv``."""
     entries, dropped = [], 0
     for mb, rank, sharded, reference in pairs:
         for kind, got_all, want_all in (("output", sharded.outputs, reference.outputs),
                                         ("input_grad", sharded.input_grads, reference.input_grads)):
             for order, (fqn, got) in enumerate(got_all.items()):
-                if len(entries) >= cap:
+                if len(entries) >= cap and (mb, rank, kind, fqn) not in keep:
                     dropped += 1
                     continue
                 want = want_all.get(fqn)
@@ -223,13 +225,14 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
                              clip_norms=run.grad_norms if run else None)
     pairs = _pairs(cell, observations, ref)
     layout = Layout.of(cell, first.plan, emulated.tp_partials)
-    if document is not None:  # a trace that cannot be summarized must not cost the located record
-        try:
-            document.update(trace_document(cell, pairs, layout))
-        except Exception as exc:  # noqa: BLE001
-            document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
     skipped: set[str] = set()
     fwd, bwd = _first(pairs, 0, skipped, layout), _first(pairs, 1, skipped, layout)
+    if document is not None:  # a trace that cannot be summarized must not cost the located record
+        keep = {(h[0], h[3], kind, h[4]) for h, kind in ((fwd, "output"), (bwd, "input_grad")) if h is not None}
+        try:
+            document.update(trace_document(cell, pairs, layout, keep=keep))
+        except Exception as exc:  # noqa: BLE001
+            document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
     where = min((h for h in (fwd, bwd) if h is not None), default=None)
     unjudged = (f"; {len(skipped)} tensor(s) not judged (e.g. {sorted(skipped)[0]}): the ranks hold partial "
                 "sums of them on this mesh the reference did not emulate") if skipped else ""
