@@ -160,8 +160,8 @@ class ContractsSeen:
     all_gathers: dict[int, dict[str, dict[str, list[tuple[str, float, float]]]]] = field(default_factory=dict)
     """Per step, per segment of the loop (``mb1/forward``, ``mb0/backward`` ...), per parameter:
     each distinct (dtype, sum of |values|, sum of values[, region of a TP shard]) an all-gather's
-    output held once FSDP copied it out -- every all-gather of the training loop, later micro-batches' forwards and
-    backward re-gathers included."""
+    output held once FSDP copied it out -- every all-gather of the training loop, later
+    micro-batches' forwards and backward re-gathers included."""
     policies: dict[str, dict[str, object]] = field(default_factory=dict)
     """Unit root -> the MixedPrecisionPolicy fields FSDP holds."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)

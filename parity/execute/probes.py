@@ -27,6 +27,7 @@ from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot,
 from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
+from parity.model.topology import local_region
 from parity.paths import apply
 from parity.paths.base import ShardReport
 from parity.paths.units import module_index
@@ -48,13 +49,8 @@ def gathered_read(t: torch.Tensor) -> tuple:
 
 
 def region(t: DTensor) -> tuple[tuple[int, int], ...]:
-    """Where this rank's local piece of ``t`` sits in the whole tensor, ``((offset, length), ...)``
-    per dimension, by torch's own placement rule."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    shape, offset = _compute_local_shape_and_global_offset(tuple(t.shape), t.device_mesh.shape,
-                                                           t.device_mesh.get_coordinate(), t.placements)
-    return tuple(zip(offset, shape))
+    """Where this rank's local piece of ``t`` sits in the whole tensor (:func:`local_region`)."""
+    return local_region(t.shape, t.device_mesh.shape, t.device_mesh.get_coordinate(), t.placements)
 
 
 def names_snapshot(model: nn.Module) -> NamesSnapshot:
@@ -338,11 +334,8 @@ class Recorder:
             current[:] = list(fsdp_params)
             if recorder.reading_reduce and args:  # args[0]: the unsharded gradients it reduces
                 for fp, grad in zip(fsdp_params, args[0]):  # a TP weight's: its local TP piece
-                    if isinstance(grad, DTensor):
-                        continue
-                    if isinstance(fp.unsharded_param, DTensor):
-                        recorder.regions[recorder._fqn(fp)] = region(fp.unsharded_param)
-                    recorder._reduce_inputs[recorder._fqn(fp)] = grad.detach().cpu().clone()
+                    fqn = recorder._fqn(fp)
+                    recorder._reduce_inputs[fqn] = recorder._held(fqn, grad, fp.unsharded_param).detach().cpu().clone()
             out = recorder._orig_reduce(fsdp_params, *args, **kwargs)
             group = args[1] if len(args) > 1 else None
             if group is None or group.size() == 1:  # no collective: the buffer it would reduce
@@ -362,6 +355,13 @@ class Recorder:
     def _fqn(self, fsdp_param) -> str:
         """An FSDP parameter's canonical FQN (FSDP's own name where the model's is not known)."""
         return self._fqn_of.get(id(fsdp_param.sharded_param), getattr(fsdp_param, "_param_fqn", "?"))
+
+    def _held(self, fqn: str, grad: torch.Tensor, placed: torch.Tensor) -> torch.Tensor:
+        """``grad`` as this rank holds it: of a tensor-parallel weight (``placed``, its unsharded
+        parameter or gradient, a DTensor) the local piece, its region noted in :attr:`regions`."""
+        if isinstance(placed, DTensor):
+            self.regions[fqn] = region(placed)
+        return grad.to_local() if isinstance(grad, DTensor) else grad
 
     def _note(self, table: dict[str, set[str]], fsdp_param, dtype: str) -> None:
         table.setdefault(self._fqn(fsdp_param), set()).add(dtype)
@@ -404,9 +404,7 @@ class Recorder:
             if grad is not None:
                 fqn = self._fqn_of.get(id(fp.sharded_param), "?")
                 self.accum.setdefault(fqn, set()).add(dtype_name(grad.dtype))
-                if isinstance(grad, DTensor):  # a TP weight's: its local TP piece
-                    self.regions[fqn] = region(grad)
-                    grad = grad.to_local()
+                grad = self._held(fqn, grad, grad)  # a TP weight's: its local TP piece
                 self.accumulated.setdefault((step, mb), {})[fqn] = unscaled(grad.detach().cpu().clone(), scale)
 
     def close(self) -> None:

@@ -3,9 +3,9 @@
 An observation holds a few hundred small tensors. ``torch.save`` writes each one as a record of a
 zip archive and ``torch.load`` restores each through the serializer's per-tensor machinery (device
 and fake-mode lookups): ~13 ms each way for 300 tensors of 128 elements; the parent, which every
-rank waits on, spent a sixth of its CPU time on the ``configs`` matrix loading observations. Plain CPU tensors
-(exactly :class:`torch.Tensor`, strided, no autograd) travel instead as (bytes, dtype, shape):
-~2 ms each way. Values, dtypes and shapes arrive unchanged, of every dtype (the bytes are the
+rank waits on, spent a sixth of its CPU time on the ``configs`` matrix loading observations.
+Plain CPU tensors (exactly :class:`torch.Tensor`, strided, no autograd) travel instead as
+(bytes, dtype, shape): ~2 ms each way. Values, dtypes and shapes arrive unchanged, of every dtype (the bytes are the
 elements' own); what does not arrive is storage sharing between different views (each arrives
 as its own contiguous tensor; the same tensor object referenced twice stays one object, by
 pickle's memo) and strides. Any other object -- a parameter, a DTensor, a CUDA tensor, a tensor

@@ -300,7 +300,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},
            quiet={"unshard_in_backward": "all"}, patch=kp.unshard_in_backward_not_stored),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "
-           "BF16 weights keep BF16 gradients instead of FP32", {"optim.moments", "dtype.grad", "grad", "grad_norm", "param", "grad.shard"}, _GRAD_DTYPE,
+           "BF16 weights keep BF16 gradients instead of FP32",
+           {"optim.moments", "dtype.grad", "grad", "grad_norm", "param", "grad.shard"}, _GRAD_DTYPE,
            quiet={"fixture": "kda"}, patch=kp.grad_dtype_dropped),
     _fault("frozen_unit_reduces_bf16", "a unit entirely frozen at its first forward keeps reducing in param_dtype "
            "after it is unfrozen (FSDPParamGroup._init_mp_dtypes)",

@@ -4,8 +4,9 @@ window, micro-batch by micro-batch, as it accumulates.
 The gradient the optimizer steps with (``grad``) shows a fault before the reduction only after
 it, mixed with every rank's; this check reads each rank's side. On every mesh (a
 tensor-parallel weight's gradient as the rank's TP piece, against that piece), what every
-synchronizing backward's reductions take as input (read as ``foreach_reduce`` begins) and, with ``set_requires_gradient_sync(False)``, each rank's unsharded
-gradient after every micro-batch of the window (recorded by
+synchronizing backward's reductions take as input (read as ``foreach_reduce`` begins) and,
+with ``set_requires_gradient_sync(False)``, each rank's unsharded gradient after every
+micro-batch of the window (recorded by
 :meth:`parity.execute.probes.Recorder.after_backward`), divided by the loss scale, are compared
 with the emulated rank's (:attr:`parity.judge.reference.ReferenceRun.accumulated`: its own
 gradient in the reduce dtype, or the window's accumulation), with the allowance of a sum of that

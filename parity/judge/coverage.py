@@ -37,7 +37,7 @@ from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, tp_reductions
-from parity.model.recipe import loss_scale, optimizer_recipe, rescales_gradients
+from parity.model.recipe import optimizer_recipe, owed_moments, rescales_gradients
 
 #: Owed records a cell's coverage row names at most (the count says how many more).
 NAMED = 8
@@ -50,6 +50,9 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
     layers and the cell's ``weights`` axis, not from the plan the worker resolved."""
     out: list[tuple] = []
     trained = [t for t in plan.params if t.requires_grad and t.fqn not in no_gradient]
+    # the optimizer's state after each step: a record per parameter it stepped, or, where a
+    # loss-scaled step may be skipped (no state yet), any such record
+    by_name = bool(owed_moments(cell.optimizer, plan.config.param_dtype))
     for step in range(cell.steps):
         for r in range(cell.ranks):
             for mb in range(cell.microbatches):
@@ -65,13 +68,10 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
         if cell.clip:
             out.append(("clip", "global", step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
-        # the optimizer's state after the step: the recipe's moments of every parameter it stepped
-        # (a loss-scaled step may be skipped, holding no state yet: then any such record)
-        moment_keys = optimizer_recipe(cell.optimizer).moments if loss_scale(plan.config.param_dtype) == 1.0 else ()
         for t in trained:
             if t.trainable_from <= step:
                 out += [("grad", t.fqn, step), ("param", t.fqn, step)] + ([("grad.clipped", t.fqn, step)] if staged else [])
-                out += [("optim.moments", t.fqn, step)] if moment_keys else []
+                out += [("optim.moments", t.fqn, step)] if by_name else []
                 if t.ownership == "managed":
                     out.append(("grad.shard", t.fqn, step))
                     if cell.mesh == "hsdp":
@@ -87,7 +87,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
     if any(t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
-    if loss_scale(plan.config.param_dtype) != 1.0 and trained:
+    if not by_name and optimizer_recipe(cell.optimizer).moments and trained:
         out.append(("optim.moments", None, None))
     if cell.topology().tp > 1:
         out += [("tp.partial", key, step) for key in tp_reductions(plan) for step in range(cell.steps)]

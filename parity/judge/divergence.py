@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import amax, assemble, max_abs
+from parity.judge.compare import amax, assemble, max_abs, piece
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import run_reference
 from parity.matrix.cell import Cell
 from parity.model.registry import get_fixture
+from parity.model.topology import local_region
 from parity.model.trace import Trace
 
 #: Checks whose failure asks where the cell diverged first.
@@ -88,12 +89,8 @@ class Layout:
             return None
         if len(got.placements) != 1 or self.tp <= 1:  # an activation lives on the tp dimension alone
             return None
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
         # the parent has no process group to ask the mesh: the rank's tp coordinate, row-major
-        shape, offset = _compute_local_shape_and_global_offset(tuple(want.shape), (self.tp,), [rank % self.tp],
-                                                               got.placements)
-        return got.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        return got.to_local(), piece(want, local_region(want.shape, (self.tp,), [rank % self.tp], got.placements))
 
 
 def _compared(held: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float] | None:

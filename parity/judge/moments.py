@@ -13,11 +13,10 @@ The allowance is one last rounding in the state's own dtype per step so far (the
 element-wise update, on a shard or on the whole tensor, may differ by a rounding where vectorized
 and scalar code paths fuse differently, and the replay carries its own state: differences add
 up, at most one rounding per update; :func:`parity.judge.tolerance.carried_roundings`). On this
-machine every such record has been exact. A state tensor the reference holds and the run does not, or the other way
-round, FAILs (missing or unexpected evidence), and so does a moment the reference owes that
-neither holds (:func:`owed`: the optimizer never stepped the parameter).
-Scalars (``step``) are the checkpoint's to judge
-(``optim.state``).
+machine every such record has been exact. A state tensor the reference holds and the run does
+not, or the other way round, FAILs (missing or unexpected evidence), and so does a moment the
+reference owes that neither holds (:func:`owed`: the optimizer never stepped the parameter).
+Scalars (``step``) are the checkpoint's to judge (``optim.state``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from parity.judge.compare import Assembled, Comparison, amax
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import loss_scale, optimizer_recipe
+from parity.model.recipe import owed_moments
 
 CHECK = "optim.moments"
 
@@ -41,11 +40,9 @@ CHECK = "optim.moments"
 def owed(cell: Cell, plan: PrecisionPlan, ref_grads: list[dict[str, torch.Tensor]]) -> set[tuple[int, str, str]]:
     """(step, state key, fqn) the optimizer must hold after each step, from the reference, not
     from the run: every moment the optimizer recipe keeps, of every parameter the reference
-    differentiated at that step or before (a moment, once made, stays). A loss-scaled cell owes
-    none by name: its first steps may be skipped on overflow, making no state yet."""
-    if loss_scale(plan.config.param_dtype) != 1.0:
-        return set()
-    keys, seen, out = optimizer_recipe(cell.optimizer).moments, set(), set()
+    differentiated at that step or before (a moment, once made, stays); none by name on a
+    loss-scaled cell (:func:`parity.model.recipe.owed_moments`)."""
+    keys, seen, out = owed_moments(cell.optimizer, plan.config.param_dtype), set(), set()
     for step, grads in enumerate(ref_grads):
         seen |= set(grads)
         out |= {(step, key, f) for f in seen for key in keys}

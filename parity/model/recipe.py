@@ -121,6 +121,13 @@ def owner_reduction(reduction: str, ignored_reduction: str) -> str:
     return "sum" if reduction == "sum" else ignored_reduction
 
 
+def owed_moments(optimizer: str, param_dtype: torch.dtype) -> tuple[str, ...]:
+    """The moments an optimizer step must leave for every parameter it stepped, by name: the
+    recipe's, except under a loss scale, whose first steps may be skipped on overflow (no state
+    made yet; such a cell owes some moment, not each one)."""
+    return OPTIMIZERS[optimizer].moments if loss_scale(param_dtype) == 1.0 else ()
+
+
 def state_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
                   keep=lambda t: t.detach().cpu().clone()) -> dict[str, dict[str, torch.Tensor]]:
     """An optimizer's per-parameter state tensors, state key -> parameter name (``names``: by

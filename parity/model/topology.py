@@ -72,3 +72,14 @@ class Topology:
         if self.name != "hsdp":
             return [list(range(self.data_world))]
         return [list(range(r * INNER, (r + 1) * INNER)) for r in range(self.world // INNER)]
+
+
+def local_region(shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, int], ...]:
+    """Where the piece a rank at ``coordinate`` of a mesh of ``mesh_shape`` holds of a tensor of
+    ``shape`` placed by ``placements`` sits in the whole, ``((offset, length), ...)`` per
+    dimension: torch's own placement rule (DTensor's local shape and global offset)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    local, offset = _compute_local_shape_and_global_offset(tuple(shape), tuple(mesh_shape), list(coordinate),
+                                                           placements)
+    return tuple(zip(offset, local))
