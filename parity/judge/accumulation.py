@@ -17,22 +17,15 @@ judged. A rank that recorded nothing where the reference had a term is missing e
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, piece
-from parity.judge.record import Record, Verdict
+from parity.judge.record import Record, badness
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
-
-
-def badness(r: Record) -> tuple[bool, float]:
-    """How bad a record is, for keeping the worst rank's: failing first, then by ratio (NaN worst)."""
-    ratio = r.ratio if isinstance(r.ratio, float) and not math.isnan(r.ratio) else math.inf
-    return r.verdict != Verdict.PASS, ratio
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

@@ -27,9 +27,8 @@ import math
 import torch
 
 from parity.judge import tolerance
-from parity.judge.accumulation import badness
 from parity.judge.compare import Assembled, Comparison, amax
-from parity.judge.record import Record, Verdict
+from parity.judge.record import Record, Verdict, badness
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import owed_moments

@@ -124,3 +124,9 @@ def explained(verdict: Verdict, allowed: float, signal: float, detail: str) -> s
     why = (f"inconclusive: the allowance is {vacuity(allowed, signal):.2g} of the change it judges ({signal:.3g}), "
            f"at least {BAR:g}: too small a change to tell a bug from rounding (more steps settle it)")
     return "; ".join(x for x in (why, detail) if x)
+
+
+def badness(r: Record) -> tuple[bool, float]:
+    """How bad a record is, for keeping the worst rank's: failing first, then by ratio (NaN worst)."""
+    ratio = r.ratio if isinstance(r.ratio, float) and not math.isnan(r.ratio) else math.inf
+    return r.verdict != Verdict.PASS, ratio
