@@ -74,6 +74,24 @@ def test_on_fsdp_x_tp_each_rank_s_slice_of_a_colwise_output_is_judged():
     assert "not judged" not in record.detail
 
 
+def test_on_fsdp_x_tp_the_colwise_partial_input_gradients_fail_when_backward_computes_with_stale_weights():
+    """The judged Partial input gradients can fail: a backward all-gather that hands compute step
+    0's weights again (FSDP-side fault) makes each colwise layer's partial at step 1 differ from
+    the emulated chunk of the run's own weights."""
+    pool = RankPool(4)
+    try:
+        cell = Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", trace=True, trace_step=1,
+                    faults=("backward_gather_stale",))
+        document: dict = {}
+        record = locate(cell, pool.run(cell, 180), base_fields(cell), document=document)
+    finally:
+        pool.stop()
+    assert record.verdict == "FAIL"
+    partial = [t for t in document["tensors"] if t["kind"] == "input_grad" and t["module"].endswith("mlp.up")]
+    assert len(partial) == 8 and all(t["sharded"]["placements"] == ["P(sum)"] for t in partial)
+    assert any(t["max_abs_diff"] > t["allowed"] for t in partial)
+
+
 @pytest.mark.parametrize("mesh", ["hsdp", "ep"])
 def test_on_hsdp_and_expert_parallel_meshes_the_traced_rerun_of_a_correct_cell_reports_nothing(mesh):
     """Replicated shard groups (HSDP) and experts owned by another parallelism (EP): every rank's
