@@ -91,7 +91,7 @@ def test_a_parameter_without_gradient_is_a_model_finding_not_a_dtype_defect(run_
     about_router = [r for r in own if r["name"] == "router" and r["check"] in ("dtype.reduce", "trajectory")]
     assert about_router and {r["verdict"] for r in about_router} == {"SKIP"}
     assert {r["check"] for r in own if r["verdict"] == "FAIL"} == {"no-gradient", "stage"}
-    assert {r["name"] for r in own if r["check"] == "stage"} == {"checkpoint"}  # where it went wrong first
+    assert {r["name"] for r in own if r["check"] == "stage"} == {"checkpoint-load"}  # where it went wrong first
     assert {r["check"] for r in own if r["verdict"] == "ERROR"} <= {"checkpoint.same", "checkpoint.cross"}
     assert {r["verdict"] for r in own if r["check"] == "coverage"} == {"PASS"}
 

@@ -1,10 +1,12 @@
 """Generated from the fault registry: each fault is flagged by exactly the checks it declares."""
 
+import fnmatch
 import pathlib
+import re
 
 import pytest
 
-from parity.faults import FAULTS
+from parity.faults import ACTS_ON, FAULTS
 from parity.matrix.cell import Cell
 
 #: The hang is judged by silence, with a timeout measured on this machine (test_integration).
@@ -136,6 +138,52 @@ def test_localization_accuracy_over_the_registry():
         assert f"the {stopping} that stop a cell" in text, doc
 
 
+#: Faults confined to some tensors whose ``stage`` record names none of them, and why.
+TENSOR_UNNAMED = {
+    "tp_shards_swapped_on_load": "its first divergence is the load's own all-gather (a collective, no one tensor's); "
+                                 "the load's checkpoint.loaded records name the weight next",
+}
+
+
+def _located_tensor(records, name: str) -> list[str]:
+    target = Cell(**FAULTS[name].cell, faults=(name,)).id
+    return [m.group(1) if (m := re.search(r"; tensor (\S+);", r["detail"])) else ""
+            for r in records if r["cell"] == target and r["check"] == "stage"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xdist_group("faults-a" if n in HALVES["a"] else "faults-b"))
+    for n in ACTS_ON if n not in TENSOR_UNNAMED])
+def test_a_fault_confined_to_some_tensors_is_located_at_one_of_them(request, name):
+    """Top-1 by tensor: the ``stage`` record names a tensor the fault acts on (:data:`ACTS_ON`)."""
+    (tensor,) = _located_tensor(_records_of(request, name), name)
+    assert any(fnmatch.fnmatchcase(tensor, p) for p in ACTS_ON[name]), (tensor, ACTS_ON[name])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a" if "tp_shards_swapped_on_load" in HALVES["a"] else "faults-b")
+def test_a_tensor_the_stage_record_cannot_name_is_named_by_the_stage_s_next_records(request):
+    name = "tp_shards_swapped_on_load"
+    target = Cell(**FAULTS[name].cell, faults=(name,)).id
+    rows = [r for r in _records_of(request, name) if r["cell"] == target]
+    assert _located_tensor(rows, name) == [""] and [r["name"] for r in rows if r["check"] == "stage"] == \
+        ["checkpoint-load"]
+    loaded = {r["name"].split("/")[1] for r in rows if r["check"] == "checkpoint.loaded" and r["verdict"] == "FAIL"}
+    assert loaded and all(any(fnmatch.fnmatchcase(t, p) for p in ACTS_ON[name]) for t in loaded), loaded
+
+
+def test_tensor_localization_over_the_registry():
+    """What README and docs/usage.md state: of the faults confined to some tensors, how many the
+    ``stage`` record names one of (each held to it above)."""
+    assert set(TENSOR_UNNAMED) <= set(ACTS_ON) <= set(FAULTS)
+    named = len(ACTS_ON) - len(TENSOR_UNNAMED)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for doc in ("README.md", "docs/usage.md"):
+        text = " ".join((root / doc).read_text().split())
+        assert f"{named} of the {len(ACTS_ON)} faults confined to some tensors" in text, doc
+
+
 def test_every_check_kind_has_a_fault():
     flagged = set().union(*(f.flags for f in FAULTS.values()))
     assert {"output", "input_grad", "grad", "grad_norm", "param", "unit.policy", "dtype.storage", "dtype.compute",
@@ -145,7 +193,7 @@ def test_every_check_kind_has_a_fault():
             "dtype.tp_reduce", "ownership", "quant.gather", "quant.refresh", "quant.scale", "quant.blocks",
             "quant.values", "plan", "ranks", "clip", "eval", "eval.reshard", "state_dict", "collectives",
             "checkpoint.moved", "gathered", "placement", "dtype.grad", "grad.accum", "grad.clipped",
-            "grad.shard"} <= flagged
+            "grad.shard", "checkpoint.saved", "checkpoint.loaded"} <= flagged
 
 
 def test_no_fault_name_appears_in_production_modules():

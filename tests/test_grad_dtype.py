@@ -79,8 +79,13 @@ def test_the_grad_dtype_matrix_trains_fp32_gradients_and_finds_the_resume_narrow
     bad = rows[~rows["verdict"].isin(["PASS", "SKIP", "UNPAIRED"])]
     located = bad[bad["check"] == "stage"]  # where each failing cell went wrong first: the checkpoint
     bad = bad[bad["check"] != "stage"]
-    assert result.code == 1 and set(bad["check"]) == {"checkpoint.same", "checkpoint.cross", "checkpoint.moved"}
-    assert set(located["name"]) == {"checkpoint"} and set(located["cell"]) == set(bad["cell"])
+    assert result.code == 1 and set(bad["check"]) == {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross",
+                                                      "checkpoint.moved"}
+    # the save held; the load narrowed the momentum (each loaded momentum_buffer entry is BF16)
+    assert set(located["name"]) == {"checkpoint-load"} and set(located["cell"]) == set(bad["cell"])
+    narrowed = bad[bad["check"] == "checkpoint.loaded"]
+    assert set(narrowed["name"].str.endswith("/momentum_buffer")) == {True}
+    assert set(narrowed["detail"].str.contains("saved float32")) == {True}
     named = bad[bad["name"].str.endswith(".momentum_buffer:dtype")]
     assert set(named["detail"].str.contains("expected float32, observed bfloat16")) == {True}
     own = rows[rows["path"].isin(["legacy", "native"])]  # not the cross-path pairs

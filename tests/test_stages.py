@@ -2,7 +2,7 @@
 named (issue 22). The faults' own stages are held to it in ``tests/test_faults.py``."""
 
 from parity.judge.record import Record, Verdict
-from parity.judge.stages import STAGE_OF, STAGES, first_stage, stage_of
+from parity.judge.stages import STAGE_OF, STAGES, coordinates, first_stage, stage_of
 
 BASE = dict(cell="c", fixture="kda", path="native")
 
@@ -62,9 +62,46 @@ def test_the_optimizer_segments_collectives_come_after_the_backwards_reductions(
     assert (got.name, got.step) == ("gradients", 0)
 
 
-def test_the_stage_names_the_rank_and_micro_batch_its_worst_record_names():
+def test_the_stage_names_the_rank_and_micro_batch_its_record_names():
     row = Record(**BASE, check="tp.partial", name="mlp.up@backward", step=1, verdict=Verdict.FAIL, ratio=9.0,
                  detail="rank 2, tp chunk 0 of data rank 1, micro-batch 1: 2 x u(float32) x 0.001")
     got = first_stage([row], 2, BASE)
-    assert "tp.partial mlp.up@backward (ratio 9) (rank 2, tp chunk 0 of data rank 1, micro-batch 1);" in got.detail
-    assert "(ratio 2);" in first_stage([_r("grad", "w", 0)], 2, BASE).detail  # a detail naming neither adds nothing
+    assert got.detail.startswith("first divergent stage: backward at step 1, micro-batch 1, rank 2: "
+                                 "tp.partial mlp.up@backward (ratio 9);"), got.detail
+    assert coordinates(_r("output", "rank1/mb0")) == (1, 0)
+    assert coordinates(_r("collectives", "mb2/backward")) == (None, 2)
+    # a record judging a whole tensor names neither
+    assert first_stage([_r("grad", "w", 0)], 2, BASE).detail.startswith("first divergent stage: gradients at step 0: grad w")
+
+
+def test_within_a_stage_the_first_micro_batch_then_the_first_check_wins_over_the_worst():
+    """A fault in micro-batch 0's accumulation is named there, not at micro-batch 2's larger
+    ratio; within one micro-batch the reduce-scatter's input comes before the shard it left."""
+    rows = [Record(**BASE, check="grad.accum", name="w", step=0, verdict=Verdict.FAIL, ratio=900.0,
+                   detail="rank 1 after micro-batch 2"),
+            Record(**BASE, check="grad.shard", name="v", step=0, verdict=Verdict.FAIL, ratio=5.0,
+                   detail="rank 0 after micro-batch 0"),
+            Record(**BASE, check="grad.accum", name="u", step=0, verdict=Verdict.FAIL, ratio=3.0,
+                   detail="rank 1 after micro-batch 0")]
+    got = first_stage(rows, 2, BASE)
+    assert got.detail.startswith("first divergent stage: collectives at step 0, micro-batch 0, rank 1: grad.accum u"), \
+        got.detail
+
+
+def test_the_checkpoint_is_three_stages_save_load_and_the_resumed_step():
+    """A checkpoint whose files differ from what was handed to the save is named at the save; one
+    loaded wrong at the load, however large the resumed step's ratios; collectives by phase."""
+    assert STAGES[-3:] == ("checkpoint-save", "checkpoint-load", "resumed")
+    saved = _r("checkpoint.saved", "entry:optim/w/exp_avg")
+    loaded = _r("checkpoint.loaded", "native:entry:optim/w/exp_avg")
+    resumed = _r("checkpoint.same", "native:param:w", ratio=1e9)
+    assert first_stage([resumed, loaded, saved], 2, BASE).name == "checkpoint-save"
+    assert first_stage([resumed, loaded], 2, BASE).name == "checkpoint-load"
+    assert first_stage([resumed], 2, BASE).name == "resumed"
+    assert [stage_of(_r("checkpoint.collectives", f"native:{p}")) for p in ("save", "load", "step")] == \
+        ["checkpoint-save", "checkpoint-load", "resumed"]
+    assert stage_of(_r("checkpoint.moved", "legacy:entry:model/w")) == "checkpoint-load"
+    assert stage_of(_r("checkpoint.moved", "legacy:param:w")) == "resumed"
+    failed = Record(**BASE, check="checkpoint.same", name="native", verdict=Verdict.ERROR,
+                    detail="checkpoint from native: rank 0: loading into native failed: KeyError")
+    assert stage_of(failed) == "checkpoint-load"

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parity.errors import IsolationError
-from parity.execute import collectives
+from parity.execute import collectives, dcp_files
 from parity.execute.observation import MarkerSeen, Observation, Resumed
 from parity.execute.training import build, freeze_schedule, observed, train_step
 from parity.faults import Injector
@@ -80,10 +80,11 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
     try:
         try:
-            _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
-                  heartbeat=heartbeat, segments=saving)
+            handed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
+                           heartbeat=heartbeat, segments=saving)
         except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
             return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
+        written, unread = _written(ckpt_dir[0]) if rank == 0 else ({}, "")
         for target in targets:
             try:
                 out[target] = _load_and_step(cell, target, ckpt_dir[0], rank=rank, world=world, mesh=mesh,
@@ -94,6 +95,8 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
         if cell.path in out:
             out[cell.path].collectives.update(saving.calls)
+            if rank == 0:
+                out[cell.path].saved, out[cell.path].written, out[cell.path].unread = handed, written, unread
     finally:
         if world > 1:
             dist.barrier()
@@ -110,6 +113,21 @@ def _state(s) -> dict:
     if s.scaler is not None:
         state["scaler"] = s.scaler.state_dict()
     return state
+
+
+def _value(v):
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+def snapshot(s) -> dict:
+    """Every entry of what a checkpoint of ``s`` holds, whole (:func:`parity.execute.dcp_files.flat`
+    names them): a collective over ``s``'s ranks, each of which gets every entry."""
+    opts = dcp_state_dict.StateDictOptions(full_state_dict=True)
+    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt, options=opts)
+    state = {"model": plain_state(msd), "optim": osd}
+    if s.scaler is not None:
+        state["scaler"] = s.scaler.state_dict()
+    return dcp_files.flat(state, _value)
 
 
 def save(s, ckpt: str, group=None) -> None:
@@ -149,31 +167,46 @@ def load(s, ckpt: str, group=None) -> None:
 
 
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat,
-          segments: collectives.Segments) -> None:
+          segments: collectives.Segments) -> dict:
     """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with
-    DCP; the save's collectives go to ``segments`` (``checkpoint/save``)."""
+    DCP; the save's collectives go to ``segments`` (``checkpoint/save``). Returns, on rank 0, every
+    entry as handed to DCP (:func:`snapshot`, taken outside the counted save)."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
+    handed = snapshot(first)
     with segments.counted(cell.resume_step, "checkpoint/save"):
         save(first, ckpt)
     heartbeat("checkpoint saved")
+    return handed if rank == 0 else {}
+
+
+def _written(ckpt: str) -> tuple[dict, str]:
+    """What the checkpoint's files hold (:func:`parity.execute.dcp_files.read`), or why they could
+    not be read."""
+    try:
+        return dcp_files.read(ckpt), ""
+    except Exception as exc:  # noqa: BLE001 -- an unreadable checkpoint is evidence, judged as such
+        return {}, f"{type(exc).__name__}: {exc}"
 
 
 def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector,
                    heartbeat) -> Resumed:
     """Load the checkpoint into a fresh model sharded by ``target`` and train one more step, counting
-    the collectives of both (``checkpoint/load``, then the step's segments)."""
+    the collectives of both (``checkpoint/load``, then the step's segments); rank 0 keeps every
+    entry as the load left it (:func:`snapshot`, between the two, uncounted)."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     segments = collectives.Segments(collectives.functional_scope(cell))  # counted as the uninterrupted step
+    with segments.counted(cell.resume_step, "checkpoint/load"):
+        load(s, ckpt)
+    heartbeat(f"checkpoint loaded into {target}")
+    loaded = snapshot(s)  # uncounted: parity's reading, not the load's
+    obs = Observation(rank=rank)
     with segments.counted():
-        with segments.segment(cell.resume_step, "checkpoint/load"):
-            load(s, ckpt)
-        heartbeat(f"checkpoint loaded into {target}")
-        obs = Observation(rank=rank)
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
                    segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
-                   optim=optimizer_state(cell, s.model, s.opt), collectives=segments.calls)
+                   optim=optimizer_state(cell, s.model, s.opt), collectives=segments.calls,
+                   loaded=loaded if rank == 0 else {})

@@ -25,12 +25,11 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
-from parity.execute import collectives, lifecycle, parallel, state_dicts
+from parity.execute import collectives, dcp_files, lifecycle, parallel, state_dicts
 from parity.execute.observation import NORM, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step
 from parity.faults import Injector
 from parity.matrix.cell import Cell
-from parity.model.plan import canonical_fqn
 
 FAILURES = lifecycle.FAILURES
 #: Subgroups of the first n ranks, made once per process (creating one is a collective).
@@ -71,29 +70,6 @@ def describe(layout: Cell, path: str) -> str:
     return f"{path} on {layout.mesh} x {layout.ranks} rank{'s' if layout.ranks > 1 else ''}"
 
 
-def _value(v):
-    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _flat(msd: dict, osd: dict, leaf) -> dict:
-    """Model and optimizer state as ``model/FQN``, ``optim/FQN/key`` and
-    ``optim/param_groups/i/key`` entries."""
-    out = {f"model/{canonical_fqn(k)}": leaf(v) for k, v in msd.items()}
-    for fqn, st in osd["state"].items():
-        out.update({f"optim/{canonical_fqn(fqn)}/{k}": leaf(v) for k, v in st.items()})
-    for i, group in enumerate(osd["param_groups"]):
-        out.update({f"optim/param_groups/{i}/{k}": sorted(map(canonical_fqn, v)) if k == "params" else v
-                    for k, v in group.items()})
-    return out
-
-
-def _whole(s: Sharded) -> dict:
-    """Every entry's whole value (a collective over the layout's ranks)."""
-    opts = dcp_state_dict.StateDictOptions(full_state_dict=True)
-    msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt, options=opts)
-    return _flat(msd, osd, _value)
-
-
 def _layout(v) -> str:
     if not isinstance(v, torch.Tensor):
         return type(v).__name__
@@ -103,7 +79,8 @@ def _layout(v) -> str:
 
 def _layouts(s: Sharded) -> dict[str, str]:
     msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-    return {k: v for k, v in _flat(msd, osd, _layout).items() if not k.startswith("optim/param_groups/")}
+    entries = dcp_files.flat({"model": msd, "optim": osd}, _layout)
+    return {k: v for k, v in entries.items() if not k.startswith("optim/param_groups/")}
 
 
 def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat) -> dict:
@@ -113,7 +90,7 @@ def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat)
     obs = Observation(rank=rank)
     train_step(layout, s, cell.resume_step, rank=rank, world=layout.ranks, device=device, obs=obs,
                heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full, fold=_fold(cell, layout))
-    state = {k: v for k, v in _whole(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
+    state = {k: v for k, v in lifecycle.snapshot(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
     norm = {NORM: torch.tensor(obs.grad_norms[0], dtype=torch.float64)} if layout.clip else {}
     return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
             **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm}
@@ -125,7 +102,7 @@ def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device
     for step in range(cell.resume_step):
         train_step(layout, s, step, rank=rank, world=layout.ranks, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat, data=_data(cell, layout), fold=_fold(cell, layout))
-    saved = _whole(s)
+    saved = lifecycle.snapshot(s)
     with segments.counted(cell.resume_step, "checkpoint/save"):
         lifecycle.save(s, ckpt, group)
     heartbeat("moved checkpoint saved")
@@ -142,7 +119,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     with segments.counted(cell.resume_step, "checkpoint/load"):
         lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
-    after, loaded = _layouts(s), _whole(s)
+    after, loaded = _layouts(s), lifecycle.snapshot(s)
     resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
     keep = rank == 0
     return Moved(taken=s.report.taken, before=before, after=after, loaded=loaded if keep else {},

@@ -56,6 +56,9 @@ class Fault:
     stage: str = ""
     """Where it acts, in :data:`parity.judge.stages.STAGES` (``run``: it stops the cell); the
     generated test holds the cell's ``stage`` record to it (:data:`STAGE_OF_FAULT`)."""
+    acts_on: tuple[str, ...] = ()
+    """The tensors it acts on, as ``fnmatch`` patterns of FQNs, where it acts on some and not
+    all (:data:`ACTS_ON`); the generated test holds the tensor the ``stage`` record names to them."""
 
 
 #: Where each fault acts, declared by hand (not derived from what flags it): the stage of
@@ -84,16 +87,45 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
-    **dict.fromkeys(("misfile_optimizer_state", "swap_optimizer_state", "step_counter_restarts", "load_regathers",
-                     "resharded_read_at_zero", "tp_shards_swapped_on_load"), "checkpoint"),
+    **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments"), "checkpoint-save"),
+    **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
+                     "tp_shards_swapped_on_load"), "checkpoint-load"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
 }
 
 
+#: The tensors each fault confined to some tensors acts on, declared by hand from what its patch
+#: changes (the fixture's FQNs; not derived from what flags it).
+ACTS_ON = {
+    "drop_override": ("*.A_log", "*.dt_bias"),  # the FP32 overrides
+    "holder_dt_bias_bf16": ("blocks.1.holder.dt_bias",),
+    "bf16_reduce_tied": ("embed.weight",),  # the head's weight is the embedding's
+    "resolver_misses_strict_name": ("*.dt_bias",),
+    "perturb_grad": ("head.weight",),  # the first FSDP parameter of the first state: the root's
+    "rank1_gather_corrupt": ("blocks.1.q_proj.weight",),
+    "perturb_param": ("blocks.0.q_proj.weight",),  # the first parameter of the first group
+    "misfile_optimizer_state": ("blocks.0.pre.weight", "blocks.0.gain.gain"),  # moved, and where to
+    "swap_optimizer_state": ("blocks.0.pre.weight", "blocks.1.pre.weight"),  # the first same-shape pair
+    "cast_buffers": ("*.gate_scale",),  # the floating buffers
+    "lose_buffer_marker": ("*.gate_scale",),
+    "cast_storage": ("blocks.0.q_proj.weight",),  # the model's first parameter
+    "meta_init_misplaced_shard": ("blocks.0.q_proj.weight",),  # the first sharded parameter
+    "uneven_grad_row": ("embed.weight", "blocks.*.up.weight"),  # dimension 0 not a multiple of 2
+    "unused_drops_accumulated": ("blocks.*.moe.experts.*",),
+    "unfrozen_stays_frozen": ("blocks.0.adapter.*", "blocks.1.*"),  # frozen at the first all-gather
+    "decay_frozen": ("blocks.*.router.gate.*",),  # the frozen parameters
+    "frozen_unit_reduces_bf16": ("blocks.1.*",),  # the unit entirely frozen at its first forward
+    "tp_partial_reduce_bf16": ("blocks.1.mlp.*",),  # the strict-FP32 block's TP layers
+    "recast_foreign_params": ("moe.experts*",),
+    "finalize_skips_pending": ("embed.weight",),  # the unit behind token ids
+    "tp_shards_swapped_on_load": ("*.mlp.up.weight", "*.mlp.down.weight"),  # the first TP weight
+}
+
+
 def _fault(name, where, flags, cell, quiet=None, **kw) -> Fault:
     fault = Fault(name=name, where=where, flags=frozenset(flags), cell=MappingProxyType(cell),
-                  quiet=MappingProxyType(quiet or {}), stage=STAGE_OF_FAULT[name], **kw)
+                  quiet=MappingProxyType(quiet or {}), stage=STAGE_OF_FAULT[name], acts_on=ACTS_ON.get(name, ()), **kw)
     assert set(fault.scopes) <= set(SCOPES) and fault.site in ("", *SITES), f"{name}: unknown scope or site"
     return fault
 
@@ -146,8 +178,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("misfile_optimizer_state", "DCP files one parameter's optimizer state under another FQN (get_state_dict)",
            {"optim.state", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "legacy", "ranks": 2},
            patch=p.misfile_optimizer_state, scopes=_MAIN),
+    _fault("save_rounds_moments", "DCP's save planner hands the writer every optimizer moment rounded to BF16 "
+           "(DefaultSavePlanner.resolve_data): the training state is right, the checkpoint is not",
+           {"checkpoint.saved", "checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,
+           patch=ckp.save_rounds_moments, scopes=("lifecycle",)),
     _fault("swap_optimizer_state", "DCP loads two same-shape parameters' optimizer states swapped (set_state_dict)",
-           {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2},
+           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2},
            patch=p.swap_optimizer_state, scopes=("lifecycle",)),
     _fault("cast_child_inputs", "a sharding helper lets FP32 child units cast their inputs (unit policy)",
            {"unit.policy", "dtype.boundary"}, {**_KDA2, "path": "legacy"}, patch=p.cast_child_inputs),
@@ -228,7 +264,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},
            patch=rp.eval_stale_after_step),
     _fault("step_counter_restarts", "loading optimizer state restarts AdamW's step counters at 1 (set_state_dict)",
-           {"checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
+           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"},
+           {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
            quiet={"steps": 2}, patch=ckp.step_counter_restarts, scopes=("lifecycle",)),
     _fault("load_regathers", "after loading a sharded state dict every FSDP unit is all-gathered and resharded: "
            "numerically invisible (set_state_dict)",
@@ -356,7 +393,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("tp_shards_swapped_on_load",
            "DCP restores a tensor-parallel weight with its tp shards exchanged (set_state_dict), "
            "fetching its peer's shard with an all-gather (a functional collective while loading)",
-           {"checkpoint.same", "checkpoint.cross", "checkpoint.collectives"}, {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
+           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross", "checkpoint.collectives"},
+           {**_COMPOSED, "mesh": "fsdp+tp"}, quiet={"mesh": "hsdp"},
            patch=cp.tp_shards_swapped_on_load, scopes=("lifecycle",)),
     # quantized weight groups (FP8 all-gather)
     _fault("local_amax", "tensorwise FP8 scales from each shard's own amax (no all-reduce over the shard group)",

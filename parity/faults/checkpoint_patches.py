@@ -59,3 +59,21 @@ def resharded_read_at_zero():
     undo = [swap_attr(default_planner, "narrow_tensor_by_index", make),
             swap_attr(filesystem, "narrow_tensor_by_index", make)]
     return lambda: [u() for u in reversed(undo)]
+
+
+def save_rounds_moments():
+    """DCP's save planner hands the writer every optimizer moment rounded to BF16 (a writer that
+    narrows floating-point state to save space): the training state is right, the checkpoint is
+    not, and a run resumed from it steps from rounded moments."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    def make(orig):
+        def resolve_data(self, write_item):
+            data = orig(self, write_item)
+            fqn = write_item.index.fqn
+            if isinstance(data, torch.Tensor) and fqn.startswith("optim.state.") and data.is_floating_point() \
+                    and not fqn.endswith(".step"):
+                return data.to(torch.bfloat16).to(data.dtype)
+            return data
+        return resolve_data
+    return swap_attr(DefaultSavePlanner, "resolve_data", make)

@@ -31,7 +31,8 @@ def _kept_from_eval(cell: Cell) -> bool:
 
 def checkpoint_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     """``checkpoint.collectives``: what ``torch.distributed`` issued around the checkpoint lifecycle,
-    one record per path the checkpoint was loaded into, on each rank:
+    on each rank, one record per phase: ``PATH:save`` (the cell's own path), ``PATH:load`` for
+    every path the checkpoint was loaded into, ``PATH:step`` (the step resumed on the own path):
 
     - saving and loading with DCP's sharded state dicts issue none of the collectives
       :mod:`parity.execute.collectives` counts: every rank writes and reads its own shards (DCP
@@ -57,28 +58,39 @@ def checkpoint_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
                                  + (r.skip or "its checkpoint.same / checkpoint.cross row has the error")))
             continue
         own = target == cell.path
-        problems = (_phases(r, "checkpoint/save") if own else []) + _phases(r, "checkpoint/load")
         if own:
-            again = {(seg, kind): b for (s, seg, kind), b in r.collectives.items()
-                     if s == step and not seg.startswith("checkpoint/")}
-            for seg, kind in sorted(set(straight) | set(again)):
-                got, want = again.get((seg, kind), []), straight.get((seg, kind), [])
-                if (seg, kind) == ("mb0/forward", "all-gather") and _kept_from_eval(cell):
-                    if not Counter(want) - Counter(got) and len(got) <= units:
-                        continue
-                if got != want:
-                    problems.append(f"resumed {seg}: {len(got)} {kind} of {sum(got)} bytes, the uninterrupted "
-                                    f"step {step} issued {len(want)} of {sum(want)}")
-        expected = ("no collective to save or load; the resumed step's collectives, segment by segment, those of "
-                    f"the uninterrupted step {step}" if own else "no collective to load")
-        rows.append(_row(base, "checkpoint.collectives", target, not problems, expected,
-                         "; ".join(problems) or "as expected"))
+            rows.append(_row(base, "checkpoint.collectives", f"{target}:save", not _phases(r, "checkpoint/save"),
+                             "no collective to save", "; ".join(_phases(r, "checkpoint/save")) or "as expected"))
+        rows.append(_row(base, "checkpoint.collectives", f"{target}:load", not _phases(r, "checkpoint/load"),
+                         "no collective to load", "; ".join(_phases(r, "checkpoint/load")) or "as expected"))
+        if own:
+            problems = _resumed_step(cell, r, straight, units)
+            rows.append(_row(base, "checkpoint.collectives", f"{target}:step", not problems,
+                             f"the resumed step's collectives, segment by segment, those of the uninterrupted step {step}",
+                             "; ".join(problems) or "as expected"))
     return rows
 
 
+def _resumed_step(cell: Cell, r, straight: dict, units: int) -> list[str]:
+    """How the resumed step's collectives differ from the uninterrupted step's, segment by segment."""
+    step = cell.resume_step
+    problems = []
+    again = {(seg, kind): b for (s, seg, kind), b in r.collectives.items()
+             if s == step and not seg.startswith("checkpoint/")}
+    for seg, kind in sorted(set(straight) | set(again)):
+        got, want = again.get((seg, kind), []), straight.get((seg, kind), [])
+        if (seg, kind) == ("mb0/forward", "all-gather") and _kept_from_eval(cell):
+            if not Counter(want) - Counter(got) and len(got) <= units:
+                continue
+        if got != want:
+            problems.append(f"resumed {seg}: {len(got)} {kind} of {sum(got)} bytes, the uninterrupted "
+                            f"step {step} issued {len(want)} of {sum(want)}")
+    return problems
+
+
 def moved_checks(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
-    """``checkpoint.collectives`` of a checkpoint that moves (``move``), one record per path it is
-    loaded into (``moved:PATH``): on every rank of the saving layout the save, on every rank of
+    """``checkpoint.collectives`` of a checkpoint that moves (``move``), two records per path it is
+    loaded into (``moved:PATH:save``, ``moved:PATH:load``): on every rank of the saving layout the save, on every rank of
     the loading layout the load, issue none of the counted collectives (DCP reshards a sharded
     checkpoint by reading each rank's own slices of the files). A move that failed or was
     skipped is a SKIP here: its ``checkpoint.moved`` row says why."""
@@ -89,9 +101,9 @@ def moved_checks(cell: Cell, observations: list[Observation], base: dict) -> lis
             rows.append(_skipped(base, "checkpoint.collectives", name, "no moved load on this path: "
                                  + (first.skip or "its checkpoint.moved row has the error")))
             continue
-        problems = [f"rank {o.rank}: {p}" for o in observations for m in [(o.contracts.moved or {}).get(target)]
-                    if m is not None for p in _phases(m, "checkpoint/save") + _phases(m, "checkpoint/load")]
-        rows.append(_row(base, "checkpoint.collectives", name, not problems,
-                         f"no collective to save on {first.save} or to load on {first.load}",
-                         "; ".join(problems)[:1000] or "as expected"))
+        for phase, label, where in (("save", "checkpoint/save", first.save), ("load", "checkpoint/load", first.load)):
+            problems = [f"rank {o.rank}: {p}" for o in observations
+                        for m in [(o.contracts.moved or {}).get(target)] if m is not None for p in _phases(m, label)]
+            rows.append(_row(base, "checkpoint.collectives", f"{name}:{phase}", not problems,
+                             f"no collective to {phase} on {where}", "; ".join(problems)[:1000] or "as expected"))
     return rows

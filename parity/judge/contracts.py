@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
-from parity.judge import moved, resumed
+from parity.judge import checkpoint_entries, moved, resumed
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
@@ -387,6 +387,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     if obs.contracts.resume is not None:
         rows += resumed.optimizer_checks(cell, observations, plan, base)
         rows += resumed.resume_checks(cell, observations, plan, base)
+        rows += checkpoint_entries.checks(cell, observations, base)
     if cell.move != "none":
         rows += moved.checks(cell, observations, plan, base) + moved_checks(cell, observations, base)
     return rows

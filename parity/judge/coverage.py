@@ -92,7 +92,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
     if cell.topology().tp > 1:
         out += [("tp.partial", key, step) for key in tp_reductions(plan) for step in range(cell.steps)]
     if cell.lifecycle:
-        out += [("checkpoint.same", None, None), ("checkpoint.collectives", None, None)]
+        out += [("checkpoint.same", None, None), ("checkpoint.collectives", None, None),
+                ("checkpoint.saved", None, None), ("checkpoint.loaded", None, None)]
         if cell.crossload_targets:
             out.append(("checkpoint.cross", None, None))
     if cell.move != "none":

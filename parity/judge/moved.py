@@ -25,52 +25,15 @@ import torch
 
 from parity.execute.observation import NORM, Moved, Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison, amax, max_abs
+from parity.judge.checkpoint_entries import entries, exact, missing
+from parity.judge.compare import Comparison, amax
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
-from parity.model.dtypes import coarser, dtype_name, unit_roundoff
+from parity.model.dtypes import coarser, unit_roundoff
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import BETAS, clip_coefficient, optimizer_recipe, update_sensitivity
 
 CHECK = "checkpoint.moved"
-
-
-def _exact(base: dict, name: str, saved, loaded, note: str) -> Record:
-    """One entry: same dtype and shape, bitwise the same values (or the same plain value)."""
-    if isinstance(saved, torch.Tensor) and isinstance(loaded, torch.Tensor):
-        same_kind = saved.dtype == loaded.dtype and saved.shape == loaded.shape
-        observed = max_abs(loaded, saved) if same_kind else float("inf")
-        if observed != observed:  # NaN in both at the same place counts as equal only bitwise
-            observed = 0.0 if torch.equal(loaded.view(-1).view(torch.uint8), saved.view(-1).view(torch.uint8)) \
-                else float("inf")
-        got = f"{dtype_name(loaded.dtype)} {list(loaded.shape)}"
-        want = f"{dtype_name(saved.dtype)} {list(saved.shape)}"
-        dtype = dtype_name(saved.dtype)
-    else:
-        observed = 0.0 if saved == loaded and type(saved) is type(loaded) else float("inf")
-        got, want, dtype = repr(loaded)[:80], repr(saved)[:80], ""
-    ok = observed == 0.0
-    detail = f"saved {want}, loaded {got}; max |loaded - saved| {observed:.3g}; {note}"
-    return Record(**base, check=CHECK, name=name, observed=observed, allowed=0.0, ratio=0.0 if ok else float("inf"),
-                  dtype=dtype, verdict=Verdict.PASS if ok else Verdict.FAIL, detail=detail)
-
-
-def _missing(base: dict, name: str, what: str) -> Record:
-    return Record(**base, check=CHECK, name=name, observed=float("inf"), allowed=0.0, ratio=float("inf"),
-                  verdict=Verdict.FAIL, detail=f"missing: {what}")
-
-
-def _entries(base: dict, target: str, saved: dict, loaded: dict, note: str) -> list[Record]:
-    rows = []
-    for key in dict.fromkeys([*saved, *loaded]):
-        name = f"{target}:entry:{key}"
-        if key not in loaded:
-            rows.append(_missing(base, name, f"saved, not in the state read back after loading ({note})"))
-        elif key not in saved:
-            rows.append(_missing(base, name, f"loaded, but no such entry was saved ({note})"))
-        else:
-            rows.append(_exact(base, name, saved[key], loaded[key], note))
-    return rows
 
 
 def _layouts(base: dict, target: str, per_rank: list[tuple[int, Moved]]) -> list[Record]:
@@ -102,14 +65,14 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             continue
         if key not in resumed or key not in straight:
             where = "the resumed step" if key not in resumed else "the uninterrupted step"
-            rows.append(_missing(base, name, f"{key} after {where} ({note})"))
+            rows.append(missing(base, CHECK, name, f"{key} after {where} ({note})"))
             continue
         want, got = straight[key], resumed[key]
         if key.startswith("optim/"):  # optim/FQN/state key (:func:`parity.execute.moves._flat`)
             fqn, _, state_key = key[len("optim/"):].rpartition("/")
             t = plan.get(fqn)
             if state_key not in recipe.moments or t is None:  # counters and other state: exact
-                rows.append(_exact(base, name, want, got, note))
+                rows.append(exact(base, CHECK, name, want, got, note))
                 continue
             allow = tolerance.moment(recipe.moment_dtype(t), amax(want))
             if cell.clip and f"grad:{fqn}" in straight:
@@ -120,7 +83,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             kind, _, rest = key.partition(":")
             t = plan.get(rest)
             if t is None:
-                rows.append(_exact(base, name, want, got, note))
+                rows.append(exact(base, CHECK, name, want, got, note))
                 continue
             if kind == "grad":
                 allow = _clipped_grad(cell, t, want, coefs)
@@ -159,7 +122,7 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
     name = f"{target}:{NORM}"
     if NORM not in straight or NORM not in resumed:
         where = "the resumed step" if NORM not in resumed else "the uninterrupted step"
-        return _missing(base, name, f"the global norm a clipping step used, after {where} ({note})"), (1.0, 1.0)
+        return missing(base, CHECK, name, f"the global norm a clipping step used, after {where} ({note})"), (1.0, 1.0)
     want, got = float(straight[NORM]), float(resumed[NORM])
     grads = {k.partition(":")[2]: v for k, v in straight.items() if k.startswith("grad:")}
     spread = 0.0
@@ -254,10 +217,10 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
             rows.append(Record(**at, check=CHECK, name=target, verdict=Verdict.SKIP, detail=m0.skip))
             continue
         if not own.saved or not m0.loaded:
-            rows.append(_missing(at, target, f"rank 0 reported no {'saved' if not own.saved else 'loaded'} entries "
+            rows.append(missing(at, CHECK, target, f"rank 0 reported no {'saved' if not own.saved else 'loaded'} entries "
                                              f"({note})"))
             continue
-        rows += _entries(at, target, own.saved, m0.loaded, note)
+        rows += entries(at, CHECK, f"{target}:entry:", own.saved, m0.loaded, note)
         rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
         rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note)
     return rows

@@ -17,15 +17,21 @@ the failing records the way training runs and names the earliest:
   the optimizer steps with, where unscaling or clipping changed it: ``grad.clipped``),
   ``optimizer`` (the updated parameters and their trajectory);
 - ``state-dict`` (state dicts taken during training), ``trained`` (the trained model's
-  names, identities and dtypes), ``checkpoint`` (optimizer state as DCP maps it, saving,
-  loading and resuming).
+  names, identities and dtypes), then the checkpoint lifecycle: ``checkpoint-save`` (the
+  optimizer state as DCP maps it, every entry as the files hold it, the save's collectives),
+  ``checkpoint-load`` (every entry right after loading, a moved checkpoint's entries and
+  layouts, the load's collectives) and ``resumed`` (the step after loading).
 
 Names and identities read right after the first forward (``@lazy_init``) belong to step 0's
 ``forward``.
 
-A record without a step belongs to the first step of its stage. The ``stage`` record names
-the stage and step, the check and tensor that failed first there (the worst of them), the
-stages before it that held, and the checks of that stage and step that held (on HSDP,
+Within a step's stage, records are ordered by micro-batch, then by the order in which training
+reaches their checks (:data:`ORDER`: a reduce-scatter's input before its output); a record
+without a step belongs to the first step of its stage, one without a micro-batch to the first
+micro-batch. The ``stage`` record names the first stage and step, the micro-batch and rank
+(where the record names them), the check and tensor that failed first there (the worst of the
+records tied for first), the stages before it that held, and the checks of that stage and step
+that held (on HSDP,
 ``grad.partial`` holding where ``grad.shard`` fails puts the fault after the shard group's
 reduce-scatter); the ``divergence`` record of a traced re-run narrows a forward
 or backward stage down to a module. A cell that did not finish (``run``) has no stage.
@@ -33,33 +39,54 @@ or backward stage down to a module. A cell that did not finish (``run``) has no 
 
 from __future__ import annotations
 
+import re
+
 from parity.judge.record import Record, Verdict
 
-#: The stages in training order (:data:`STAGE_OF` maps checks to them).
-STAGES = ("setup", "gather", "forward", "backward", "collectives", "gradients", "clipping", "optimizer",
-          "state-dict", "trained", "checkpoint")
-_STEPPED = ("gather", "forward", "backward", "collectives", "gradients", "clipping", "optimizer")
-STAGE_OF = {
-    **dict.fromkeys(("plan", "names", "identity", "ownership", "placement", "dtype.storage", "unit.policy",
-                     "buffer", "marker", "expected_error", "fallback"), "setup"),
-    **dict.fromkeys(("dtype.compute", "gathered", "quant.gather", "quant.scale", "quant.blocks", "quant.values",
-                     "quant.refresh"), "gather"),
-    **dict.fromkeys(("output", "dtype.boundary", "dtype.output", "eval", "eval.reshard", "dtype.tp_reduce",
-                     "tp.partial"), "forward"),
-    "input_grad": "backward",
-    **dict.fromkeys(("collectives", "dtype.reduce", "dtype.accum", "grad.accum", "grad.partial", "grad.shard",
-                     "dtype.grad"),
-                    "collectives"),
-    **dict.fromkeys(("grad", "grad_norm", "ranks"), "gradients"),
-    **dict.fromkeys(("clip", "grad.clipped"), "clipping"),
-    **dict.fromkeys(("param", "optim.moments", "trajectory", "trajectory.emulation"), "optimizer"),
-    "state_dict": "state-dict",
-    **dict.fromkeys(("optim.state", "checkpoint.same", "checkpoint.cross", "checkpoint.moved",
-                     "checkpoint.collectives"), "checkpoint"),
+#: The stages in training order, each with its checks in the order training reaches them.
+ORDER = {
+    "setup": ("plan", "names", "identity", "ownership", "placement", "dtype.storage", "unit.policy", "buffer",
+              "marker", "expected_error", "fallback"),
+    "gather": ("quant.scale", "quant.blocks", "quant.values", "quant.gather", "quant.refresh", "dtype.compute",
+               "gathered"),
+    "forward": ("dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
+    "backward": ("tp.partial", "input_grad"),
+    "collectives": ("grad.accum", "dtype.reduce", "collectives", "grad.partial", "dtype.accum", "grad.shard",
+                    "dtype.grad"),
+    "gradients": ("grad", "collectives", "grad_norm", "ranks"),
+    "clipping": ("clip", "grad.clipped"),
+    "optimizer": ("optim.moments", "param", "trajectory", "trajectory.emulation"),
+    "state-dict": ("state_dict",),
+    "trained": ("names", "identity", "dtype.storage"),
+    "checkpoint-save": ("optim.state", "checkpoint.collectives", "checkpoint.saved"),
+    "checkpoint-load": ("checkpoint.collectives", "checkpoint.loaded", "checkpoint.moved"),
+    "resumed": ("checkpoint.same", "checkpoint.cross", "checkpoint.moved", "checkpoint.collectives"),
 }
+STAGES = tuple(ORDER)
+_STEPPED = ("gather", "forward", "backward", "collectives", "gradients", "clipping", "optimizer")
+#: Check -> the first stage that lists it (:func:`stage_of` places the others by the record's name).
+STAGE_OF: dict[str, str] = {}
+for _stage, _checks in ORDER.items():
+    for _check in _checks:
+        STAGE_OF.setdefault(_check, _stage)
 #: Setup checks taken again later, by the suffix of their name: on the trained model, and
 #: right after the first forward (lazy initialization, step 0).
 _LATER = {"@trained": "trained", "@lazy_init": "forward"}
+#: Checkpoint records by what their name or detail says they judge: a checkpoint's collectives
+#: by phase (``TARGET:save``, ``:load``, ``:step``), a moved checkpoint's entries and layouts,
+#: and a lifecycle that failed by where it failed.
+_CHECKPOINT_PHASE = {":save": "checkpoint-save", ":load": "checkpoint-load", ":step": "resumed"}
+
+
+def _checkpoint_stage(r: Record) -> str:
+    name = str(r.name)
+    if r.check == "checkpoint.collectives":
+        return next((stage for suffix, stage in _CHECKPOINT_PHASE.items() if name.endswith(suffix)), "resumed")
+    if r.verdict == Verdict.ERROR:
+        return "checkpoint-save" if "saving" in str(r.detail) else "checkpoint-load"
+    if r.check == "checkpoint.moved":
+        return "checkpoint-load" if ":entry:" in name or ":layout:" in name else "resumed"
+    return STAGE_OF[r.check]
 
 
 def stage_of(r: Record) -> str:
@@ -72,9 +99,42 @@ def stage_of(r: Record) -> str:
         return "gradients"
     if r.check == "tp.partial" and str(r.name).endswith("@backward"):  # a colwise input gradient's
         return "backward"
+    if r.check.startswith("checkpoint."):
+        return _checkpoint_stage(r)
     if stage == "setup":
         return next((later for suffix, later in _LATER.items() if str(r.name).endswith(suffix)), stage)
     return stage
+
+
+_RANK = re.compile(r"\brank ?(\d+)")
+_MICROBATCH = re.compile(r"(?:\bmicro-batch |\bmb)(\d+)\b")
+
+
+def coordinates(r: Record) -> tuple[int | None, int | None]:
+    """(rank, micro-batch) that ``r`` names first, in its name (``rank1/mb0``, ``mb0/backward``)
+    or its detail (``rank 1 ... micro-batch 0``); None where it names none (a record judging a
+    whole tensor assembled from every rank, or a whole step)."""
+    found = []
+    for pattern in (_RANK, _MICROBATCH):
+        hit = pattern.search(str(r.name)) or pattern.search(str(r.detail))
+        found.append(int(hit.group(1)) if hit else None)
+    return found[0], found[1]
+
+
+_FQN = re.compile(r"[A-Za-z_][\w]*(?:\.[\w]+)+")
+_STATE_KEY = re.compile(r"[./](?:exp_avg_sq|exp_avg|momentum_buffer|step)(?::dtype)?$")
+
+
+def tensor_of(r: Record) -> str:
+    """The parameter, buffer or module FQN ``r`` judges, from its name (``blocks.0.w``,
+    ``w@sharded``, ``buffer:w``, ``native:entry:optim/w/exp_avg``, ``legacy:param:w``); "" for a
+    record about no single tensor (a micro-batch's output, a segment's collectives, the global
+    norm, the root's boundary, every name)."""
+    name = str(r.name).removesuffix(":dtype").rsplit(":", 1)[-1]
+    name = _STATE_KEY.sub("", name.split("@", 1)[0])
+    if name.startswith(("model/", "optim/")):
+        name = name.split("/", 1)[1]
+    return name if _FQN.fullmatch(name) else ""
 
 
 def _position(r: Record, steps: int) -> tuple[int, int]:
@@ -89,10 +149,15 @@ def _position(r: Record, steps: int) -> tuple[int, int]:
     return step, STAGES.index(stage)
 
 
+def _within(r: Record, stage: str) -> tuple[int, int]:
+    """(micro-batch, check's place in its stage): the order within one step's stage."""
+    checks = ORDER[stage]
+    return coordinates(r)[1] or 0, checks.index(r.check) if r.check in checks else len(checks)
+
+
 def _where(r: Record) -> str:
-    """The rank and micro-batch of ``r``'s worst tensor, as its detail opens by naming them."""
-    head = str(r.detail).split(": ", 1)[0]
-    return f" ({head})" if len(head) <= 120 and ("rank" in head or "micro-batch" in head) else ""
+    rank, microbatch = coordinates(r)
+    return "".join(f", {what} {n}" for what, n in (("micro-batch", microbatch), ("rank", rank)) if n is not None)
 
 
 def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
@@ -102,9 +167,11 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
         return None
     first = min(_position(r, steps) for r in bad)
     here = [r for r in bad if _position(r, steps) == first]
-    worst = max(here, key=lambda r: r.ratio if isinstance(r.ratio, float) else 0.0)
     step, index = first
     stage = STAGES[index]
+    earliest = min(_within(r, stage) for r in here)
+    tied = [r for r in here if _within(r, stage) == earliest]
+    worst = max(tied, key=lambda r: r.ratio if isinstance(r.ratio, float) else 0.0)
     stepped = stage in _STEPPED
     ratio = f" (ratio {worst.ratio:.3g})" if isinstance(worst.ratio, float) and worst.ratio > 0 else ""
     if index == 0:
@@ -117,8 +184,9 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
     failed = {r.check for r in here}
     within = sorted({r.check for r in records if r.verdict == Verdict.PASS and stage_of(r)
                      and _position(r, steps) == first} - failed)
-    detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}: {worst.check} {worst.name}"
-              f"{ratio}{_where(worst)}; {len(here)} failing record(s) there; "
+    tensor = f"; tensor {tensor_of(worst)}" if tensor_of(worst) else ""
+    detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}{_where(worst)}: "
+              f"{worst.check} {worst.name}{ratio}{tensor}; {len(here)} failing record(s) there; "
               f"held before it: {', '.join(held) or 'nothing'}"
               f"{'; held within it: ' + ', '.join(within) if within else ''}")
     return Record(**base, check="stage", name=stage, step=step if stage in _STEPPED else "",
