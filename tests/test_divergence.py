@@ -130,11 +130,35 @@ def test_a_failing_cell_leaves_its_trace_beside_its_records(tmp_path):
     first = doc["tensors"][0]
     assert set(first["sharded"]) >= {"dtype", "shape", "sha256", "min", "max", "mean", "l2"}
     assert {(t["rank"], t["microbatch"]) for t in doc["tensors"]} == {(0, 0)}  # one rank, one micro-batch
+    assert {t["stage"] for t in doc["stages"]} == {"gradients", "optimizer"}  # and the stages after backward
     # --op-log: rank 0's operators in DebugMode's own format, beside the trace
     from torch.utils._debug_mode import DebugMode
 
     logged = DebugMode.load_logs(os.path.join(os.path.dirname(outdir.trace_path(out, cell.id)), doc["op_log"]))
     assert any("addmm" in str(c) or "mm" in str(c) for c in logged)
+
+
+def test_the_trace_holds_the_stages_after_backward_where_a_clipping_fault_shows_first():
+    """``stages``: the traced step's gradients as reduced, as clipped, and the parameters after the
+    update, each whole against the reference's from the same weights. Clipping each rank by its
+    own shards' norm leaves the reduced gradients right and the clipped ones wrong."""
+    from parity.faults import FAULTS
+
+    cell = Cell(**FAULTS["clip_local_norm"].cell, faults=("clip_local_norm",), trace=True)
+    pool = RankPool(cell.ranks)
+    try:
+        document: dict = {}
+        locate(cell, pool.run(cell, 120), base_fields(cell), document=document)
+    finally:
+        pool.stop()
+    stages: dict = {}
+    for t in document["stages"]:
+        assert t["step"] == 0 and set(t["reference"]) >= {"dtype", "shape", "sha256", "l2"}
+        stages.setdefault(t["stage"], []).append(t)
+    assert list(stages) == ["gradients", "clipping", "optimizer"]
+    assert len({len(v) for v in stages.values()}) == 1  # every trained parameter at each stage
+    worst = {stage: max(t["max_abs_diff"] for t in v) for stage, v in stages.items()}
+    assert worst["gradients"] * 100 < worst["clipping"], worst
 
 
 def test_two_op_logs_of_a_cell_diff_with_debugmodes_own_tool():

@@ -4,8 +4,10 @@ The checkpoint stage is judged at both of its ends: what the saving ranks handed
 what the files hold (the save), and what the files hold against what a fresh model holds after
 loading them (the load). Reading the files back with DCP's own load planner would let a fault in
 that loader pass for one in the save, so this reader shares nothing with it but the metadata
-file: it looks each chunk up in ``Metadata.storage_data`` (file, byte offset, length), loads its
-bytes with ``torch.load`` and places it at the chunk's offsets in the entry's whole tensor.
+file: it unpickles ``.metadata``, looks each chunk up in ``Metadata.storage_data`` (file, byte
+offset, length), loads those bytes with ``torch.load`` and places the chunk at its offsets in the
+entry's whole tensor. Rank 0 ships the files' bytes (:func:`files`); the parent decodes them
+(:func:`read`).
 
 Entries are named as :func:`flat` names a state: ``model/FQN``, ``optim/FQN/KEY``,
 ``optim/param_groups/I/KEY`` and ``scaler/KEY``.
@@ -15,9 +17,9 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from parity.model.plan import canonical_fqn
@@ -55,35 +57,50 @@ def flat(state: dict, leaf) -> dict:
                 walk((*path, i), group)
         else:
             name = entry_name(path)
-            out[name] = entry_value(name, leaf(value))
+            out[name] = leaf(entry_value(name, value))
     walk((), state)
     return out
 
 
-def _read(root: str, info) -> bytes:
+def files(root: str) -> dict[str, bytes]:
+    """The checkpoint directory's files, as bytes: what a saving rank ships for :func:`read` to
+    decode elsewhere (the parent judges while the ranks go on)."""
+    out = {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as fh:
+                out[name] = fh.read()
+    return out
+
+
+def _bytes(raw: dict[str, bytes], info) -> bytes:
     if getattr(info, "transform_descriptors", None):
         raise ValueError(f"{info.relative_path} holds transformed data ({info.transform_descriptors}); "
                          "parity reads plain FileSystemWriter output only")
-    with open(os.path.join(root, info.relative_path), "rb") as fh:
-        fh.seek(info.offset)
-        return fh.read(info.length)
+    if info.relative_path not in raw:
+        raise ValueError(f"the metadata names {info.relative_path}, which the checkpoint does not hold")
+    return raw[info.relative_path][info.offset:info.offset + info.length]
 
 
-def read(root: str) -> dict:
-    """Every entry of the checkpoint at ``root``, whole: tensors assembled from their chunks,
-    other values as saved. Raises on a chunk the metadata names but the files do not hold."""
-    metadata = FileSystemReader(root).read_metadata()
+def read(raw: dict[str, bytes]) -> dict:
+    """Every entry of a checkpoint (its files' bytes, :func:`files`), whole: tensors assembled from
+    their chunks at the metadata's offsets, other values as saved. Raises on a checkpoint without
+    metadata or a chunk the metadata names that the files do not hold."""
+    if ".metadata" not in raw:
+        raise ValueError("the checkpoint holds no .metadata file")
+    metadata = pickle.loads(raw[".metadata"])
     out = {}
     for key, meta in metadata.state_dict_metadata.items():
         name = entry_name(tuple(metadata.planner_data.get(key, (key,))))
         if isinstance(meta, BytesStorageMetadata):
-            value = torch.load(io.BytesIO(_read(root, metadata.storage_data[MetadataIndex(key)])), weights_only=False)
+            value = torch.load(io.BytesIO(_bytes(raw, metadata.storage_data[MetadataIndex(key)])), weights_only=False)
             out[name] = entry_value(name, value)
             continue
         whole = torch.empty(meta.size, dtype=meta.properties.dtype)
         for index, chunk in enumerate(meta.chunks):
             info = metadata.storage_data[MetadataIndex(key, chunk.offsets, index)]
-            piece = torch.load(io.BytesIO(_read(root, info)), map_location="cpu", weights_only=True)
+            piece = torch.load(io.BytesIO(_bytes(raw, info)), map_location="cpu", weights_only=True)
             region = whole
             for dim, (start, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 region = region.narrow(dim, start, size)

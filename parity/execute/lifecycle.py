@@ -13,9 +13,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from parity.errors import IsolationError
-from parity.execute import collectives, dcp_files
+from parity.execute import collectives, dcp_files, probes
 from parity.execute.observation import MarkerSeen, Observation, Resumed
 from parity.execute.training import build, freeze_schedule, observed, train_step
 from parity.faults import Injector
@@ -95,8 +96,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
         if cell.path in out:
             out[cell.path].collectives.update(saving.calls)
-            if rank == 0:
-                out[cell.path].saved, out[cell.path].written, out[cell.path].unread = handed, written, unread
+            out[cell.path].saved, out[cell.path].written, out[cell.path].unread = handed, written, unread
     finally:
         if world > 1:
             dist.barrier()
@@ -128,6 +128,19 @@ def snapshot(s) -> dict:
     if s.scaler is not None:
         state["scaler"] = s.scaler.state_dict()
     return dcp_files.flat(state, _value)
+
+
+def _piece(v):
+    if isinstance(v, DTensor):
+        return _value(v.to_local()), probes.region(v)
+    return _value(v), ()
+
+
+def pieces(s) -> dict:
+    """Every entry of what a checkpoint of ``s`` holds, as this rank holds it: ``(value, region)``,
+    a DTensor's local piece and where it sits in the whole (:func:`parity.execute.probes.region`),
+    any other value whole (region ``()``). No collective: DCP's sharded state dicts."""
+    return dcp_files.flat(_state(s), _piece)
 
 
 def save(s, ckpt: str, group=None) -> None:
@@ -170,24 +183,24 @@ def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject:
           segments: collectives.Segments) -> dict:
     """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with
     DCP; the save's collectives go to ``segments`` (``checkpoint/save``). Returns, on rank 0, every
-    entry as handed to DCP (:func:`snapshot`, taken outside the counted save)."""
+    entry as this rank handed it to DCP (:func:`pieces`, taken outside the counted save)."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
                    heartbeat=heartbeat)
-    handed = snapshot(first)
+    handed = pieces(first)
     with segments.counted(cell.resume_step, "checkpoint/save"):
         save(first, ckpt)
     heartbeat("checkpoint saved")
-    return handed if rank == 0 else {}
+    return handed
 
 
 def _written(ckpt: str) -> tuple[dict, str]:
-    """What the checkpoint's files hold (:func:`parity.execute.dcp_files.read`), or why they could
+    """The checkpoint's files as bytes (:func:`parity.execute.dcp_files.files`), or why they could
     not be read."""
     try:
-        return dcp_files.read(ckpt), ""
-    except Exception as exc:  # noqa: BLE001 -- an unreadable checkpoint is evidence, judged as such
+        return dcp_files.files(ckpt), ""
+    except OSError as exc:  # an unreadable checkpoint is evidence, judged as such
         return {}, f"{type(exc).__name__}: {exc}"
 
 
@@ -195,18 +208,18 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
                    heartbeat) -> Resumed:
     """Load the checkpoint into a fresh model sharded by ``target`` and train one more step, counting
     the collectives of both (``checkpoint/load``, then the step's segments); rank 0 keeps every
-    entry as the load left it (:func:`snapshot`, between the two, uncounted)."""
+    entry as the load left it on this rank (:func:`pieces`, between the two, uncounted)."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     segments = collectives.Segments(collectives.functional_scope(cell))  # counted as the uninterrupted step
     with segments.counted(cell.resume_step, "checkpoint/load"):
         load(s, ckpt)
     heartbeat(f"checkpoint loaded into {target}")
-    loaded = snapshot(s)  # uncounted: parity's reading, not the load's
+    loaded = pieces(s)  # uncounted: parity's reading, not the load's
     obs = Observation(rank=rank)
     with segments.counted():
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
                    segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
                    optim=optimizer_state(cell, s.model, s.opt), collectives=segments.calls,
-                   loaded=loaded if rank == 0 else {})
+                   loaded=loaded)

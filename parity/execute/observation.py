@@ -78,16 +78,17 @@ class Resumed:
     """What ``torch.distributed`` issued while saving (``checkpoint/save``: the path's own run
     only), loading (``checkpoint/load``) and in the resumed step (its segments, as in
     :attr:`ContractsSeen.collectives`), keyed (step, segment, kind) -> bytes of each call."""
-    saved: dict[str, object] = field(default_factory=dict)
-    """Rank 0, the cell's own path: every entry as the saving run handed it to DCP, whole
-    (:func:`parity.execute.lifecycle.snapshot`)."""
-    written: dict[str, object] = field(default_factory=dict)
-    """Rank 0, the cell's own path: every entry as the checkpoint's files hold it, read without
-    DCP's loader (:func:`parity.execute.dcp_files.read`)."""
+    saved: dict[str, tuple[object, tuple]] = field(default_factory=dict)
+    """The cell's own path: every entry as this rank handed it to DCP, ``(value, region)``
+    (:func:`parity.execute.lifecycle.pieces`)."""
+    written: dict[str, bytes] = field(default_factory=dict)
+    """Rank 0, the cell's own path: the checkpoint's files, name -> bytes, for the parent to read
+    without DCP's loader (:func:`parity.execute.dcp_files.read`)."""
     unread: str = ""
     """Why the files could not be read back (``written`` is then empty)."""
-    loaded: dict[str, object] = field(default_factory=dict)
-    """Rank 0: every entry right after loading into this path, before the resumed step."""
+    loaded: dict[str, tuple[object, tuple]] = field(default_factory=dict)
+    """Every entry as this rank holds it right after loading into this path, before the resumed
+    step, ``(value, region)`` (:func:`parity.execute.lifecycle.pieces`)."""
 
 
 #: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm

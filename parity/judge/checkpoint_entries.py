@@ -1,10 +1,13 @@
 """Checkpoint entries, one record each: a checkpoint moves bytes and never changes them.
 
-``checkpoint.saved`` judges the save: every entry the checkpoint's files hold (read without
-DCP's loader, :mod:`parity.execute.dcp_files`) against the same entry as the saving run handed
-it to DCP. ``checkpoint.loaded`` judges the load into each path: every entry right after loading,
-before the resumed step, against the entry handed to the save. Both bitwise, in the same dtype
-and shape; an entry on one side only is a FAIL naming the side it is missing from. The step after
+``checkpoint.saved`` judges the save: every entry as each saving rank handed it to DCP (its
+local piece of a sharded entry, placed by torch's placement rule) against the same region of the
+entry the checkpoint's files hold (read by rank 0 without DCP's loader,
+:mod:`parity.execute.dcp_files`). ``checkpoint.loaded`` judges the load into each path: every
+entry as each rank holds it right after loading, before the resumed step, against the files
+again -- so a save that wrote wrong bytes fails the save, not the load. Both bitwise, in the same
+dtype and shape; an entry on one side only is a FAIL naming the side it is missing from; each
+record names the first rank whose piece differs. The step after
 loading is ``checkpoint.same`` / ``checkpoint.cross`` (:mod:`parity.judge.resumed`), and a
 checkpoint that moves to another layout is ``checkpoint.moved`` (:mod:`parity.judge.moved`),
 whose ``entry:`` records use the same rule (:func:`entries`).
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from parity.execute import dcp_files
 from parity.execute.observation import Observation, Resumed
-from parity.judge.compare import max_abs
+from parity.judge.compare import max_abs, piece
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -67,27 +71,61 @@ def _skip(base: dict, check: str, name: str, why: str) -> Record:
     return Record(**base, check=check, name=name, verdict=Verdict.SKIP, detail=why)
 
 
-def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
-    """``checkpoint.saved`` and ``checkpoint.loaded`` from rank 0's report (every entry whole:
-    each rank's shard is in it). Where the save or a load failed or a path could not be loaded
-    into, a SKIP points at the ``checkpoint.same`` / ``checkpoint.cross`` record saying why."""
-    resume = observations[0].contracts.resume or {}
-    own = resume.get(cell.path, Resumed())
-    if not own.saved:
-        if own.error:
-            return [_skip(base, "checkpoint.saved", cell.path, f"no checkpoint to read: {own.error[:300]} "
-                                                               "(the checkpoint.same record)")]
-        return [missing(base, "checkpoint.saved", cell.path, "rank 0 reported no entry as handed to the save")]
-    saving = f"saved by {cell.path}"
-    rows = ([missing(base, "checkpoint.saved", cell.path, f"the checkpoint's files could not be read: {own.unread}")]
-            if own.unread else
-            entries(base, "checkpoint.saved", "entry:", own.saved, own.written, saving, ("handed to DCP", "written")))
-    for target, r in resume.items():
-        if r.error or r.skip:
-            rows.append(_skip(base, "checkpoint.loaded", target, f"not loaded into {target}: {(r.error or r.skip)[:300]}"))
-        elif not r.loaded:
-            rows.append(missing(base, "checkpoint.loaded", target, f"rank 0 reported no entry after loading into {target}"))
+def _held(base: dict, check: str, name: str, written, per_rank: list[tuple[int, dict]], key: str, note: str,
+          side: str) -> Record:
+    """One entry on every rank: each rank's piece (``(value, region)``) bitwise the same region of
+    the entry the files hold; the first rank's record that fails, else rank 0's."""
+    rows = []
+    for rank, held in per_rank:
+        if key not in held:
+            rows.append(missing(base, check, name, f"in the checkpoint's files, not {side} on rank {rank} ({note})"))
+            continue
+        value, region = held[key]
+        want = piece(written, region) if isinstance(written, torch.Tensor) else written
+        row = exact(base, check, name, want, value, note, ("written", side))
+        row.detail = f"rank {rank}: {row.detail}"
+        rows.append(row)
+    return next((r for r in rows if r.verdict != Verdict.PASS), rows[0])
+
+
+def _entries(base: dict, check: str, prefix: str, written: dict, per_rank: list[tuple[int, dict]], note: str,
+             side: str) -> list[Record]:
+    """Every entry of the files or of any rank, one record each (:func:`_held`)."""
+    rows = []
+    for key in dict.fromkeys([*written, *(k for _, held in per_rank for k in held)]):
+        name = f"{prefix}{key}"
+        if key not in written:
+            ranks = [r for r, held in per_rank if key in held]
+            rows.append(missing(base, check, name, f"{side} on rank(s) {ranks}, not in the checkpoint's files ({note})"))
         else:
-            rows += entries(base, "checkpoint.loaded", f"{target}:entry:", own.saved, r.loaded,
-                            f"{saving}, loaded into {r.taken or target}")
+            rows.append(_held(base, check, name, written[key], per_rank, key, note, side))
+    return rows
+
+
+def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
+    """``checkpoint.saved`` (every rank's entries as handed to DCP against the files, read by
+    rank 0) and ``checkpoint.loaded`` (every rank's entries after each load against the files).
+    Where the save or a load failed or a path could not be loaded into, a SKIP points at the
+    ``checkpoint.same`` / ``checkpoint.cross`` record saying why."""
+    resume = [(o.rank, o.contracts.resume or {}) for o in observations]
+    own = resume[0][1].get(cell.path, Resumed())
+    if own.error and not own.written and not own.unread:  # the save itself failed
+        why = f"no checkpoint to read: {own.error[:300]} (the checkpoint.same record)"
+        return [_skip(base, "checkpoint.saved", cell.path, why), _skip(base, "checkpoint.loaded", cell.path, why)]
+    try:
+        if own.unread or not own.written:
+            raise ValueError(own.unread or "rank 0 reported none")
+        written = dcp_files.read(own.written)
+    except Exception as exc:  # noqa: BLE001 -- an unreadable checkpoint is a finding, not a crash
+        return [missing(base, "checkpoint.saved", cell.path, f"the checkpoint's files could not be read: {exc}")]
+    saving = f"saved by {cell.path}"
+    handed = [(rank, r.get(cell.path, Resumed()).saved) for rank, r in resume]
+    rows = _entries(base, "checkpoint.saved", "entry:", written, handed, saving, "handed to DCP")
+    for target, r0 in resume[0][1].items():
+        if r0.error or r0.skip:
+            rows.append(_skip(base, "checkpoint.loaded", target, f"not loaded into {target}: {(r0.error or r0.skip)[:300]}"))
+            continue
+        loaded = [(rank, r.get(target, Resumed()).loaded) for rank, r in resume]
+        rows += _entries(base, "checkpoint.loaded", f"{target}:entry:", written, loaded,
+                         f"{saving}, loaded into {r0.taken or target}", "loaded")
     return rows

@@ -147,7 +147,7 @@ def _first(pairs, phase: int, skipped: set[str], layout: Layout = Layout()) -> L
 
 
 #: The ``format`` of a trace document (:func:`trace_document`).
-TRACE_FORMAT = "parity-trace/2"
+TRACE_FORMAT = "parity-trace/3"
 
 
 def _summary(t: torch.Tensor) -> dict:
@@ -200,6 +200,32 @@ def trace_document(cell: Cell, pairs, layout: Layout = Layout(), cap: int = TRAC
             "tensors": entries, "dropped": dropped}
 
 
+def stage_tensors(run, emulated, step: int) -> list[dict]:
+    """The traced step's tensors after backward, stage by stage, whole (every rank's shard
+    reassembled): ``gradients`` (each gradient as the reduction left it, unscaled), ``clipping``
+    (the gradient the optimizer stepped with, where clipping or a loss scale changed it) and
+    ``optimizer`` (each parameter after the update), each against the reference's from the same
+    weights. The cell's ``grad`` / ``grad.clipped`` / ``param`` records hold their allowances."""
+    reduced = bool(len(run.reduced) > step and run.reduced[step])
+    sides = [("gradients", run.reduced if reduced else run.grads, emulated.reduced if reduced else emulated.grads)]
+    if reduced:
+        sides.append(("clipping", run.grads, emulated.grads))
+    sides.append(("optimizer", run.params, emulated.params))
+    entries = []
+    for stage, got_all, want_all in sides:
+        if len(got_all) <= step or len(want_all) <= step:
+            continue
+        for fqn, got in got_all[step].items():
+            want = want_all[step].get(fqn)
+            entry = {"stage": stage, "step": step, "tensor": fqn, "sharded": _summary(got)}
+            if want is not None:
+                entry["reference"] = _summary(want)
+                if want.shape == got.shape and got.numel():
+                    entry["max_abs_diff"] = (got.double() - want.double()).abs().max().item()
+            entries.append(entry)
+    return entries
+
+
 def _said(hit: Located | None, phase: str) -> str:
     if hit is None:
         return f"{phase}: no module over"
@@ -216,10 +242,10 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     fixture = get_fixture(cell.fixture, cell.source)
     ref: dict[tuple[int, int], Trace] = {}
     step = cell.trace_step
-    run = assemble(observations, first.plan) if step else None  # the run's weights before the traced step
+    run = assemble(observations, first.plan)  # the run's weights before the traced step, its tensors after
     emulated = run_reference(dataclasses.replace(cell, steps=step + 1), fixture, first.plan, first.report,
-                             device=device, trace=ref, trace_step=step, resync=run.params if run else None,
-                             clip_norms=run.grad_norms if run else None)
+                             device=device, trace=ref, trace_step=step, resync=run.params if step else None,
+                             clip_norms=run.grad_norms if step else None)
     pairs = _pairs(cell, observations, ref)
     layout = Layout.of(cell, first.plan, emulated.tp_partials)
     skipped: set[str] = set()
@@ -228,6 +254,7 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
         keep = {(h[0], h[3], kind, h[4]) for h, kind in ((fwd, "output"), (bwd, "input_grad")) if h is not None}
         try:
             document.update(trace_document(cell, pairs, layout, keep=keep))
+            document["stages"] = stage_tensors(run, emulated, step)
         except Exception as exc:  # noqa: BLE001
             document.update({"format": TRACE_FORMAT, "cell": cell.id, "error": f"{type(exc).__name__}: {exc}"})
     where = min((h for h in (fwd, bwd) if h is not None), default=None)
