@@ -182,8 +182,8 @@ def load(s, ckpt: str, group=None) -> None:
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat,
           segments: collectives.Segments) -> dict:
     """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with
-    DCP; the save's collectives go to ``segments`` (``checkpoint/save``). Returns, on rank 0, every
-    entry as this rank handed it to DCP (:func:`pieces`, taken outside the counted save)."""
+    DCP; the save's collectives go to ``segments`` (``checkpoint/save``). Returns every entry as this
+    rank handed it to DCP (:func:`pieces`, taken outside the counted save)."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
@@ -207,8 +207,8 @@ def _written(ckpt: str) -> tuple[dict, str]:
 def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector,
                    heartbeat) -> Resumed:
     """Load the checkpoint into a fresh model sharded by ``target`` and train one more step, counting
-    the collectives of both (``checkpoint/load``, then the step's segments); rank 0 keeps every
-    entry as the load left it on this rank (:func:`pieces`, between the two, uncounted)."""
+    the collectives of both (``checkpoint/load``, then the step's segments); every entry as the load
+    left it on this rank is kept (:func:`pieces`, between the two, uncounted)."""
     s = build(cell, target, mesh=mesh, device=device, inject=inject)
     freeze_schedule(s, cell.resume_step - 1)  # the freeze state the checkpoint was saved in
     segments = collectives.Segments(collectives.functional_scope(cell))  # counted as the uninterrupted step

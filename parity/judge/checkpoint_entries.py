@@ -10,7 +10,7 @@ dtype and shape; an entry on one side only is a FAIL naming the side it is missi
 record names the first rank whose piece differs. The step after
 loading is ``checkpoint.same`` / ``checkpoint.cross`` (:mod:`parity.judge.resumed`), and a
 checkpoint that moves to another layout is ``checkpoint.moved`` (:mod:`parity.judge.moved`),
-whose ``entry:`` records use the same rule (:func:`entries`).
+whose ``entry:`` records use the same rule (:func:`entries`, with rank 0's whole copy).
 
 Entries are named ``model/FQN``, ``optim/FQN/KEY``, ``optim/param_groups/I/KEY``, ``scaler/KEY``.
 """
@@ -23,6 +23,7 @@ from parity.execute import dcp_files
 from parity.execute.observation import Observation, Resumed
 from parity.judge.compare import max_abs, piece
 from parity.judge.record import Record, Verdict
+from parity.judge.rows import skipped
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
 
@@ -52,53 +53,39 @@ def missing(base: dict, check: str, name: str, what: str) -> Record:
                   verdict=Verdict.FAIL, detail=f"missing: {what}")
 
 
-def entries(base: dict, check: str, prefix: str, want: dict, got: dict, note: str,
-            sides=("saved", "loaded")) -> list[Record]:
-    """One record per entry of either side, named ``prefix + entry``."""
-    rows = []
-    for key in dict.fromkeys([*want, *got]):
-        name = f"{prefix}{key}"
-        if key not in got:
-            rows.append(missing(base, check, name, f"{sides[0]}, not {sides[1]} ({note})"))
-        elif key not in want:
-            rows.append(missing(base, check, name, f"{sides[1]}, but no such entry was {sides[0]} ({note})"))
-        else:
-            rows.append(exact(base, check, name, want[key], got[key], note, sides))
-    return rows
-
-
-def _skip(base: dict, check: str, name: str, why: str) -> Record:
-    return Record(**base, check=check, name=name, verdict=Verdict.SKIP, detail=why)
-
-
-def _held(base: dict, check: str, name: str, written, per_rank: list[tuple[int, dict]], key: str, note: str,
-          side: str) -> Record:
+def _held(base: dict, check: str, name: str, want, per_rank: list[tuple[int | None, dict]], key: str, note: str,
+          sides: tuple[str, str]) -> Record:
     """One entry on every rank: each rank's piece (``(value, region)``) bitwise the same region of
-    the entry the files hold; the first rank's record that fails, else rank 0's."""
+    the whole ``want``; the first rank's record that fails, else the first rank's."""
     rows = []
     for rank, held in per_rank:
+        on = f" on rank {rank}" if rank is not None else ""
         if key not in held:
-            rows.append(missing(base, check, name, f"in the checkpoint's files, not {side} on rank {rank} ({note})"))
+            rows.append(missing(base, check, name, f"{sides[0]}, not {sides[1]}{on} ({note})"))
             continue
         value, region = held[key]
-        want = piece(written, region) if isinstance(written, torch.Tensor) else written
-        row = exact(base, check, name, want, value, note, ("written", side))
-        row.detail = f"rank {rank}: {row.detail}"
+        row = exact(base, check, name, piece(want, region) if isinstance(want, torch.Tensor) else want, value,
+                    note, sides)
+        if rank is not None:
+            row.detail = f"rank {rank}: {row.detail}"
         rows.append(row)
     return next((r for r in rows if r.verdict != Verdict.PASS), rows[0])
 
 
-def _entries(base: dict, check: str, prefix: str, written: dict, per_rank: list[tuple[int, dict]], note: str,
-             side: str) -> list[Record]:
-    """Every entry of the files or of any rank, one record each (:func:`_held`)."""
+def entries(base: dict, check: str, prefix: str, want: dict, per_rank: list[tuple[int | None, dict]], note: str,
+            sides: tuple[str, str]) -> list[Record]:
+    """One record per entry of ``want`` (whole values) or of any rank's pieces (``(value,
+    region)``; a rank of None: one whole copy, named by no rank), named ``prefix + entry``
+    (:func:`_held`)."""
     rows = []
-    for key in dict.fromkeys([*written, *(k for _, held in per_rank for k in held)]):
+    for key in dict.fromkeys([*want, *(k for _, held in per_rank for k in held)]):
         name = f"{prefix}{key}"
-        if key not in written:
-            ranks = [r for r, held in per_rank if key in held]
-            rows.append(missing(base, check, name, f"{side} on rank(s) {ranks}, not in the checkpoint's files ({note})"))
+        if key not in want:
+            ranks = [r for r, held in per_rank if key in held and r is not None]
+            on = f" on rank(s) {ranks}" if ranks else ""
+            rows.append(missing(base, check, name, f"{sides[1]}{on}, but no such entry was {sides[0]} ({note})"))
         else:
-            rows.append(_held(base, check, name, written[key], per_rank, key, note, side))
+            rows.append(_held(base, check, name, want[key], per_rank, key, note, sides))
     return rows
 
 
@@ -111,7 +98,7 @@ def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Reco
     own = resume[0][1].get(cell.path, Resumed())
     if own.error and not own.written and not own.unread:  # the save itself failed
         why = f"no checkpoint to read: {own.error[:300]} (the checkpoint.same record)"
-        return [_skip(base, "checkpoint.saved", cell.path, why), _skip(base, "checkpoint.loaded", cell.path, why)]
+        return [skipped(base, "checkpoint.saved", cell.path, why), skipped(base, "checkpoint.loaded", cell.path, why)]
     try:
         if own.unread or not own.written:
             raise ValueError(own.unread or "rank 0 reported none")
@@ -120,12 +107,12 @@ def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Reco
         return [missing(base, "checkpoint.saved", cell.path, f"the checkpoint's files could not be read: {exc}")]
     saving = f"saved by {cell.path}"
     handed = [(rank, r.get(cell.path, Resumed()).saved) for rank, r in resume]
-    rows = _entries(base, "checkpoint.saved", "entry:", written, handed, saving, "handed to DCP")
+    rows = entries(base, "checkpoint.saved", "entry:", written, handed, saving, ("written", "handed to DCP"))
     for target, r0 in resume[0][1].items():
         if r0.error or r0.skip:
-            rows.append(_skip(base, "checkpoint.loaded", target, f"not loaded into {target}: {(r0.error or r0.skip)[:300]}"))
+            rows.append(skipped(base, "checkpoint.loaded", target, f"not loaded into {target}: {(r0.error or r0.skip)[:300]}"))
             continue
         loaded = [(rank, r.get(target, Resumed()).loaded) for rank, r in resume]
-        rows += _entries(base, "checkpoint.loaded", f"{target}:entry:", written, loaded,
-                         f"{saving}, loaded into {r0.taken or target}", "loaded")
+        rows += entries(base, "checkpoint.loaded", f"{target}:entry:", written, loaded,
+                        f"{saving}, loaded into {r0.taken or target}", ("written", "loaded"))
     return rows

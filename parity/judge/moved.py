@@ -220,7 +220,8 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
             rows.append(missing(at, CHECK, target, f"rank 0 reported no {'saved' if not own.saved else 'loaded'} entries "
                                              f"({note})"))
             continue
-        rows += entries(at, CHECK, f"{target}:entry:", own.saved, m0.loaded, note)
+        rows += entries(at, CHECK, f"{target}:entry:", own.saved, [(None, {k: (v, ()) for k, v in m0.loaded.items()})],
+                        note, ("saved", "loaded"))
         rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
         rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note)
     return rows

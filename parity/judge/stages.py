@@ -156,6 +156,7 @@ def _within(r: Record, stage: str) -> tuple[int, int]:
 
 
 def _where(r: Record) -> str:
+    """``, micro-batch M, rank R`` as far as ``r`` names them (:func:`coordinates`)."""
     rank, microbatch = coordinates(r)
     return "".join(f", {what} {n}" for what, n in (("micro-batch", microbatch), ("rank", rank)) if n is not None)
 
