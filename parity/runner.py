@@ -411,4 +411,5 @@ def _cross_records(baseline, other) -> list[Record]:
     base = base_fields(cell_b)
     base.update(cell=cell_b.pair_id, path=f"{cell_b.path}~{cell_o.path}",
                 path_taken=f"{jb.records[0].path_taken}~{jo.records[0].path_taken}")
-    return [c.record(base) for c in cross_path(jb.comparisons, jo.run, cell_b.microbatches)]
+    widen = {(c.step, c.check, c.name): c.expected for c in jo.comparisons} if cell_b.compile != "none" else None
+    return [c.record(base) for c in cross_path(jb.comparisons, jo.run, cell_b.microbatches, widen)]

@@ -36,6 +36,8 @@ KNOB_HELP = {
     "offload": "offloading (cpu: CPUOffloadPolicy on every fully_shard call; on a CPU device FSDP still takes its "
                "offload branches)",
     "reshard_to": "resharding after forward (half: reshard_after_forward as an int, half the ranks; 4 or more ranks)",
+    "compile": "block compilation (aot_eager / inductor: block.compile(backend=...) on every Fixture.blocks module "
+               "before sharding; inductor needs a C++ compiler)",
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).

@@ -176,11 +176,16 @@ def unsupported(cell: Cell) -> str:
                 axis = "placement" if keyword == "shard_placement_fn" else "offload"
                 return (f"{axis} {getattr(cell, axis)!r}: path {cell.path!r} takes no {keyword} "
                         "(its apply() has no such keyword)")
-    if (cell.unshard_in_backward, cell.cast_inputs, cell.prefetch) == ("all", "fsdp", "none"):
+    if (cell.unshard_in_backward, cell.cast_inputs, cell.prefetch, cell.compile) == ("all", "fsdp", "none", "none"):
         return ""
+    from parity.execute.compiling import compiler_missing
     from parity.model.registry import get_fixture
 
     fixture = get_fixture(cell.fixture, cell.source)
+    if cell.compile != "none" and not fixture.blocks:
+        return f"compile {cell.compile!r} compiles blocks; {cell.fixture!r} declares none (Fixture.blocks)"
+    if compiler_missing(cell.compile):
+        return compiler_missing(cell.compile)
     if cell.unshard_in_backward == "needed" and not fixture.backward_free:
         return (f"unshard_in_backward 'needed': {cell.fixture!r} declares no unit whose parameters backward does "
                 "not read (Fixture.backward_free)")

@@ -233,6 +233,11 @@ class ContractsSeen:
     ownership: dict[str, dict[str, str]] = field(default_factory=dict)
     """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
     (:func:`parity.execute.probes.ownership`)."""
+    compiles: list[tuple[int, str]] | None = None
+    """Compiled blocks (:mod:`.compiling`): where in the cell's own training each graph was
+    compiled, (step, segment); None: nothing was compiled."""
+    graph_runs: dict[tuple[int, str], int] = field(default_factory=dict)
+    """Compiled blocks: (step, segment) -> how many times a compiled graph ran forward there."""
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from parity.execute import collectives
 from parity.execute.evaluation import post_forward
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot, PackedShards, value_sums
-from parity.model.boundaries import float_buffers, record_boundaries, record_boundary_variants
+from parity.model.boundaries import float_buffers, hookable_modules, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
 from parity.model.topology import local_region
@@ -222,7 +222,7 @@ class Recorder:
         self.gathered: dict[int, dict[str, tuple[str, float, float]]] = {}
         self._gather_step: int | None = None
         """The step whose first forward is running (its parameters are read as gathered); else None."""
-        for name, mod in model.named_modules():
+        for name, mod in hookable_modules(model):  # a compiled block's: from the all-gathers
             self._handles.append(mod.register_forward_pre_hook(self._read_params(canonical_fqn(name))))
         self._handles += record_boundaries(model, self.boundaries, lambda: self.active)
         self.variants: dict[str, dict[str, set]] = {}

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
 from parity.execute import collectives, evaluation, knobs, parallel, probes, state_dicts
+from parity.execute.compiling import CompileLog, compiled_blocks
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
@@ -62,6 +63,8 @@ class Sharded:
     """Parameter FQN -> tensor/expert-parallel owner (:func:`parity.execute.parallel.parallelize`)."""
     group: object | None = None
     """The process group of a model trained on fewer ranks than the job's (None: every rank)."""
+    compiled: CompileLog | None = None
+    """The blocks compiled before sharding and the graphs they ran (None: eager)."""
 
 
 def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
@@ -86,6 +89,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
         obs.plan = plan
     plan = inject.site("plan", plan)
     apply_checkpointing(model, cell.checkpointing, fixture.blocks)
+    compiled = compiled_blocks(cell, model, fixture.blocks)  # before sharding, as recipes compile
     report = knobs.units(cell, plan_sharding(model, fixture.unit_roots, plan, path, ignored))
     _check_reads(cell, fixture, report)
     if obs is not None:
@@ -114,7 +118,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     return Sharded(
         model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
-        owners=owners, group=group,
+        owners=owners, group=group, compiled=compiled,
     )
 
 

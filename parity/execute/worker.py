@@ -60,6 +60,8 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
         recorder.segments.functional = collectives.functional_scope(cell)
+        if s.compiled is not None:  # graphs compiled and run, per segment of the loop
+            s.compiled.where = lambda: recorder.segments.current
         tp = None
         t1 = time.perf_counter()
         try:  # from here on the recorder's patches are undone whatever happens: the worker lives on
@@ -81,6 +83,8 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
                         obs.contracts.resume_step = step
                         obs.contracts.optim = lifecycle.optimizer_state(cell, s.model, s.opt)
             obs.contracts.collectives = recorder.segments.calls
+            if s.compiled is not None:
+                obs.contracts.compiles, obs.contracts.graph_runs = list(s.compiled.compiled), dict(s.compiled.calls)
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
             if tp is not None:

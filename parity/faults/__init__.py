@@ -68,7 +68,7 @@ STAGE_OF_FAULT = {
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
                      "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped",
                      "reshard_group_ignored"), "setup"),
-    **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks"), "forward"),
+    **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_payload_misreported",
                      "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale",
@@ -325,6 +325,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},
            quiet={"reshard_to": "all"}, patch=kp.reshard_group_ignored),
+    _fault("unsharded_layout_flips", "from a parameter's second all-gather on, FSDP hands compute its unsharded "
+           "matrices column-major (same values, transposed strides): compiled blocks recompile at every later forward",
+           {"compile.graphs"}, {**_KDA2, "compile": "aot_eager"}, quiet={"compile": "none"},
+           patch=kp.unsharded_layout_flips, scopes=_MAIN),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=kp.placement_fn_dropped),

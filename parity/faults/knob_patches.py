@@ -246,3 +246,21 @@ def reshard_group_ignored():
             return orig(module, *args, reshard_after_forward=reshard_after_forward, **kwargs)
         return fully_shard
     return swap_attr(fsdp, "fully_shard", make)
+
+
+def unsharded_layout_flips():
+    """From a parameter's second all-gather on, FSDP's copy-out hands compute its unsharded
+    matrices column-major (a fresh copy of the gathered values with transposed strides) instead
+    of the row-major view the first gather set up: the values are the current ones, but a
+    compiled block guards on strides and recompiles at every later forward's first gather.
+    Eager computes the same numbers (silent without compile)."""
+    from parity.faults.patches import after_each_gather
+
+    def flip(group):
+        for fsdp_param in group.fsdp_params:
+            param = fsdp_param.unsharded_param
+            view = fsdp_param.__dict__.setdefault("_parity_view", param.data)
+            if param.dim() == 2 and fsdp_param.__dict__.get("_parity_gathers", 0):
+                param.data = view.t().contiguous().t()
+            fsdp_param._parity_gathers = fsdp_param.__dict__.get("_parity_gathers", 0) + 1
+    return after_each_gather(flip)

@@ -280,8 +280,29 @@ def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtyp
     return tolerance.coarser(plan.config.param_dtype, expected.dtype)
 
 
-def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[Comparison]:
-    """Compare two paths' runs of one cell with the allowances of the first's comparisons."""
+def _widened(c: Comparison, other_expected) -> tolerance.Allowance:
+    """``c``'s allowance plus how far the other path's reference lies from ``c``'s (element by
+    element where ``c`` is judged so): the two emulations differ by design there."""
+    a = c.allowance
+    if isinstance(c.expected, torch.Tensor):
+        if not isinstance(other_expected, torch.Tensor) or other_expected.shape != c.expected.shape:
+            return a
+        gap = (c.expected.double() - other_expected.to(c.expected.device).double()).abs()
+        worst = float(gap.max()) if gap.numel() else 0.0
+        per = a.per_element + gap.to(a.per_element.device) if a.per_element is not None and \
+            a.per_element.shape == gap.shape else None
+    else:
+        worst, per = abs(float(c.expected) - float(other_expected)), None
+    return tolerance.Allowance(a.allowed + worst, a.dtype, f"{a.basis} + |reference gap| {worst:.3g} (compiled "
+                               "graphs split at each path's own units)", per_element=per)
+
+
+def cross_path(first: list[Comparison], second: Assembled, micro: int,
+               widen: dict | None = None) -> list[Comparison]:
+    """Compare two paths' runs of one cell with the allowances of the first's comparisons;
+    ``widen`` -- (step, check, name) -> the second path's expectation -- adds to each allowance
+    the gap between the two paths' references (compiled blocks: each path's graphs split where
+    its own units' hooks run, and both references split the same way)."""
     out = []
     # parameters are judged per path against the optimizer replayed on that path's own
     # gradients; across paths, Adam may turn a legitimate gradient difference into an
@@ -308,5 +329,7 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int) -> list[C
             other = second.clipped_norms[step] if step < len(second.clipped_norms) else math.nan
         else:
             other = second.grad_norms[step]
-        out.append(Comparison(step, c.check, c.name, other, c.actual, c.allowance, signal=c.signal))
+        key = (c.step, c.check, c.name)
+        allowance = _widened(c, widen[key]) if widen and key in widen else c.allowance
+        out.append(Comparison(step, c.check, c.name, other, c.actual, allowance, signal=c.signal))
     return out

@@ -14,9 +14,11 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import Shard
 
+from parity.execute.compiling import compiled_names, inside
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
 from parity.judge import checkpoint_entries, moved, resumed
+from parity.judge import compiled as compiled_graphs
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
@@ -44,8 +46,27 @@ def _grad_dtype_row(obs: Observation, t, base: dict) -> Record:
     return _row(base, "dtype.grad", t.fqn, got == want, want, got, "the gradient the optimizer steps with", want)
 
 
+def _compute_row(base: dict, c, t, alias: str, compiled: tuple[str, ...]) -> Record:
+    """``dtype.compute``: the dtype ``alias``'s module reads inside forward. Inside a compiled block
+    no hook runs eagerly (:mod:`parity.execute.compiling`): what the first forward's all-gathers
+    produced for it is read instead; a parameter nothing gathers there (ignored by FSDP) is SKIP."""
+    want = dtype_name(t.compute)
+    if not inside(alias.rpartition(".")[0], compiled):
+        seen = c.compute.get(alias, "<not used in forward>")
+        return _row(base, "dtype.compute", alias, seen == want, want, seen, "as all-gathered, read inside forward", want)
+    first = c.all_gathers.get(min(c.all_gathers, default=0), {}).get("mb0/forward", {})
+    gathered = first.get(alias, first.get(t.fqn))
+    if gathered is None:
+        return _skip(base, "dtype.compute", alias, "inside a compiled block and not all-gathered by FSDP: no eager "
+                     "read of it")
+    seen = ",".join(sorted({g[0] for g in gathered}))
+    return _row(base, "dtype.compute", alias, seen == want, want, seen,
+                "inside a compiled block: as the first forward's all-gathers produced it", want)
+
+
 def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
     c = obs.contracts
+    compiled = compiled_names(cell)
     rows = []
     for t in plan.params:
         storage = dtype_name(t.storage)
@@ -53,9 +74,7 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
             seen = getattr(c, stage).storage.get(t.fqn, "<missing>")
             rows.append(_row(base, "dtype.storage", f"{t.fqn}@{stage}", seen == storage, storage, seen, label, storage))
         for alias in t.tie_group or (t.fqn,):  # each module using a tied weight reads it itself
-            seen = c.compute.get(alias, "<not used in forward>")
-            rows.append(_row(base, "dtype.compute", alias, seen == dtype_name(t.compute), dtype_name(t.compute), seen,
-                             "as all-gathered, read inside forward", dtype_name(t.compute)))
+            rows.append(_compute_row(base, c, t, alias, compiled))
         if t.grad is not None and t.trainable_from < cell.steps:
             rows.append(_grad_dtype_row(obs, t, base))
         if not t.trainable:
@@ -117,7 +136,12 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     rows = []
     seen = obs.contracts.boundaries
     variants = obs.contracts.boundary_variants
+    compiled = compiled_names(cell)
     for mod in sorted(modules):
+        if inside(mod, compiled):
+            rows.append(_skip(base, "dtype.boundary", mod or "<root>", "inside a compiled block: a hook there would "
+                              "run inside the graph (its outputs and gradients are judged)"))
+            continue
         want, got = ref.boundaries.get(mod), seen.get(mod)
         if want is None and got is None:
             continue
@@ -376,7 +400,8 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)
             + placement_checks(cell, obs, plan, ref, base)
-            + collective_checks(cell, obs, plan, base, ref) + checkpoint_checks(cell, obs, base))
+            + collective_checks(cell, obs, plan, base, ref) + checkpoint_checks(cell, obs, base)
+            + compiled_graphs.check(cell, obs, plan, base, len(compiled_names(cell)), ref.graph_runs))
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: dict) -> list[Record]:

@@ -36,6 +36,7 @@ from torch.torch_version import TorchVersion
 from torch import nn
 from torch.func import functional_call
 
+from parity.execute.compiling import CompileLog, compiled_blocks, unit_break
 from parity.judge.emulate import Partials, emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
@@ -89,6 +90,9 @@ class ReferenceRun:
     evals: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
     """(step, label) of each evaluation forward -> one output per emulated rank."""
     boundaries: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    graph_runs: dict[tuple[int, str], int] = field(default_factory=dict)
+    """Compiled blocks: (step, segment) -> compiled graphs run forward there, over every emulated
+    rank (``mb{k}/forward``, ``eval``)."""
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """``initial`` / ``trained`` -> floating buffer FQN -> value (the unsharded model's)."""
 
@@ -105,19 +109,31 @@ def _cast_floats(obj, dtype):
     return obj
 
 
-def _boundary_hooks(model: nn.Module, report: ShardReport) -> list:
+def _input_cast(dtype: torch.dtype | None):
+    """A forward pre-hook casting floating inputs to ``dtype`` (None: changing nothing)."""
+    return lambda m, a, k: None if dtype is None else (_cast_floats(a, dtype), _cast_floats(k, dtype))
+
+
+def _output_cast(dtype: torch.dtype | None):
+    """A forward hook casting floating outputs to ``dtype`` (None: changing nothing)."""
+    return lambda m, a, out: None if dtype is None else _cast_floats(out, dtype)
+
+
+def _boundary_hooks(model: nn.Module, report: ShardReport, compiled: CompileLog | None = None) -> list:
+    """Each unit's policy casts at its modules' boundaries; with compiled blocks, hooks at every unit
+    module run eagerly (:func:`parity.execute.compiling.unit_break`), splitting the graphs where
+    FSDP's own (dynamo-disabled) hooks split them."""
     modules = module_index(model)
+    wrap = unit_break if compiled is not None else (lambda hook: hook)
     handles = []
     for unit in report.units:
+        cast_in = unit.param_dtype if unit.cast_forward_inputs else None
         for name in unit.modules:
             mod = modules[name]
-            if unit.cast_forward_inputs and unit.param_dtype is not None:
-                dt = unit.param_dtype
-                handles.append(mod.register_forward_pre_hook(
-                    lambda m, a, k, dt=dt: (_cast_floats(a, dt), _cast_floats(k, dt)), with_kwargs=True))
-            if unit.output_dtype is not None:
-                dt = unit.output_dtype
-                handles.append(mod.register_forward_hook(lambda m, a, out, dt=dt: _cast_floats(out, dt)))
+            if cast_in is not None or compiled is not None:
+                handles.append(mod.register_forward_pre_hook(wrap(_input_cast(cast_in)), with_kwargs=True))
+            if unit.output_dtype is not None or compiled is not None:
+                handles.append(mod.register_forward_hook(wrap(_output_cast(unit.output_dtype))))
     return handles
 
 
@@ -210,7 +226,11 @@ def run_reference(
         masters[f].grad_dtype = torch.float64 if fp64 else entries[f].kept_grad
     opt = make_optimizer([masters[f] for f in trainable], cell.optimizer)
     scale = 1.0 if fp64 else loss_scale(plan.config.param_dtype)
-    handles = [] if fp64 else _boundary_hooks(model, report)
+    compiled = None if fp64 else compiled_blocks(cell, model, fixture.blocks)  # the recipe's graphs, not FP64's
+    handles = [] if fp64 else _boundary_hooks(model, report, compiled)
+    where = [(-1, "outside")]  # the segment of the loop a compiled graph runs in
+    if compiled is not None:
+        compiled.where = lambda: where[0]
     topo = cell.topology()
     world, micro = topo.data_world, cell.microbatches
     divisor = loss_divisor(cell.reduction, world)
@@ -255,6 +275,7 @@ def run_reference(
             return
         index = cell.eval_labels(step).index(label)
         outs = []
+        where[0] = (step, "eval")
         with torch.no_grad():
             for rank in range(world):
                 batch = fixture.eval_batch(cell.seed, step, rank, index).to(device)
@@ -291,6 +312,7 @@ def run_reference(
                     tp_partials.on, tp_partials.seen = True, {}
                 if trace is not None and step == trace_step:
                     rec += install_trace(model, trace.setdefault((rank, mb), Trace()))
+                where[0] = (step, f"mb{mb}/forward")
                 out = fixture.output(functional_call(model, {**copies, **uses}, inputs, tie_weights=not uses))
                 for h in rec:
                     h.remove()
@@ -390,6 +412,7 @@ def run_reference(
             evaluate(step, "after-step", read({f: after.get(f, masters[f]) for f in entries}))
     for h in handles:
         h.remove()
+    run.graph_runs = dict(compiled.calls) if compiled is not None else {}
     run.buffers["trained"] = float_buffers(model)
     return run
 

@@ -96,6 +96,11 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         if r0.skip:
             rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
             continue
+        if tag == "cross" and cell.compile != "none":  # loaded and checked entry by entry all the same
+            rows.append(_skip(base, "checkpoint.cross", target, f"compile {cell.compile!r}: {target}'s graphs split its "
+                              f"blocks at its own units, so its step is not {cell.path}'s to the bit; the load itself "
+                              "is judged by checkpoint.loaded"))
+            continue
         per_rank = [o.contracts.resume[target] for o in observations]
         state = _full_state([r.optim for r in per_rank], plan, whole)
         comps = []

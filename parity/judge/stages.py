@@ -49,7 +49,7 @@ ORDER = {
               "marker", "expected_error", "fallback"),
     "gather": ("quant.scale", "quant.blocks", "quant.values", "quant.gather", "quant.refresh", "dtype.compute",
                "gathered"),
-    "forward": ("dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
+    "forward": ("compile.graphs", "dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
     "backward": ("tp.partial", "input_grad"),
     "collectives": ("grad.accum", "dtype.reduce", "collectives", "grad.partial", "dtype.accum", "grad.shard",
                     "dtype.grad"),

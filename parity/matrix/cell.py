@@ -42,10 +42,13 @@ FINALIZES = ("auto", "flagged", "manual")
 OFFLOADS = ("none", "cpu")
 #: Over how many ranks a unit reshards after forward (:attr:`Cell.reshard_to`).
 RESHARD_TOS = ("all", "half")
+#: How the recipe compiles each of the fixture's blocks before sharding (:attr:`Cell.compile`).
+COMPILES = ("none", "aot_eager", "inductor")
 #: The recipe knobs' axes and their values, each first value FSDP's default (:mod:`parity.execute.knobs`).
 KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
                "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS,
-               "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS, "reshard_to": RESHARD_TOS}
+               "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS, "reshard_to": RESHARD_TOS,
+               "compile": COMPILES}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -57,7 +60,8 @@ STATE_DICT_APIS = ("state_dict", "get_model_state_dict")
 RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "init": "init", "mesh": "mesh",
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
-               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt"}
+               "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt",
+               "compile": "cmp"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +175,16 @@ class Cell:
     group, ``SHARDED_POST_FORWARD``, and backward all-gathers within it). Needs 4 or more ranks
     (half of 2 is 1, which FSDP turns into reshard off) on mesh ``fsdp``; with ``reshard`` off
     it does not apply (``all``)."""
+    compile: str = "none"
+    """``none``: every block runs eagerly; ``aot_eager`` / ``inductor``: the recipe compiles each of
+    the fixture's blocks (``block.compile(backend=...)``) after activation checkpointing and
+    before sharding, as recipes do; FSDP's hooks stay outside the graphs (dynamo skips them), so
+    a nested unit breaks its block's graph. The reference compiles the same blocks with the same
+    backend and breaks them at the same units (:mod:`parity.execute.compiling`); ``inductor``
+    needs a C++ compiler (SKIP without one). Runs on mesh ``fsdp`` with weights ``none``,
+    cast_inputs ``fsdp`` and checkpointing ``none``: a checkpointed block compiles into other
+    graphs in evaluation (``full``: split in two; ``selective``: run eagerly, torch 2.15), and
+    the reference cannot recompute through ``functional_call``."""
     device: str = "cpu"
     faults: tuple[str, ...] = field(default=())
     """Deliberate faults (:mod:`parity.faults`) injected into this cell."""
@@ -233,6 +247,11 @@ class Cell:
         if self.eval != "none" and self.weights != "none":
             raise UsageError(f"eval {self.eval!r} runs with weights 'none'; an evaluation forward's quantized "
                              "all-gathers are not emulated yet (use eval 'none')")
+        if self.compile != "none" and (self.mesh, self.weights, self.cast_inputs, self.checkpointing) != (
+                "fsdp", "none", "fsdp", "none"):
+            raise UsageError(f"compile {self.compile!r} runs on mesh 'fsdp' with weights 'none', cast_inputs 'fsdp' and "
+                             "checkpointing 'none' (docs/findings.md: compiled checkpointed blocks); use compile 'none' "
+                             "for the others")
         if self.init == "meta" and (self.mesh != "fsdp" or self.weights != "none"):
             raise UsageError("init 'meta' runs with mesh 'fsdp' and weights 'none' only; use init 'seeded'")
 

@@ -28,12 +28,21 @@ def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {canonical_fqn(n): b.detach().cpu().clone() for n, b in model.named_buffers() if b.is_floating_point()}
 
 
+def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` without compiled modules (``module.compile()``) and what they hold:
+    a hook there would run inside the graph, on fake tensors, and its side effects would split the
+    graph; probes read those modules another way (:mod:`parity.execute.compiling`)."""
+    compiled = [name for name, mod in model.named_modules() if getattr(mod, "_compiled_call_impl", None) is not None]
+    return [(name, mod) for name, mod in model.named_modules()
+            if not any(name == c or name.startswith(c + ".") or c == "" for c in compiled)]
+
+
 def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
     """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
     FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
     by the reference, so both observe boundaries the same way."""
     handles = []
-    for name, mod in model.named_modules():
+    for name, mod in hookable_modules(model):
         fqn = canonical_fqn(name)
 
         def pre(module, args, kwargs, fqn=fqn):
@@ -56,7 +65,7 @@ def record_boundary_variants(model: nn.Module, sink: dict) -> list:
     every time has one of each. A checkpoint wrapper and the module it wraps share a canonical
     name: the module inside is the one read (as :func:`record_boundaries` ends up reading it)."""
     handles = []
-    inner = {canonical_fqn(name): mod for name, mod in model.named_modules()}  # children come later
+    inner = {canonical_fqn(name): mod for name, mod in hookable_modules(model)}  # children come later
     for fqn, mod in inner.items():
 
         def pre(module, args, kwargs, fqn=fqn):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parity.model.boundaries import hookable_modules
 from parity.model.plan import canonical_fqn
 
 
@@ -60,7 +61,7 @@ def _replace_first_float(obj, new):
 def install(model: nn.Module, trace: Trace, when=lambda: True) -> list:
     """Hooks filling ``trace`` while ``when()`` holds; returns the handles to remove."""
     handles = []
-    for name, mod in model.named_modules():
+    for name, mod in hookable_modules(model):
         fqn = canonical_fqn(name) or "<root>"
 
         def pre(module, args, kwargs, fqn=fqn):
