@@ -15,7 +15,7 @@ from parity.cli import main
         (["compare", "/nonexistent", "/nonexistent"], "compare /nonexistent: no such directory"),
         (["report", "/tmp"], "report: no cells.csv in /tmp"),
         (["run", "--param-dtype", "float32"], "argument --param-dtype: invalid choice"),
-        (["run", "--matrix", "nope"], "unknown matrix 'nope'; valid: backward-free, cast-inputs, configs, default, fp8, fp8-models, full, grad-dtype, knobs, models, schedules, smoke, topologies"),
+        (["run", "--matrix", "nope"], "unknown matrix 'nope'; valid: backward-free, cast-inputs, compile, configs, default, fp8, fp8-models, full, grad-dtype, knobs, models, schedules, smoke, topologies"),
         (["run", "--paths", "legacy,fast"], "--paths: unknown value 'fast'; valid: legacy, native"),
         (["run", "--ranks", "3"], "--ranks: unknown value '3'"),
         (["plan", "--fixture", "kda", "--output-dtype", "float8"], "unknown value 'float8'; valid: natural, float32"),

@@ -10,7 +10,7 @@ from torch import nn
 import parity
 from parity.errors import UsageError
 from parity.execute import knobs
-from parity.execute.compiling import compile_blocks, compiler_missing
+from parity.model.compiling import compile_blocks, compiler_missing
 from parity.judge.reference import run_reference
 from parity.matrix.cell import Cell
 from parity.model.boundaries import hookable_modules

@@ -178,7 +178,7 @@ def unsupported(cell: Cell) -> str:
                         "(its apply() has no such keyword)")
     if (cell.unshard_in_backward, cell.cast_inputs, cell.prefetch, cell.compile) == ("all", "fsdp", "none", "none"):
         return ""
-    from parity.execute.compiling import compiler_missing
+    from parity.model.compiling import compiler_missing
     from parity.model.registry import get_fixture
 
     fixture = get_fixture(cell.fixture, cell.source)

@@ -234,7 +234,7 @@ class ContractsSeen:
     """Stage (``sharded``, ``trained``) -> parameter FQN -> who holds it and how
     (:func:`parity.execute.probes.ownership`)."""
     compiles: list[tuple[int, str]] | None = None
-    """Compiled blocks (:mod:`.compiling`): where in the cell's own training each graph was
+    """Compiled blocks (:mod:`parity.model.compiling`): where in the cell's own training each graph was
     compiled, (step, segment); None: nothing was compiled."""
     graph_runs: dict[tuple[int, str], int] = field(default_factory=dict)
     """Compiled blocks: (step, segment) -> how many times a compiled graph ran forward there."""

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
 from parity.execute import collectives, evaluation, knobs, parallel, probes, state_dicts
-from parity.execute.compiling import CompileLog, compiled_blocks
+from parity.model.compiling import CompileLog, compiled_blocks
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation

@@ -1,7 +1,7 @@
 """``compile.graphs``: the compiled blocks ran compiled, and compiled only where something changed.
 
 A cell with ``compile`` other than ``none`` claims its blocks ran as graphs
-(:mod:`parity.execute.compiling`). Numbers alone cannot show it: a block that fell back to
+(:mod:`parity.model.compiling`). Numbers alone cannot show it: a block that fell back to
 eager (a recompile limit hit, a guard failing on every call) computes much the same values.
 Each rank's log of the graphs dynamo handed the backend is judged on its own:
 
@@ -34,13 +34,14 @@ def _steps(cell: Cell) -> int:
 
 
 def _compiles_allowed(cell: Cell, plan: PrecisionPlan) -> set[tuple[int, str]]:
-    """Where a graph may be compiled: the first training forward, the first evaluation segment,
-    the first forward of a step that unfreezes parameters."""
-    allowed = {(0, "mb0/forward")}
-    allowed |= {(t.trainable_from, "mb0/forward") for t in plan.params if t.trainable_from}
-    first_eval = next((k for k in range(_steps(cell)) if cell.eval_labels(k)), None)
-    if first_eval is not None:
-        allowed.add((first_eval, "eval"))
+    """Where a graph may be compiled: the first training forward and the first evaluation segment
+    after it, and again from a step that unfreezes parameters."""
+    starts = {0} | {t.trainable_from for t in plan.params if t.trainable_from}
+    allowed = {(k, "mb0/forward") for k in starts}
+    for k in starts:  # requires_grad is guarded on no_grad graphs too
+        first_eval = next((s for s in range(k, _steps(cell)) if cell.eval_labels(s)), None)
+        if first_eval is not None:
+            allowed.add((first_eval, "eval"))
     return allowed
 
 

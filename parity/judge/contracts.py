@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import Shard
 
-from parity.execute.compiling import compiled_names, inside
+from parity.model.compiling import compiled_names, inside
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
 from parity.judge import checkpoint_entries, moved, resumed
@@ -48,17 +48,21 @@ def _grad_dtype_row(obs: Observation, t, base: dict) -> Record:
 
 def _compute_row(base: dict, c, t, alias: str, compiled: tuple[str, ...]) -> Record:
     """``dtype.compute``: the dtype ``alias``'s module reads inside forward. Inside a compiled block
-    no hook runs eagerly (:mod:`parity.execute.compiling`): what the first forward's all-gathers
-    produced for it is read instead; a parameter nothing gathers there (ignored by FSDP) is SKIP."""
+    no hook runs eagerly (:mod:`parity.model.compiling`): what the first forward's all-gathers
+    produced for it is read instead; one FSDP does not manage (ignored) is SKIP, a managed one
+    nothing gathered there is a FAIL."""
     want = dtype_name(t.compute)
     if not inside(alias.rpartition(".")[0], compiled):
         seen = c.compute.get(alias, "<not used in forward>")
         return _row(base, "dtype.compute", alias, seen == want, want, seen, "as all-gathered, read inside forward", want)
     first = c.all_gathers.get(min(c.all_gathers, default=0), {}).get("mb0/forward", {})
     gathered = first.get(alias, first.get(t.fqn))
+    if gathered is None and t.ownership != "managed":
+        return _skip(base, "dtype.compute", alias, f"inside a compiled block and {t.ownership} (FSDP gathers it not): "
+                     "no eager read of it")
     if gathered is None:
-        return _skip(base, "dtype.compute", alias, "inside a compiled block and not all-gathered by FSDP: no eager "
-                     "read of it")
+        return _row(base, "dtype.compute", alias, False, want, "<not all-gathered in the first forward>",
+                    "inside a compiled block: as the first forward's all-gathers produced it", want)
     seen = ",".join(sorted({g[0] for g in gathered}))
     return _row(base, "dtype.compute", alias, seen == want, want, seen,
                 "inside a compiled block: as the first forward's all-gathers produced it", want)

@@ -98,6 +98,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out.append(("checkpoint.cross", None, None))
     if cell.move != "none":
         out.append(("checkpoint.moved", None, None))
+    if cell.compile != "none":
+        out.append(("compile.graphs", cell.compile, None))
     return out
 
 

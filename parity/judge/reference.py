@@ -36,7 +36,7 @@ from torch.torch_version import TorchVersion
 from torch import nn
 from torch.func import functional_call
 
-from parity.execute.compiling import CompileLog, compiled_blocks, unit_break
+from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.judge.emulate import Partials, emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
@@ -121,7 +121,7 @@ def _output_cast(dtype: torch.dtype | None):
 
 def _boundary_hooks(model: nn.Module, report: ShardReport, compiled: CompileLog | None = None) -> list:
     """Each unit's policy casts at its modules' boundaries; with compiled blocks, hooks at every unit
-    module run eagerly (:func:`parity.execute.compiling.unit_break`), splitting the graphs where
+    module run eagerly (:func:`parity.model.compiling.unit_break`), splitting the graphs where
     FSDP's own (dynamo-disabled) hooks split them."""
     modules = module_index(model)
     wrap = unit_break if compiled is not None else (lambda hook: hook)

@@ -180,7 +180,7 @@ class Cell:
     the fixture's blocks (``block.compile(backend=...)``) after activation checkpointing and
     before sharding, as recipes do; FSDP's hooks stay outside the graphs (dynamo skips them), so
     a nested unit breaks its block's graph. The reference compiles the same blocks with the same
-    backend and breaks them at the same units (:mod:`parity.execute.compiling`); ``inductor``
+    backend and breaks them at the same units (:mod:`parity.model.compiling`); ``inductor``
     needs a C++ compiler (SKIP without one). Runs on mesh ``fsdp`` with weights ``none``,
     cast_inputs ``fsdp`` and checkpointing ``none``: a checkpointed block compiles into other
     graphs in evaluation (``full``: split in two; ``selective``: run eagerly, torch 2.15), and

@@ -31,7 +31,7 @@ def float_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` without compiled modules (``module.compile()``) and what they hold:
     a hook there would run inside the graph, on fake tensors, and its side effects would split the
-    graph; probes read those modules another way (:mod:`parity.execute.compiling`)."""
+    graph; probes read those modules another way (:mod:`parity.model.compiling`)."""
     compiled = [name for name, mod in model.named_modules() if getattr(mod, "_compiled_call_impl", None) is not None]
     return [(name, mod) for name, mod in model.named_modules()
             if not any(name == c or name.startswith(c + ".") or c == "" for c in compiled)]
