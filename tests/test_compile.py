@@ -1,6 +1,6 @@
 """Compiled blocks (issue 21): ``compile`` compiles every block before sharding, on both paths;
 the reference compiles the same blocks and breaks them at the same units; ``compile.graphs``
-holds every forward to the reference's graphs."""
+bounds every forward's graphs by the reference's."""
 
 import os
 
@@ -10,10 +10,10 @@ from torch import nn
 import parity
 from parity.errors import UsageError
 from parity.execute import knobs
-from parity.model.compiling import compile_blocks, compiler_missing
 from parity.judge.reference import run_reference
 from parity.matrix.cell import Cell
 from parity.model.boundaries import hookable_modules
+from parity.model.compiling import compile_blocks, compiler_missing
 from parity.model.registry import get_fixture
 from parity.paths import plan_sharding
 

@@ -184,8 +184,8 @@ def unsupported(cell: Cell) -> str:
     fixture = get_fixture(cell.fixture, cell.source)
     if cell.compile != "none" and not fixture.blocks:
         return f"compile {cell.compile!r} compiles blocks; {cell.fixture!r} declares none (Fixture.blocks)"
-    if compiler_missing(cell.compile):
-        return compiler_missing(cell.compile)
+    if missing := compiler_missing(cell.compile):
+        return missing
     if cell.unshard_in_backward == "needed" and not fixture.backward_free:
         return (f"unshard_in_backward 'needed': {cell.fixture!r} declares no unit whose parameters backward does "
                 "not read (Fixture.backward_free)")

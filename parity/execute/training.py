@@ -16,12 +16,12 @@ from torch.distributed.tensor import DTensor
 
 from parity.errors import UsageError
 from parity.execute import collectives, evaluation, knobs, parallel, probes, state_dicts
-from parity.model.compiling import CompileLog, compiled_blocks
 from parity.execute.checkpointing import apply_checkpointing, checkpoint_units
 from parity.execute.materialize import materialize
 from parity.execute.observation import Observation
 from parity.faults import Injector
 from parity.matrix.cell import Cell
+from parity.model.compiling import CompileLog, compiled_blocks
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats

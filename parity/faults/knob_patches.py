@@ -260,7 +260,8 @@ def unsharded_layout_flips():
         for fsdp_param in group.fsdp_params:
             param = fsdp_param.unsharded_param
             view = fsdp_param.__dict__.setdefault("_parity_view", param.data)
-            if param.dim() == 2 and fsdp_param.__dict__.get("_parity_gathers", 0):
+            gathers = fsdp_param.__dict__.get("_parity_gathers", 0)
+            if param.dim() == 2 and gathers:
                 param.data = view.t().contiguous().t()
-            fsdp_param._parity_gathers = fsdp_param.__dict__.get("_parity_gathers", 0) + 1
+            fsdp_param._parity_gathers = gathers + 1
     return after_each_gather(flip)

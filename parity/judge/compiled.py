@@ -6,8 +6,8 @@ eager (a recompile limit hit, a guard failing on every call) computes much the s
 Each rank's log of the graphs dynamo handed the backend is judged on its own:
 
 - every training forward (each micro-batch of every step) and every evaluation forward ran the
-  same number of graphs as the cell's first forward (or the first after an unfreezing), at least one per compiled block and no
-  more than the reference's same forward (the same blocks compiled with the same backend,
+  same number of graphs as the cell's first forward (or the first after an unfreezing), at
+  least one per compiled block and no more than the reference's same forward (the same blocks compiled with the same backend,
   without FSDP, broken where the path's units' hooks run): a block run eagerly shows as fewer,
   a graph break of a probe or of a state FSDP leaves behind as more. Fewer than the reference's
   is not a finding by itself: dynamo runs a nested FSDP unit's ``nn.Linear`` forward eagerly

@@ -14,7 +14,6 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import Shard
 
-from parity.model.compiling import compiled_names, inside
 from parity.execute.knobs import shard_dim
 from parity.execute.observation import Observation
 from parity.judge import checkpoint_entries, moved, resumed
@@ -22,6 +21,7 @@ from parity.judge import compiled as compiled_graphs
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
 from parity.matrix.cell import Cell
+from parity.model.compiling import compiled_names, inside
 from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.paths import PER_PARAMETER

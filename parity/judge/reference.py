@@ -36,10 +36,10 @@ from torch.torch_version import TorchVersion
 from torch import nn
 from torch.func import functional_call
 
-from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.judge.emulate import Partials, emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
 from parity.model.boundaries import float_buffers, record_boundaries
+from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,

@@ -11,6 +11,7 @@ from torch import nn
 
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
+from parity.paths.units import under
 
 
 def _float_dtypes(obj) -> list[str]:
@@ -32,9 +33,9 @@ def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` without compiled modules (``module.compile()``) and what they hold:
     a hook there would run inside the graph, on fake tensors, and its side effects would split the
     graph; probes read those modules another way (:mod:`parity.model.compiling`)."""
-    compiled = [name for name, mod in model.named_modules() if getattr(mod, "_compiled_call_impl", None) is not None]
-    return [(name, mod) for name, mod in model.named_modules()
-            if not any(name == c or name.startswith(c + ".") or c == "" for c in compiled)]
+    named = list(model.named_modules())
+    compiled = [name for name, mod in named if getattr(mod, "_compiled_call_impl", None) is not None]
+    return [(name, mod) for name, mod in named if not any(under(name, c) for c in compiled)]
 
 
 def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
