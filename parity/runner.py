@@ -1,14 +1,15 @@
 """Run cells: spawn (or join) ranks, judge each cell as it finishes, append records.
 
-Cells run grouped by rank count, and within it by *pair group* (the cells of every path
-sharing one set of axis values, baseline first), so each non-baseline path is compared
-with its baseline as soon as both finished (``path = baseline~path`` rows) and a group is
-complete before the next starts -- which is what makes ``--resume`` exact.
+Cells run by *pair group* (the cells of every path sharing one set of axis values, baseline
+first), so each non-baseline path is compared with its baseline as soon as both finished
+(``path = baseline~path`` rows) and a group is complete before the next starts -- which is
+what makes ``--resume`` exact. Groups of different rank counts interleave
+(:func:`~parity.matrix.order.order_cells`).
 
 Pools are started once per rank count and reused; cells that crash or hang become
-ERROR/TIMEOUT records and the pool restarts. The next cell is handed to its ranks as soon as
-the current one's observations arrive, so the ranks train it while the parent judges (records
-are still judged and written in cell order; a traced re-run first waits for the cell ahead). SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
+ERROR/TIMEOUT records and the pool restarts. As soon as a cell's observations arrive, every
+idle pool is handed its next cell, so all pools train while the parent judges (records are
+still judged and written in cell order; a traced re-run first waits for its pool's cell ahead). SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
 the run cleanly: no new cell starts, workers are told to exit and killed after a grace
 period, the temporary folder is removed, a summary marked "interrupted" is written, and the
 exit code is 130 (SIGINT) or 143 (SIGTERM). A signal while the result files are written
@@ -77,6 +78,11 @@ class RunOptions:
     """Also write JUnit XML here (one test case per cell x check)."""
     op_log: bool = False
     """Traced re-runs also write rank 0's operator log in DebugMode's format (``traces/<cell>.ops.json``)."""
+
+
+#: How far past the current cell a pool's next cell is looked for (the order interleaves rank
+#: counts, :func:`~parity.matrix.order.order_cells`, so it is usually a few cells away).
+LOOKAHEAD = 64
 
 
 def resolve_device(device: str) -> str:
@@ -163,7 +169,8 @@ class _Run:
         self.unpaired: dict[tuple[str, str], tuple[Unpaired, str]] = {}
         """(pair group, path) -> (code, words): why that cell has nothing to be compared with or from."""
         self.paired: set[tuple[str, str]] = set()
-        self.next_cell: Cell | None = None
+        self.position = 0
+        """Index in ``todo`` of the cell being run."""
         self.ahead: dict[int, Cell] = {}
         """rank count -> the cell submitted to that pool ahead of its turn (at most one per pool)."""
         self.finished: dict[str, object] = {}
@@ -187,7 +194,7 @@ class _Run:
                 if signals():
                     break
                 t0 = time.perf_counter()
-                self.next_cell = self.todo[i + 1] if i + 1 < len(self.todo) else None
+                self.position = i
                 try:
                     new = self._run_one(cell, signals)
                 except Interrupted:
@@ -223,7 +230,7 @@ class _Run:
             return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
-        self._submit_ahead(self.next_cell, signals)  # its ranks work while this cell is judged
+        self._submit_ahead(signals)  # the pools work while this cell is judged
         j0 = time.perf_counter()
         try:
             judged = judge_cell(cell, observations, fp64=self.options.fp64, device=_ref_device(self.device),
@@ -313,18 +320,32 @@ class _Run:
             self._timed(pool, pool.submit, cell)
         return self._result(self._collect(pool))
 
-    def _submit_ahead(self, cell: Cell | None, signals) -> None:
-        """Hand the next cell to its idle pool now; :meth:`_observe` collects it in its turn."""
-        if self.executor is not None or cell is None or self._skip(cell) or cell.ranks in self.ahead:
+    def _submit_ahead(self, signals) -> None:
+        """Hand each idle pool its next cell now; :meth:`_observe` collects it in its turn."""
+        if self.executor is not None:
             return
-        if not self.pools:
-            self._launch_pools(signals)
-        try:
-            self._timed(self.pools[cell.ranks], self.pools[cell.ranks].submit, cell)
-        except CellFailure as exc:
-            self.finished[cell.id] = exc
-            return
-        self.ahead[cell.ranks] = cell
+        for cell in self._upcoming():
+            if not self.pools:
+                self._launch_pools(signals)
+            try:
+                self._timed(self.pools[cell.ranks], self.pools[cell.ranks].submit, cell)
+            except CellFailure as exc:
+                self.finished[cell.id] = exc
+                continue
+            self.ahead[cell.ranks] = cell
+
+    def _upcoming(self) -> list[Cell]:
+        """For every pool without a cell ahead, the first of the next :data:`LOOKAHEAD` cells that
+        it runs and that is neither skipped nor already collected."""
+        window = self.todo[self.position + 1:self.position + 1 + LOOKAHEAD]
+        idle = {c.ranks for c in window} - set(self.ahead)
+        found: dict[int, Cell] = {}
+        for cell in window:
+            if len(found) == len(idle):
+                break
+            if cell.ranks in idle and cell.ranks not in found and cell.id not in self.finished and not self._skip(cell):
+                found[cell.ranks] = cell
+        return list(found.values())
 
     def _collect(self, pool: RankPool):
         """The submitted cell's observations, or the :class:`CellFailure` it ended with."""

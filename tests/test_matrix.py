@@ -109,3 +109,26 @@ def test_axes_constant_is_the_documented_set():
                     "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "steps", "move",
                     "reduction", "prefetch", "reshard_backward", "placement", "cast_inputs", "unshard_in_backward",
                     "unshard", "finalize", "offload", "reshard_to", "compile")
+
+
+def test_run_order_interleaves_rank_counts_and_keeps_groups_whole():
+    """Each rank count's pair groups keep their order, a group runs whole with its baseline
+    first, and the 1- and 2-rank groups alternate as their pools would reach them side by
+    side, so the runner can keep both pools busy (every pool's next cell is close ahead)."""
+    from parity.matrix.order import order_cells
+    from parity.runner import LOOKAHEAD
+
+    cells = list(load("default").cells)
+    ordered = order_cells(cells)
+    assert sorted(c.id for c in ordered) == sorted(c.id for c in cells)
+    groups = list(dict.fromkeys(c.pair_id for c in ordered))
+    for world in (1, 2):
+        mine = [g for g in dict.fromkeys(c.pair_id for c in cells) if f"/r{world}/" in f"/{g}/"]
+        assert [g for g in groups if g in set(mine)] == mine
+    runs = [list(g) for _, g in itertools.groupby(ordered, key=lambda c: c.pair_id)]
+    assert len(runs) == len(groups)  # a group's cells are adjacent
+    assert all(run[0].path == run[0].baseline for run in runs)
+    for i in range(len(ordered) - LOOKAHEAD):
+        window = ordered[i + 1:i + 1 + LOOKAHEAD]
+        left = {c.ranks for c in ordered[i + 1:]}
+        assert left <= {c.ranks for c in window}, f"a pool's next cell is more than {LOOKAHEAD} cells after {i}"

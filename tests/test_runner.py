@@ -86,3 +86,29 @@ def test_a_deep_temporary_folder_and_a_folder_named_like_the_matrix_change_nothi
                            "fixture == 'frozen' and ranks == 1 and microbatches == 1", "--out", str(tmp_path / "run")],
                           cwd=tmp_path, env={**os.environ, "TMPDIR": str(deep)}, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-1500:]
+
+
+def test_every_idle_pool_is_handed_its_next_cell(tmp_path):
+    """While a cell is judged, each pool without a cell ahead gets the first cell after the
+    current one that it runs: not one already collected, nor a skipped one."""
+    from dataclasses import replace
+
+    from parity.matrix.cell import Cell
+    from parity.runner import RunOptions, _Run
+
+    one = [Cell(fixture="kda", path=p, ranks=1, seed=s) for s in (0, 1) for p in ("legacy", "native")]
+    two = [replace(c, ranks=2) for c in one]
+    todo = [one[0], one[1], two[0], two[1], one[2], one[3], two[2], two[3]]
+    skipped = two[1].id
+    run = _Run(todo, todo, RunOptions(out_dir=str(tmp_path)), lambda c: "skipped" if c.id == skipped else "", None)
+    try:
+        run.position = 0
+        assert run._upcoming() == [one[1], two[0]]
+        run.ahead[1] = one[1]
+        run.position = 2
+        assert run._upcoming() == [two[2]]  # the 1-rank pool is busy; the 2-rank one skips a skipped cell
+        run.ahead = {}
+        run.finished[one[2].id] = object()
+        assert run._upcoming() == [one[3], two[2]]  # skips what was collected and what is skipped
+    finally:
+        run.writer.close()

@@ -3,17 +3,37 @@ each part of a sharded one)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from parity.matrix.cell import Cell
+from parity.matrix.shard import expected_cost
 
 
 def order_cells(cells: list[Cell]) -> list[Cell]:
-    """By rank count, then pair group in first-appearance order, the baseline first."""
+    """Pair groups in the order their rank pools would reach them working side by side.
+
+    A run keeps one pool of ranks per rank count and lets every pool work on its next cell
+    while the parent judges (:mod:`parity.runner`), but it judges cells in this order. Each
+    rank count's pair groups keep their first-appearance order; a group's place is when its
+    pool would start it if every pool ran its own groups back to back, by
+    :func:`~parity.matrix.shard.expected_cost` -- so the 1-rank cells interleave with the
+    2-rank ones instead of leaving a pool idle until the other is done. Within a group the
+    baseline comes first. The order depends only on the cells (``--resume`` and the parts of a
+    sharded run rely on that)."""
     first: dict[str, int] = {}
+    cost: Counter = Counter()
+    world: dict[str, int] = {}
     for i, c in enumerate(cells):
         first.setdefault(c.pair_id, i)
-    return sorted(cells, key=lambda c: (c.ranks, first[c.pair_id], c.path != c.baseline))
+        cost[c.pair_id] += expected_cost(c)
+        world[c.pair_id] = c.ranks
+    start: dict[str, float] = {}
+    clock: Counter = Counter()
+    for group in sorted(first, key=lambda g: (world[g], first[g])):
+        start[group] = clock[world[group]]
+        clock[world[group]] += cost[group]
+    return sorted(cells, key=lambda c: (start[c.pair_id], c.ranks, first[c.pair_id], c.path != c.baseline))
 
 
 def with_crossload(cells: list[Cell]) -> list[Cell]:
