@@ -1,15 +1,16 @@
 """Run cells: spawn (or join) ranks, judge each cell as it finishes, append records.
 
-Cells run by *pair group* (the cells of every path sharing one set of axis values, baseline
-first), so each non-baseline path is compared with its baseline as soon as both finished
-(``path = baseline~path`` rows) and a group is complete before the next starts -- which is
-what makes ``--resume`` exact. Groups of different rank counts interleave
-(:func:`~parity.matrix.order.order_cells`).
+Cells are judged and written by *pair group* (the cells of every path sharing one set of axis
+values, baseline first), so each non-baseline path is compared with its baseline as soon as
+both finished (``path = baseline~path`` rows) and a group's rows are complete before the next
+group's are written -- which is what makes ``--resume`` exact. Groups of different rank counts
+interleave in that order (:func:`~parity.matrix.order.order_cells`).
 
 Pools are started once per rank count and reused; cells that crash or hang become
-ERROR/TIMEOUT records and the pool restarts. As soon as a cell's observations arrive, every
-idle pool is handed its next cell, so all pools train while the parent judges (records are
-still judged and written in cell order; a traced re-run first waits for its pool's cell ahead). SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
+ERROR/TIMEOUT records and the pool restarts. Once a cell is observed, skipped or failed, every
+idle pool is handed the next cell it runs (within :data:`LOOKAHEAD` cells; at most one ahead
+per pool), so the pools train side by side while the parent judges (a traced re-run first
+waits for its pool's cell ahead; under torchrun one cell runs at a time). SIGINT/SIGTERM (:mod:`parity.interrupt`) stop
 the run cleanly: no new cell starts, workers are told to exit and killed after a grace
 period, the temporary folder is removed, a summary marked "interrupted" is written, and the
 exit code is 130 (SIGINT) or 143 (SIGTERM). A signal while the result files are written
@@ -171,13 +172,17 @@ class _Run:
         self.paired: set[tuple[str, str]] = set()
         self.position = 0
         """Index in ``todo`` of the cell being run."""
+        self.skips: dict[str, str] = {}
         self.ahead: dict[int, Cell] = {}
         """rank count -> the cell submitted to that pool ahead of its turn (at most one per pool)."""
         self.finished: dict[str, object] = {}
         """cell id -> observations (or the CellFailure) of a cell ahead collected early."""
 
     def _skip(self, cell: Cell) -> str:
-        return _skip_reason(cell, self.device, self.skip_reason)
+        """Why ``cell`` is not run ('' when it is); asked once per cell."""
+        if cell.id not in self.skips:
+            self.skips[cell.id] = _skip_reason(cell, self.device, self.skip_reason)
+        return self.skips[cell.id]
 
     def _launch_pools(self, stop_requested) -> None:
         for world in sorted({c.ranks for c in self.todo if not self._skip(c)}):
@@ -220,6 +225,7 @@ class _Run:
         reason = self._skip(cell)
         if reason:
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.SKIPPED, f"{cell.path} was skipped: {reason}")
+            self._submit_ahead(signals)
             return [Record(**base_fields(cell), check="run", name="cell", verdict=Verdict.SKIP, detail=reason)]
         try:
             observations = self._observe(cell, signals)
@@ -227,6 +233,7 @@ class _Run:
             if signals():  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH, f"{cell.path} did not finish ({exc.verdict})")
+            self._submit_ahead(signals)
             return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
@@ -321,8 +328,9 @@ class _Run:
         return self._result(self._collect(pool))
 
     def _submit_ahead(self, signals) -> None:
-        """Hand each idle pool its next cell now; :meth:`_observe` collects it in its turn."""
-        if self.executor is not None:
+        """Hand each idle pool its next cell now; :meth:`_observe` collects it in its turn. Not
+        after a signal (no new cell starts), nor under torchrun (one cell at a time)."""
+        if self.executor is not None or signals():
             return
         for cell in self._upcoming():
             if not self.pools:

@@ -19,8 +19,9 @@ def order_cells(cells: list[Cell]) -> list[Cell]:
     pool would start it if every pool ran its own groups back to back, by
     :func:`~parity.matrix.shard.expected_cost` -- so the 1-rank cells interleave with the
     2-rank ones instead of leaving a pool idle until the other is done. Within a group the
-    baseline comes first. The order depends only on the cells (``--resume`` and the parts of a
-    sharded run rely on that)."""
+    baseline comes first. The order depends only on the cells: ``--resume`` relies on that,
+    and ``merge`` writes a sharded run's records in the order of its whole selection (a part
+    runs its own cells in their own order, which need not be the whole one's restricted)."""
     first: dict[str, int] = {}
     cost: Counter = Counter()
     world: dict[str, int] = {}
