@@ -332,9 +332,10 @@ class _Run:
         after a signal (no new cell starts), nor under torchrun (one cell at a time)."""
         if self.executor is not None or signals():
             return
-        for cell in self._upcoming():
-            if not self.pools:
-                self._launch_pools(signals)
+        cells = self._upcoming()
+        if cells and not self.pools:
+            self._launch_pools(signals)
+        for cell in cells:
             try:
                 self._timed(self.pools[cell.ranks], self.pools[cell.ranks].submit, cell)
             except CellFailure as exc:

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import replace
 
 from parity.matrix.cell import Cell
-from parity.matrix.shard import expected_cost
+from parity.matrix.cost import expected_cost
 
 
 def order_cells(cells: list[Cell]) -> list[Cell]:
@@ -17,7 +17,7 @@ def order_cells(cells: list[Cell]) -> list[Cell]:
     while the parent judges (:mod:`parity.runner`), but it judges cells in this order. Each
     rank count's pair groups keep their first-appearance order; a group's place is when its
     pool would start it if every pool ran its own groups back to back, by
-    :func:`~parity.matrix.shard.expected_cost` -- so the 1-rank cells interleave with the
+    :func:`~parity.matrix.cost.expected_cost` -- so the 1-rank cells interleave with the
     2-rank ones instead of leaving a pool idle until the other is done. Within a group the
     baseline comes first. The order depends only on the cells: ``--resume`` relies on that,
     and ``merge`` writes a sharded run's records in the order of its whole selection (a part

@@ -9,7 +9,7 @@ of their id (not the matrix's order), each with its own order of preference over
 the first part it prefers whose load stays under ``(1 + SLACK) x total / N + max_cost``. A
 group's part therefore depends on its own id and only weakly on the rest of the matrix: adding
 or removing groups elsewhere moves few others (``tests/test_shard.py`` measures how few), and
-the loads stay within the bound. Loads are :func:`expected_cost`, a model of a cell's run time
+the loads stay within the bound. Loads are :func:`~parity.matrix.cost.expected_cost`, a model of a cell's run time
 from its axes (ranks, steps, micro-batches, checkpoint lifecycle, mesh; a model's size is not
 known before it is built, so every model counts the same).
 """
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from parity.errors import UsageError
 from parity.matrix.cell import Cell
+from parity.matrix.cost import expected_cost
 
 #: How far above an even share a part's load may go before a group takes its next choice.
 SLACK = 0.10
@@ -47,18 +48,6 @@ def parse_shard(text: str) -> Shard:
     if not sep or shard is None or not 1 <= shard.index <= shard.count:
         raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")
     return shard
-
-
-def expected_cost(cell: Cell) -> float:
-    """Relative run time of a cell: per optimizer step, each micro-batch's forward/backward on
-    ``ranks`` ranks sharing the machine's cores; the checkpoint lifecycle (save, load, resume
-    and cross-loads) costs about as much as the steps again; 2-D meshes add their collectives."""
-    work = cell.steps * cell.microbatches * (1.0 + 0.25 * cell.ranks)
-    if cell.lifecycle:
-        work *= 2.0
-    if cell.mesh != "fsdp":
-        work *= 1.5
-    return 1.0 + work
 
 
 def _hash(*parts) -> int:
