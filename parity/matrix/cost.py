@@ -1,19 +1,51 @@
 """How long a cell is expected to run, from its axes alone: what balances the parts of a
 sharded run (:mod:`parity.matrix.shard`) and interleaves a run's rank pools
-(:mod:`parity.matrix.order`)."""
+(:mod:`parity.matrix.order`).
+
+The coefficients are seconds, fitted to the per-cell run times (training, observation and
+judging, nothing overlapped) of 1,052 cells of ``smoke``, ``default``, ``configs``,
+``knobs``, ``compile`` and ``topologies`` on the 2-core reference machine
+(``fixtures/measured_cell_seconds.csv``, remade by ``fixtures/measure_cell_seconds.py``);
+they matter only relative to each other. A model's size is not known before it is built, so every
+model counts the same.
+"""
 
 from __future__ import annotations
 
 from parity.matrix.cell import Cell
 
+#: Seconds every cell costs whatever it trains: building, the judge's bookkeeping, the records.
+BASE = 0.04
+#: Seconds of one optimizer step (one micro-batch) on one rank; ``ranks`` ranks sharing the
+#: machine's cores take ``ranks ** 1.6`` times as long (their collectives on top of the compute).
+STEP = 0.02
+#: What each micro-batch after the first adds to a step, relative to the step.
+MICROBATCH = 0.5
+#: 2-D meshes: tensor-parallel and expert-parallel exchanges, and HSDP's replica reduction.
+MESH = {"fsdp": 1.0, "hsdp": 1.2, "fsdp+tp": 2.0, "ep": 2.0}
+#: The checkpoint lifecycle (train to the save, save, load into each path, one step more),
+#: in steps of the cell's rank count, plus its fixed cost.
+LIFECYCLE_STEPS, LIFECYCLE_BASE = 4.0, 0.1
+#: A checkpoint moved to another layout (ranks, micro-batches or mesh) instead: a second
+#: layout's model, its load and steps.
+MOVE_STEPS, MOVE_BASE = 12.0, 0.2
+#: Compiling the blocks: per model built (the lifecycle builds about twice as many).
+COMPILE = 0.7
+
+
+def step_seconds(cell: Cell) -> float:
+    """Expected seconds of one of ``cell``'s optimizer steps with one micro-batch."""
+    return STEP * cell.ranks ** 1.6 * MESH.get(cell.mesh, 2.0)
+
 
 def expected_cost(cell: Cell) -> float:
-    """Relative run time of a cell: per optimizer step, each micro-batch's forward/backward on
-    ``ranks`` ranks sharing the machine's cores; the checkpoint lifecycle (save, load, resume
-    and cross-loads) costs about as much as the steps again; 2-D meshes add their collectives."""
-    work = cell.steps * cell.microbatches * (1.0 + 0.25 * cell.ranks)
-    if cell.lifecycle:
-        work *= 2.0
-    if cell.mesh != "fsdp":
-        work *= 1.5
-    return 1.0 + work
+    """Expected seconds ``cell`` takes on the 2-core reference machine (a relative figure)."""
+    step = step_seconds(cell)
+    cost = BASE + cell.steps * step * (1.0 + MICROBATCH * (cell.microbatches - 1))
+    if cell.move != "none":
+        cost += MOVE_BASE + MOVE_STEPS * step
+    elif cell.lifecycle:
+        cost += LIFECYCLE_BASE + LIFECYCLE_STEPS * step
+    if cell.compile != "none":
+        cost += COMPILE * (2 if cell.lifecycle else 1)
+    return cost
