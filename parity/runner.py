@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -38,7 +36,8 @@ import torch
 
 from parity.errors import OutputError, writing
 from parity.execute import knobs
-from parity.execute.pool import CellFailure, RankPool
+from parity.execute.pool import CellFailure
+from parity.execute.pools import Pools
 from parity.interrupt import Interrupted, Signals, exit_code
 from parity.judge.cell import base_fields, failure_record, judge_cell
 from parity.judge.compare import cross_path
@@ -157,8 +156,7 @@ class _Run:
         self.skip_reason, self.executor = skip_reason, executor
         self.device = options.device
         self.timings = Counter()
-        self.pools: dict[int, RankPool] = {}
-        self.tmp = ""
+        self.pools = Pools(self.device, timeout=options.timeout, timings=self.timings)
         cells_csv = os.path.join(options.out_dir, outdir.CELLS)
         with writing(cells_csv):
             self.writer = RecordWriter(cells_csv, append=os.path.exists(cells_csv))
@@ -173,10 +171,6 @@ class _Run:
         self.position = 0
         """Index in ``todo`` of the cell being run."""
         self.skips: dict[str, str] = {}
-        self.ahead: dict[int, Cell] = {}
-        """rank count -> the cell submitted to that pool ahead of its turn (at most one per pool)."""
-        self.finished: dict[str, object] = {}
-        """cell id -> observations (or the CellFailure) of a cell ahead collected early."""
 
     def _skip(self, cell: Cell) -> str:
         """Why ``cell`` is not run ('' when it is); asked once per cell."""
@@ -185,16 +179,13 @@ class _Run:
         return self.skips[cell.id]
 
     def _launch_pools(self, stop_requested) -> None:
-        for world in sorted({c.ranks for c in self.todo if not self._skip(c)}):
-            self.pools[world] = RankPool(world, self.device, tmp=self.tmp, stop_requested=stop_requested)
-            self.pools[world].launch()  # every pool now: later ones warm up while the first works
+        self.pools.launch((c.ranks for c in self.todo if not self._skip(c)), stop_requested)
 
     def execute(self, signals) -> None:
         tty = sys.stderr.isatty() if self.options.progress is None else self.options.progress
         progress = _Progress(len(self.todo), tty)
         self.wall0 = time.perf_counter()
         try:
-            self.tmp = tempfile.mkdtemp(prefix="parity-run-")  # pools' stores, workers' checkpoints
             for i, cell in enumerate(self.todo):
                 if signals():
                     break
@@ -215,11 +206,8 @@ class _Run:
                 verdict = cell_verdicts([r for r in new if r.cell == cell.id]).get(cell.id, "PASS")
                 progress.update(cell, verdict, time.perf_counter() - t0)
         finally:
-            for pool in self.pools.values():
-                pool.stop(kill=signals(), grace=3.0)
+            self.pools.close(kill=signals())
             self.writer.close()
-            if self.tmp:
-                shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _run_one(self, cell: Cell, signals) -> list[Record]:
         reason = self._skip(cell)
@@ -310,22 +298,12 @@ class _Run:
         return rows
 
     def _observe(self, cell: Cell, signals):
-        """``cell``'s observations (raises :class:`CellFailure`): collected from its pool, where it
-        may already be running (:meth:`_submit_ahead`)."""
+        """``cell``'s observations (raises :class:`CellFailure`): from torchrun's executor, or
+        collected from its pool, where it may already be running (:meth:`_submit_ahead`)."""
         if self.executor is not None:
             return self.executor.run(cell, self.options.timeout)
-        if cell.id in self.finished and not cell.trace:
-            return self._result(self.finished.pop(cell.id))
-        if not self.pools:
-            self._launch_pools(signals)
-        pool = self.pools[cell.ranks]
-        ahead = self.ahead.pop(cell.ranks, None)
-        if ahead is not None and ahead is not cell:  # the pool works on a cell ahead: finish that first
-            self.finished[ahead.id] = self._collect(pool)
-            ahead = None
-        if ahead is None:
-            self._timed(pool, pool.submit, cell)
-        return self._result(self._collect(pool))
+        self._launch_pools(signals)
+        return self.pools.observe(cell)
 
     def _submit_ahead(self, signals) -> None:
         """Hand each idle pool its next cell now; :meth:`_observe` collects it in its turn. Not
@@ -333,51 +311,23 @@ class _Run:
         if self.executor is not None or signals():
             return
         cells = self._upcoming()
-        if cells and not self.pools:
+        if cells:
             self._launch_pools(signals)
-        for cell in cells:
-            try:
-                self._timed(self.pools[cell.ranks], self.pools[cell.ranks].submit, cell)
-            except CellFailure as exc:
-                self.finished[cell.id] = exc
-                continue
-            self.ahead[cell.ranks] = cell
+            self.pools.hand(cells)
 
     def _upcoming(self) -> list[Cell]:
         """For every pool without a cell ahead, the first of the next :data:`LOOKAHEAD` cells that
         it runs and that is neither skipped nor already collected."""
         window = self.todo[self.position + 1:self.position + 1 + LOOKAHEAD]
-        idle = {c.ranks for c in window} - set(self.ahead)
+        idle = {c.ranks for c in window} - set(self.pools.ahead)
         found: dict[int, Cell] = {}
         for cell in window:
             if len(found) == len(idle):
                 break
-            if cell.ranks in idle and cell.ranks not in found and cell.id not in self.finished and not self._skip(cell):
+            if (cell.ranks in idle and cell.ranks not in found and cell.id not in self.pools.finished
+                    and not self._skip(cell)):
                 found[cell.ranks] = cell
         return list(found.values())
-
-    def _collect(self, pool: RankPool):
-        """The submitted cell's observations, or the :class:`CellFailure` it ended with."""
-        t0 = time.perf_counter()
-        try:
-            return self._timed(pool, pool.collect, self.options.timeout)
-        except CellFailure as exc:
-            return exc
-        finally:
-            self.timings["waiting for ranks"] += time.perf_counter() - t0
-
-    def _timed(self, pool: RankPool, call, *args):
-        spawn0 = pool.spawn_seconds
-        try:
-            return call(*args)
-        finally:
-            self.timings["spawn"] += pool.spawn_seconds - spawn0
-
-    @staticmethod
-    def _result(got):
-        if isinstance(got, CellFailure):
-            raise got
-        return got
 
     def finish(self, manifest: dict, signals: Signals) -> int:
         """Write summary, timings, report (and JUnit), then ``run.json`` last: ``complete`` only

@@ -104,11 +104,11 @@ def test_every_idle_pool_is_handed_its_next_cell(tmp_path):
     try:
         run.position = 0
         assert run._upcoming() == [one[1], two[0]]
-        run.ahead[1] = one[1]
+        run.pools.ahead[1] = one[1]
         run.position = 2
         assert run._upcoming() == [two[2]]  # the 1-rank pool is busy; the 2-rank one skips a skipped cell
-        run.ahead = {}
-        run.finished[one[2].id] = object()
+        run.pools.ahead = {}
+        run.pools.finished[one[2].id] = object()
         assert run._upcoming() == [one[3], two[2]]  # skips what was collected and what is skipped
     finally:
         run.writer.close()
