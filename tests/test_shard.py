@@ -179,7 +179,7 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
 def test_expected_cost_follows_the_measured_cells():
     """The cost model against what it was not computed from at run time: the median seconds of
     each kind of cell, measured on the reference machine (``fixtures/measured_cell_seconds.csv``,
-    1,052 cells of six matrices, nothing overlapped). Every kind within 1.5x either way, so a
+    1,047 cells of six matrices, nothing overlapped). Every kind within 1.5x either way, so a
     move, a 4-rank mesh or a compiled cell weighs what it costs against a 1-rank one."""
     table = pathlib.Path(__file__).parents[1] / "fixtures" / "measured_cell_seconds.csv"
     with open(table) as fh:

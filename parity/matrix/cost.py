@@ -3,7 +3,7 @@ sharded run (:mod:`parity.matrix.shard`) and interleaves a run's rank pools
 (:mod:`parity.matrix.order`).
 
 The coefficients are seconds, fitted to the per-cell run times (training, observation and
-judging, nothing overlapped) of 1,052 cells of ``smoke``, ``default``, ``configs``,
+judging, nothing overlapped) of 1,047 cells of ``smoke``, ``default``, ``configs``,
 ``knobs``, ``compile`` and ``topologies`` on the 2-core reference machine
 (``fixtures/measured_cell_seconds.csv``, remade by ``fixtures/measure_cell_seconds.py``);
 they matter only relative to each other. A model's size is not known before it is built, so every
@@ -26,10 +26,11 @@ MESH = {"fsdp": 1.0, "hsdp": 1.2, "fsdp+tp": 2.0, "ep": 2.0}
 #: The checkpoint lifecycle (train to the save, save, load into each path, one step more),
 #: in steps of the cell's rank count, plus its fixed cost.
 LIFECYCLE_STEPS, LIFECYCLE_BASE = 4.0, 0.1
-#: A checkpoint moved to another layout (ranks, micro-batches or mesh) instead: a second
-#: layout's model, its load and steps.
+#: A cell that also moves its checkpoint to another layout (ranks, micro-batches or mesh):
+#: lifecycle and move together, measured as one (a second layout's model, its load and steps).
 MOVE_STEPS, MOVE_BASE = 12.0, 0.2
-#: Compiling the blocks: per model built (the lifecycle builds about twice as many).
+#: Compiling the blocks: per model built (the lifecycle builds about twice as many; a compiled
+#: cell that moves its checkpoint was not measured and counts as a lifecycle).
 COMPILE = 0.7
 
 

@@ -9,9 +9,10 @@ of their id (not the matrix's order), each with its own order of preference over
 the first part it prefers whose load stays under ``(1 + SLACK) x total / N + max_cost``. A
 group's part therefore depends on its own id and only weakly on the rest of the matrix: adding
 or removing groups elsewhere moves few others (``tests/test_shard.py`` measures how few), and
-the loads stay within the bound. Loads are :func:`~parity.matrix.cost.expected_cost`, a model of a cell's run time
-from its axes (ranks, steps, micro-batches, checkpoint lifecycle, mesh; a model's size is not
-known before it is built, so every model counts the same).
+the loads stay within the bound. Loads are :func:`~parity.matrix.cost.expected_cost`, a cell's
+expected seconds from its axes (ranks, steps, micro-batches, mesh, checkpoint lifecycle or
+move, compilation; a model's size is not known before it is built, so every model counts the
+same).
 """
 
 from __future__ import annotations
