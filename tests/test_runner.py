@@ -112,3 +112,37 @@ def test_every_idle_pool_is_handed_its_next_cell(tmp_path):
         assert run._upcoming() == [one[3], two[2]]  # skips what was collected and what is skipped
     finally:
         run.writer.close()
+
+
+def test_the_fork_server_builds_the_registry_and_refuses_cuda_meanwhile(monkeypatch):
+    """``parity.execute.warm`` (preloaded by the fork server) leaves the registry built for every
+    rank it forks; model code that would initialize CUDA meanwhile meets a refusal, and a
+    registry that fails to build is left unbuilt (the ranks report it)."""
+    import types
+
+    import torch
+
+    from parity.execute import starting, warm
+    from parity.model import registry
+
+    assert "parity.execute.warm" in starting.PRELOAD
+    registry.registered.cache_clear()
+    assert warm.warm() and registry.registered.cache_info().currsize == 1
+    refused = []
+
+    def factory():
+        try:
+            torch.cuda._lazy_init()
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+    bad = types.SimpleNamespace(name="cuda_at_build", value="x:y", load=lambda: factory)
+    monkeypatch.setattr(registry, "entry_points", lambda group: [bad])
+    registry.registered.cache_clear()
+    try:
+        assert not warm.warm() and registry.registered.cache_info().currsize == 0
+        assert refused == ["the fork server does not initialize CUDA"]
+        assert torch.cuda._lazy_init is not warm._refuse  # restored
+    finally:
+        monkeypatch.undo()
+        registry.registered.cache_clear()

@@ -18,8 +18,9 @@ import sys
 
 #: Modules the fork server imports once, so forked ranks start with them: torch and the worker,
 #: torch._dynamo (FSDP's first call imports it: about 1 s of every pool's first cell) and
-#: parity's own fixtures (the server skips a module that does not import).
-PRELOAD = ["parity.execute.worker", "torch._dynamo", "parity_fixtures"]
+#: parity's own fixtures (the server skips a module that does not import), and the registry of
+#: models built from them (:mod:`parity.execute.warm`).
+PRELOAD = ["parity.execute.worker", "torch._dynamo", "parity_fixtures", "parity.execute.warm"]
 
 #: Linux's limit on a Unix socket's path (107 bytes), less the name the fork server adds.
 SOCKET_DIR_MAX = 107 - len("/listener-12345678")
