@@ -96,6 +96,9 @@ def pytest_generate_tests(metafunc):
         _, cells, _ = _selection(dict(marker.kwargs))
     except (UsageError, TypeError) as exc:
         raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}") from None
+    if not cells:  # pytest would skip an empty parametrization: a test that checks nothing must not pass
+        raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: no cells selected; "
+                                "loosen filter/paths/ranks")
     if "parity_cell" not in metafunc.fixturenames:
         metafunc.fixturenames.append("parity_cell")
     # a pair group's cells share an xdist group: with --dist loadgroup they run on one worker,
@@ -133,7 +136,7 @@ class CellOutcome:
         verdict = self.verdict
         if verdict == "SKIP":
             reasons = {r.detail for r in self.records if r.detail}
-            pytest.skip("; ".join(sorted(reasons))[:300] or "skipped")
+            pytest.skip(SKIPPED + ("; ".join(sorted(reasons))[:300] or "no reason recorded"))
         declared = all(r.name == Unpaired.EXPECTED_ISOLATION_ERROR for r in self.records if r.verdict == "UNPAIRED")
         if verdict == "UNPAIRED" and declared:
             return  # the model declares the isolation error: nothing to compare, by design (the CLI exits 0)
@@ -154,6 +157,54 @@ class CellOutcome:
             lines.append(f"  {r.verdict} {r.check} {r.name}{ratio} {r.detail[:200]}")
         lines += [f"  first divergence: {r.name} {r.detail[:200]}" for r in bad if r.check == "divergence"][:SHOWN]
         return "\n".join(lines)
+
+
+#: How the skip message of a cell parity skipped (verdict SKIP) begins.
+SKIPPED = "parity skipped the cell: "
+#: Marked test function -> what its cells' reports were ("judged", "skipped"), this session.
+_SEEN: dict[str, set[str]] = {}
+#: The marked test functions whose every cell parity skipped (the session fails).
+_NOTHING: list[str] = []
+
+
+def pytest_sessionstart(session):
+    _SEEN.clear()
+    _NOTHING.clear()
+
+
+def _skip_message(report) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+
+
+def pytest_runtest_logreport(report):
+    """Counts the outcomes of marked tests (under xdist, the controller sees every worker's)."""
+    if "parity" not in report.keywords:
+        return
+    seen = _SEEN.setdefault(report.nodeid.split("[")[0], set())
+    if report.skipped:
+        if _skip_message(report).removeprefix("Skipped: ").startswith(SKIPPED):
+            seen.add("skipped")
+    elif report.failed or report.when == "call":
+        seen.add("judged")
+
+
+def pytest_sessionfinish(session):
+    """A marked test whose every cell parity skipped checked nothing: the session fails, as
+    ``python -m parity run`` exits 1 when every cell was skipped (:func:`parity.runner.verdict_code`)."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker sees part of the cells; the controller decides
+        return
+    _NOTHING[:] = sorted(test for test, seen in _SEEN.items() if seen == {"skipped"})
+    if _NOTHING and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Names the marked tests that failed the session by checking nothing."""
+    if _NOTHING:
+        terminalreporter.write_sep("=", "parity: nothing checked", red=True)
+        for test in _NOTHING:
+            terminalreporter.write_line(f"parity: every cell of {test} was skipped; nothing was checked")
 
 
 #: (marker options, pair group) -> CellOutcome per cell id, for this pytest process.

@@ -35,14 +35,25 @@ def _records(verdicts: dict[str, str]) -> list[Record]:
 def results(d, verdicts: dict[str, str], status: str = "complete", options: dict | None = None):
     """A results directory as ``run`` leaves it: ``cells.csv`` of one record per cell, ``run.json``."""
     os.makedirs(d, exist_ok=True)
-    writer = RecordWriter(os.path.join(d, "cells.csv"))
-    writer.write(_records(verdicts))
-    writer.close()
+    _recorded(d, _records(verdicts))
     manifest = {"options": options or {"matrix": "smoke"}, "status": status, "cells": sorted(verdicts),
                 "torch": torch.__version__, "device": "cpu"}
     with open(os.path.join(d, "run.json"), "w") as fh:
         json.dump(manifest, fh)
     return str(d)
+
+
+def _recorded(d, records: list[Record]) -> None:
+    """``cells.csv`` and ``progress.jsonl`` as a run leaves them (one group per cell)."""
+    from parity.report.outdir import write_progress
+
+    writer = RecordWriter(os.path.join(d, "cells.csv"))
+    progress = []
+    for r in records:
+        writer.write([r])
+        progress.append({"group": r.cell, "bytes": writer.tell()})
+    writer.close()
+    write_progress(str(d), progress)
 
 
 def _write(path, text: str | bytes) -> str:
@@ -110,6 +121,8 @@ def _files(t) -> dict[str, str]:
             bad[HEADER.split(",").index("ranks")] = "abc"
         text = HEADER + ",".join(bad) + "\n" + ",".join(good) + "\n"
         _write(os.path.join(d, "cells.csv"), text if name != "binary" else HEADER.encode() + b"\xff\n")
+        size = os.path.getsize(os.path.join(d, "cells.csv"))  # progress.jsonl agrees: only the row is wrong
+        _write(os.path.join(d, "progress.jsonl"), json.dumps({"group": A, "bytes": size}) + "\n")
         f[f"csv_{name}"] = d
     for name, text in {"notjson": "{", "shape": '{"decisions": [{"model": 1}]}'}.items():
         d = results(t / f"gatejson_{name}", {A: "PASS"})
@@ -381,9 +394,7 @@ def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
     def run_dir(name, rows):
         d = tmp_path / name
         d.mkdir()
-        writer = RecordWriter(str(d / "cells.csv"))
-        writer.write(rows)
-        writer.close()
+        _recorded(d, rows)
         _write(d / "run.json", json.dumps({"options": {"matrix": "smoke"}, "status": "complete",
                                            "cells": sorted({r.cell for r in rows})}))
         return str(d)

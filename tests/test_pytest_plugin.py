@@ -97,3 +97,56 @@ def test_an_unpaired_cell_the_model_declares_passes_as_the_cli_does():
     outcome(Unpaired.EXPECTED_ISOLATION_ERROR).check()
     with pytest.raises(pytest.fail.Exception):
         outcome(Unpaired.DID_NOT_FINISH).check()
+
+
+ALL_SKIPPED = '''
+description = "every cell skipped"
+steps = 2
+[axes]
+fixture = ["kda"]
+path = ["legacy", "native"]
+ranks = [1]
+[[skip]]
+when = "ranks == 1"
+reason = "no such device here"
+'''
+
+SELECTIONS = '''
+import pytest
+
+
+@pytest.mark.parity(matrix="allskip.toml", paths="legacy")
+def test_nothing_checked(parity_cell):
+    pass
+
+
+@pytest.mark.skip(reason="the team's own skip")
+@pytest.mark.parity(matrix="smoke", filter="fixture == 'kda' and ranks == 1 and microbatches == 1")
+def test_skipped_by_its_team(parity_cell):
+    pass
+'''
+
+
+def test_a_marked_test_whose_every_cell_parity_skipped_fails_the_session(pytester):
+    """As the CLI exits 1 when every cell was skipped; a test the team skips itself is its business."""
+    pytester.makefile(".toml", allskip=ALL_SKIPPED)
+    pytester.makepyfile(test_skips=SELECTIONS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    text = result.stdout.str()
+    assert "parity: every cell of test_skips.py::test_nothing_checked was skipped; nothing was checked" in text
+    assert "parity skipped the cell: no such device here" in text and "test_skipped_by_its_team was" not in text
+
+
+def test_a_marker_that_selects_no_cell_is_a_usage_error(pytester):
+    pytester.makepyfile(test_empty='''
+import pytest
+
+@pytest.mark.parity(matrix="smoke", filter="fixture == 'kdaa'")
+def test_none(parity_cell):
+    pass
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.INTERRUPTED, result.ret  # a collection error: nothing ran
+    assert "@pytest.mark.parity on test_empty.py::test_none: no cells selected" in result.stdout.str() + result.stderr.str()

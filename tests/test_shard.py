@@ -88,6 +88,7 @@ def test_merged_parts_are_the_single_run(sharded):
     assert _read(os.path.join(merged, "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
     assert _untimed(_read(os.path.join(merged, "summary.md"))) == _untimed(_read(os.path.join(whole, "summary.md")))
     assert re.sub(r'time="[^"]*"', "", _read(root / "merged.xml")) == re.sub(r'time="[^"]*"', "", _read(root / "whole.xml"))
+    assert _read(os.path.join(merged, "progress.jsonl")) == _read(os.path.join(whole, "progress.jsonl"))
     run = json.loads(_read(os.path.join(merged, "run.json")))
     assert run["status"] == "complete" and "shard" not in run and run["merged"]["parts"] == 4
     assert run["cells"] == json.loads(_read(os.path.join(whole, "run.json")))["cells"]
@@ -129,6 +130,63 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert main(["merge", whole, "--out", str(tmp_path / "m4")]) == 2
     assert "not a part of a sharded run" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
+
+
+def _cut(path: str, keep) -> None:
+    """Rewrite ``cells.csv`` at ``path`` keeping the header and the rows ``keep(row)`` accepts."""
+    with open(path, newline="") as fh:
+        lines = fh.read().splitlines(keepends=True)
+    with open(path, "w", newline="") as fh:
+        fh.writelines(lines[:1] + [line for line in lines[1:] if keep(line)])
+
+
+#: Ways a finished part's or run's cells.csv stops being what the run recorded.
+EDITS = {
+    "header only": lambda p: _cut(p, lambda line: False),
+    "empty": lambda p: open(p, "w").close(),
+    "rows appended twice": lambda p: open(p, "ab").write(open(p, "rb").read().split(b"\n", 1)[1]),
+    "a torn last line": lambda p: os.truncate(p, os.path.getsize(p) - 30),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_part_whose_results_were_edited_after_it_ran_is_refused(sharded, tmp_path, capsys, edit):
+    root, whole, parts, merged, code = sharded
+    copies = [shutil.copytree(p, tmp_path / f"p{i}") for i, p in enumerate(parts, 1)]
+    EDITS[edit](os.path.join(copies[1], "cells.csv"))
+    assert main(["merge", *map(str, copies), "--out", str(tmp_path / "m"), "--gate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "p2/cells.csv holds" in err and "rerun part 2/4" in err, err
+    assert not os.path.exists(tmp_path / "m" / "cells.csv")
+
+
+def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp_path, capsys):
+    """Rows removed and progress.jsonl made to agree: only the cell list shows what is missing."""
+    root, whole, parts, merged, code = sharded
+    copy = shutil.copytree(parts[1], tmp_path / "p2")
+    listed = set(json.loads(_read(os.path.join(copy, "run.json")))["cells"])
+    with open(os.path.join(copy, "cells.csv")) as fh:  # the last group's: the earlier entries stay true
+        gone = [row["cell"] for row in csv.DictReader(fh) if row["cell"] in listed][-1]
+    _cut(os.path.join(copy, "cells.csv"), lambda line: not line.startswith(gone + ","))
+    with open(os.path.join(copy, "progress.jsonl")) as fh:
+        entries = [json.loads(line) for line in fh]
+    entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
+    with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in entries)
+    assert main(["merge", parts[0], str(copy), *parts[2:], "--out", str(tmp_path / "m")]) == 2
+    assert "has no records of 1 of the" in capsys.readouterr().err
+    assert main(["gate", "--from", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"e.g. {gone})" in err and not os.path.exists(os.path.join(copy, "gate.json")), err
+
+
+@pytest.mark.parametrize("edit", ["header only", "a torn last line"])
+def test_gate_from_a_run_whose_results_were_edited_is_refused(sharded, tmp_path, capsys, edit):
+    root, whole, parts, merged, code = sharded
+    copy = shutil.copytree(merged, tmp_path / "merged")
+    EDITS[edit](os.path.join(copy, "cells.csv"))
+    assert main(["gate", "--from", str(copy)]) == 2
+    assert "merged/cells.csv holds" in capsys.readouterr().err
 
 
 def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:

@@ -109,9 +109,8 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
     the scope of its run, write the gate's files, print the decisions."""
     from parity.errors import writing
     from parity.report import gate, outdir
-    from parity.report.records import read_records
 
-    records = read_records(os.path.join(out, outdir.CELLS))
+    records = outdir.complete_records(out, manifest, "gate")
     decisions = gate.evaluate(records, candidate)
     if baseline is not None:
         from parity.report.compare import compare, concerns, digest_of

@@ -4,12 +4,15 @@ A part's ``run.json`` records ``shard``: its index and count, the digest of the 
 selection, the selection's cell ids (in the order a single run lists them) and its pair groups
 in the order a single run executes them. Merging refuses, with one line and exit code 2, parts
 that are not of one run: another selection or split, another torch, parity, device or model
-file, an unfinished part, a part given twice, a part missing, or a cell held twice or by no part.
+file, an unfinished part, a part given twice, a part missing, a cell held twice or by no part, or
+a part whose ``cells.csv`` is not what it recorded (cut, emptied or appended to: its length differs
+from its ``progress.jsonl``'s, or a cell it ran has no record).
 
 The merged directory is what one run of the whole selection writes: its ``cells.csv`` holds
 the parts' records group by group in the single run's order (a pair group always runs whole in
 one part, so its rows are copied as they were written), and ``summary.md``, ``report.html``
-and JUnit are written from them by the same code a run uses. Only timings differ: ``timings.json``
+and JUnit are written from them by the same code a run uses; ``progress.jsonl`` records each
+group's end, as a run's does. Only timings differ: ``timings.json``
 holds the parts' phases summed (``wall`` is the sum of the parts' walls, not the elapsed time).
 Its ``run.json`` is a complete run's without ``shard`` (``gate --from`` judges it like any run),
 plus ``merged``: the parts' directories.
@@ -26,7 +29,7 @@ from parity.judge.record import Record
 from parity.report import outdir
 from parity.report.html import write_html
 from parity.report.junit import write_junit
-from parity.report.records import RecordWriter, read_records
+from parity.report.records import RecordWriter
 from parity.report.summary import summary_markdown
 
 #: run.json entries every part of one run shares (besides the shard's selection digest).
@@ -45,6 +48,13 @@ def _part(directory: str) -> dict:
     if not os.path.isfile(os.path.join(directory, outdir.CELLS)):
         raise UsageError(f"merge: {directory} has no {outdir.CELLS}; rerun that part")
     return manifest
+
+
+def _records(directory: str, manifest: dict) -> list[Record]:
+    """A part's records, as it recorded them (:func:`parity.report.outdir.complete_records`)."""
+    shard = manifest["shard"]
+    return outdir.complete_records(directory, manifest, "merge",
+                                   f"rerun part {shard['index']}/{shard['count']} into a new --out")
 
 
 def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
@@ -89,18 +99,19 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def merged_records(directories: list[str], manifests: list[dict]) -> list[Record]:
-    """Every part's records, pair group by pair group in the single run's order."""
+def merged_blocks(directories: list[str], manifests: list[dict]) -> list[tuple[str, list[Record]]]:
+    """Every part's records by pair group, the groups in the single run's order."""
     blocks: dict[str, list[Record]] = {}
     for directory, m in zip(directories, manifests):
         group_of = dict(zip(m["cells"], m["shard"]["cell_groups"]))
-        for r in read_records(os.path.join(directory, outdir.CELLS), whole=True):
+        for r in _records(directory, m):
             blocks.setdefault(group_of.get(r.cell, r.cell), []).append(r)
     order = manifests[0]["shard"]["groups"]
     unknown = [g for g in blocks if g not in set(order)]
     if unknown:
         raise UsageError(f"merge: records of {unknown[0]} belong to no pair group of the selection; rerun that part")
-    return [r for g in order for r in blocks.get(g, [])]
+    return [(g, blocks[g]) for g in order if g in blocks]
+
 
 
 def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: str = "") -> tuple[dict, list[Record]]:
@@ -110,7 +121,8 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged run elsewhere")
     parts = check_parts(directories)
     ordered, manifests = [d for d, _ in parts], [m for _, m in parts]
-    records = merged_records(ordered, manifests)
+    blocks = merged_blocks(ordered, manifests)
+    records = [r for _, block in blocks for r in block]
     first = manifests[0]
     shard = first["shard"]
     options = {**first.get("options", {}), "shard": None}
@@ -126,9 +138,14 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
     with outdir.locked(out):
         outdir.prepare(out, manifest, overwrite=overwrite)
         writer = RecordWriter(os.path.join(out, outdir.CELLS))
+        progress = []
         with writing(writer.path):
-            writer.write(records)
+            for group, block in blocks:  # a single run's progress.jsonl: each group's byte end
+                writer.write(block, sync=False)
+                progress.append({"group": group, "bytes": writer.tell()})
+            writer.sync()
         writer.close()
+        outdir.write_progress(out, progress)
         title = str(shard.get("title") or options.get("matrix") or "run")
         with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w") as fh:
             fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"])))

@@ -223,7 +223,15 @@ def mark_group_done(out: str, group: str) -> None:
         os.fsync(fh.fileno())
 
 
-def _progress(path: str) -> list[dict]:
+def write_progress(out: str, entries: list[dict]) -> None:
+    """``progress.jsonl`` written at once (a merged run's: its groups and their byte ends)."""
+    with writing(os.path.join(out, PROGRESS)), open(os.path.join(out, PROGRESS), "w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in entries)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _progress(path: str, who: str = "--resume", fix: str = "start a new run with --overwrite") -> list[dict]:
     """The entries of ``progress.jsonl``: ``{"group": str, "bytes": int}`` each, in growing byte order. A
     torn last line (a killed run) ends them; any other malformed line is a :class:`UsageError`."""
     if not os.path.exists(path):
@@ -232,7 +240,7 @@ def _progress(path: str) -> list[dict]:
         with open(path, encoding="utf-8") as fh:
             lines = fh.read().split("\n")
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--resume: {path} is unreadable ({exc}); start a new run with --overwrite") from None
+        raise UsageError(f"{who}: {path} is unreadable ({exc}); {fix}") from None
     entries: list[dict] = []
     for n, line in enumerate(lines, 1):
         if n == len(lines):  # after the last newline: empty, or a line torn by a kill
@@ -244,8 +252,7 @@ def _progress(path: str) -> list[dict]:
         ok = (isinstance(entry, dict) and isinstance(entry.get("group"), str) and type(entry.get("bytes")) is int
               and entry["bytes"] >= (entries[-1]["bytes"] if entries else 0))
         if not ok:
-            raise UsageError(f"--resume: {path} line {n} is not a progress entry parity writes; "
-                             "start a new run with --overwrite")
+            raise UsageError(f"{who}: {path} line {n} is not a progress entry parity writes; {fix}")
         entries.append(entry)
     return entries
 
@@ -273,3 +280,31 @@ def resume_point(out: str) -> set[str]:
     with writing(path), open(path, "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     return {e["group"] for e in entries}
+
+
+def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the matrix into a new --out") -> list:
+    """The records of ``out``, a run whose ``run.json`` says ``complete``, read only when ``cells.csv`` is
+    what the run recorded: exactly as long as ``progress.jsonl``'s last entry says (a file cut,
+    emptied or appended to after the run is not; a run of no cells, an empty part, holds no record)
+    and holding records of every cell ``run.json`` lists. Anything else is a :class:`UsageError` naming the first difference: a decision or a
+    merge on part of the evidence would read as one on all of it."""
+    from parity.report.records import read_records
+
+    cells = os.path.join(out, CELLS)
+    entries = _progress(os.path.join(out, PROGRESS), who, fix)
+    size = os.path.getsize(cells) if os.path.isfile(cells) else None
+    if not entries and not manifest.get("cells") and size is not None:  # an empty part of a sharded run
+        entries = [{"bytes": size}] if not read_records(cells, whole=True) else []
+    if not entries or size != entries[-1]["bytes"]:
+        recorded = f"{entries[-1]['bytes']} bytes" if entries else "nothing (no progress.jsonl)"
+        held = "no file" if size is None else f"{size} bytes"
+        raise UsageError(f"{who}: {cells} holds {held}, {PROGRESS} records {recorded}: the results were cut, "
+                         f"emptied or appended to after the run; {fix}")
+    records = read_records(cells, whole=True)
+    held_cells = {r.cell for r in records}
+    listed = list(manifest.get("cells") or [])
+    missing = [c for c in listed if c not in held_cells]
+    if missing:
+        raise UsageError(f"{who}: {cells} has no records of {len(missing)} of the {len(listed)} cells "
+                         f"{MANIFEST} lists (e.g. {missing[0]}); {fix}")
+    return records
