@@ -181,12 +181,16 @@ def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp
 
 
 @pytest.mark.parametrize("edit", ["header only", "a torn last line"])
-def test_gate_from_a_run_whose_results_were_edited_is_refused(sharded, tmp_path, capsys, edit):
+def test_gate_from_and_compare_with_a_run_whose_results_were_edited_are_refused(sharded, tmp_path, capsys, edit):
     root, whole, parts, merged, code = sharded
     copy = shutil.copytree(merged, tmp_path / "merged")
     EDITS[edit](os.path.join(copy, "cells.csv"))
     assert main(["gate", "--from", str(copy)]) == 2
     assert "merged/cells.csv holds" in capsys.readouterr().err
+    for old, new in ((copy, merged), (merged, copy)):  # a cut baseline's missing cells are not "new"
+        assert main(["compare", str(old), str(new)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("parity: compare:") and "merged/cells.csv holds" in err, err
 
 
 def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:

@@ -4,7 +4,8 @@ A directory is reduced to its **digest** (``digest.json``, small enough to commi
 ``results/baselines/``): each cell's worst verdict, each check's worst ratio, and the bench
 metrics (median, IQR) when ``bench.csv`` is there. A directory holding only a digest
 compares like a full one. OLD must be a complete run (its ``run.json`` or digest says ``complete``;
-an interrupted or empty OLD is refused, exit 2). Regressions, whatever OLD holds:
+an interrupted or empty OLD is refused, exit 2). A complete run, either side, is read only as it
+recorded its ``cells.csv`` (cut or appended to afterwards: exit 2). Regressions, whatever OLD holds:
 
 - a cell whose verdict got worse (PASS -> FAIL, ERROR, ...), or that the new run lacks;
 - a cell whose verdict is an alarm (:data:`ALARMS`) it was not in OLD, a cell only NEW has included;
@@ -23,7 +24,7 @@ import os
 
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
-from parity.report.outdir import MANIFEST, read_json, read_manifest, usable
+from parity.report.outdir import MANIFEST, complete_records, read_json, read_manifest, usable
 from parity.report.records import read_records
 from parity.report.summary import spread
 
@@ -81,7 +82,7 @@ def digest(directory: str) -> dict:
         return _read_digest(path)
     cells: dict[str, str] = {}
     checks: dict[str, float] = {}
-    for r in read_records(cells_csv) if os.path.isfile(cells_csv) else ():
+    for r in _records(directory) if os.path.isfile(cells_csv) else ():
         prev = cells.get(r.cell)
         if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
             cells[r.cell] = str(r.verdict)
@@ -94,6 +95,19 @@ def digest(directory: str) -> dict:
             s = spread(v)
             out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v)}
     return out
+
+
+def _records(directory: str) -> list:
+    """A directory's records: those of a run ``run.json`` calls complete only as it recorded them
+    (:func:`parity.report.outdir.complete_records`: a cut baseline would read as one whose missing
+    cells are new, not as a regression); an interrupted run's or a hand-made directory's as they are."""
+    cells_csv = os.path.join(directory, "cells.csv")
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        return read_records(cells_csv)
+    manifest = read_manifest(directory)
+    if manifest.get("status") != "complete":
+        return read_records(cells_csv)
+    return complete_records(directory, manifest, "compare", fix="compare against the run's own results or rerun it")
 
 
 def _run_of(directory: str) -> dict:
