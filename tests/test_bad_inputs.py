@@ -301,6 +301,14 @@ class _ClosedPipe:
         raise BrokenPipeError(32, "Broken pipe")
 
 
+def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    d = results(tmp_path / "r", {A: "PASS"})
+    os.makedirs(os.path.join(d, "report.html"))
+    assert main(["report", d]) == 74
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "report.html (Is a directory)" in err, err
+
+
 def test_a_closed_stdout_keeps_the_verdict(tmp_path, monkeypatch):
     old = results(tmp_path / "old", {A: "PASS"})
     new = results(tmp_path / "new", {A: "FAIL"})

@@ -181,11 +181,13 @@ def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp
 
 
 @pytest.mark.parametrize("edit", ["header only", "a torn last line"])
-def test_gate_from_and_compare_with_a_run_whose_results_were_edited_are_refused(sharded, tmp_path, capsys, edit):
+def test_gate_from_report_and_compare_of_a_run_whose_results_were_edited_are_refused(sharded, tmp_path, capsys, edit):
     root, whole, parts, merged, code = sharded
     copy = shutil.copytree(merged, tmp_path / "merged")
     EDITS[edit](os.path.join(copy, "cells.csv"))
     assert main(["gate", "--from", str(copy)]) == 2
+    assert "merged/cells.csv holds" in capsys.readouterr().err
+    assert main(["report", str(copy)]) == 2  # a page of the cells left would read as the whole run
     assert "merged/cells.csv holds" in capsys.readouterr().err
     for old, new in ((copy, merged), (merged, copy)):  # a cut baseline's missing cells are not "new"
         assert main(["compare", str(old), str(new)]) == 2

@@ -24,8 +24,7 @@ import os
 
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
-from parity.report.outdir import MANIFEST, complete_records, read_json, read_manifest, usable
-from parity.report.records import read_records
+from parity.report.outdir import MANIFEST, read_json, read_manifest, recorded, usable
 from parity.report.summary import spread
 
 DIGEST = "digest.json"
@@ -82,7 +81,8 @@ def digest(directory: str) -> dict:
         return _read_digest(path)
     cells: dict[str, str] = {}
     checks: dict[str, float] = {}
-    for r in _records(directory) if os.path.isfile(cells_csv) else ():
+    fix = "compare against the run's own results or rerun it"
+    for r in recorded(directory, "compare", fix) if os.path.isfile(cells_csv) else ():
         prev = cells.get(r.cell)
         if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
             cells[r.cell] = str(r.verdict)
@@ -95,19 +95,6 @@ def digest(directory: str) -> dict:
             s = spread(v)
             out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v)}
     return out
-
-
-def _records(directory: str) -> list:
-    """A directory's records: those of a run ``run.json`` calls complete only as it recorded them
-    (:func:`parity.report.outdir.complete_records`: a cut baseline would read as one whose missing
-    cells are new, not as a regression); an interrupted run's or a hand-made directory's as they are."""
-    cells_csv = os.path.join(directory, "cells.csv")
-    if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        return read_records(cells_csv)
-    manifest = read_manifest(directory)
-    if manifest.get("status") != "complete":
-        return read_records(cells_csv)
-    return complete_records(directory, manifest, "compare", fix="compare against the run's own results or rerun it")
 
 
 def _run_of(directory: str) -> dict:

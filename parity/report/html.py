@@ -141,10 +141,14 @@ def write_html(out_dir: str, records: list[Record]) -> str:
 
 
 def report_dir(directory: str) -> str:
-    """``parity report DIR``: (re)write DIR/report.html; returns its path."""
-    from parity.report.records import read_records
+    """``parity report DIR``: (re)write DIR/report.html from a run's records as it recorded them
+    (:func:`parity.report.outdir.recorded`); returns its path."""
+    from parity.errors import writing
+    from parity.report.outdir import recorded
 
     cells = os.path.join(directory, "cells.csv")
     if not os.path.isfile(cells):
         raise UsageError(f"report: no cells.csv in {directory}; give the --out directory of a parity run")
-    return write_html(directory, read_records(cells))
+    records = recorded(directory, "report", "rerun the matrix into a new --out")
+    with writing(os.path.join(directory, REPORT)):
+        return write_html(directory, records)

@@ -308,3 +308,16 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
         raise UsageError(f"{who}: {cells} has no records of {len(missing)} of the {len(listed)} cells "
                          f"{MANIFEST} lists (e.g. {missing[0]}); {fix}")
     return records
+
+
+def recorded(out: str, who: str, fix: str) -> list:
+    """The records of results directory ``out`` for a command that reads any run: a run ``run.json``
+    calls complete only as it recorded them (:func:`complete_records`: a cut file would read as a
+    run of fewer cells); an interrupted run's, or a directory without ``run.json``, as they are."""
+    from parity.report.records import read_records
+
+    if os.path.isfile(os.path.join(out, MANIFEST)):
+        manifest = read_manifest(out)
+        if manifest.get("status") == "complete":
+            return complete_records(out, manifest, who, fix)
+    return read_records(os.path.join(out, CELLS))
