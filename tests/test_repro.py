@@ -50,7 +50,7 @@ def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(faili
 def test_a_cell_the_run_did_not_have_is_a_one_line_error(failing_run, capsys):
     assert main(["repro", "kda/native/r9", "--from", str(failing_run)]) == 2
     err = capsys.readouterr().err
-    assert "is not a cell of the run" in err and CELL.id in err and err.count("\n") == 1
+    assert "is not a cell or a pair of the run" in err and CELL.id in err and err.count("\n") == 1
 
 
 def test_a_reproducer_of_a_model_file_carries_the_file(tmp_path):
@@ -73,3 +73,28 @@ def test_a_reproducer_of_a_model_file_carries_the_file(tmp_path):
     assert moved.id == cell.id
     plain = render(CELL, [], "a run")  # a registered model needs nothing embedded
     assert "MODEL_SOURCE" not in plain and "rerun(CELL, sys.argv[1:])" in plain
+
+
+@pytest.mark.slow
+def test_a_pair_id_re_runs_both_cells_and_their_cross_path_comparison(tmp_path, capsys):
+    """A cross-path record's ``cell`` is the pair's id: ``repro`` takes it (and suggests only ids it
+    takes), and the script re-runs both cells so the comparison runs again, not UNPAIRED."""
+    out = tmp_path / "run"
+    assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                 "--out", str(out)]) == 0
+    cells = (out / "cells.csv").read_text()
+    row = next(line for line in cells.splitlines() if ",legacy~native," in line and ",PASS," in line)
+    pair = row.split(",")[0]
+    (out / "cells.csv").write_text(cells.replace(row, row.replace(",PASS,", ",FAIL,", 1), 1))  # as a pair's failure
+    capsys.readouterr()
+    assert main(["repro", "kda/r9", "--from", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"a failing one: {pair}" in err and err.count("\n") == 1, err
+    script = tmp_path / "repro.py"
+    assert main(["repro", pair, "--from", str(out), "--out", str(script)]) == 0
+    text = script.read_text()
+    assert f"the pair {pair}" in text and "nothing failed there" not in text
+    assert "CELLS = [" in text and text.count("Cell(fixture='kda'") == 2 and "rerun(CELLS, sys.argv[1:])" in text
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cross-path pairs: PASS 1," in done.stdout and "UNPAIRED 0" in done.stdout, done.stdout[-2000:]

@@ -104,9 +104,9 @@ def cmd_compare(args) -> int:
 
 def cmd_repro(args) -> int:
     """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
-    from parity.report.repro import find_cell, script
+    from parity.report.repro import find_cells, script
 
-    text = script(find_cell(args.cell, args.from_dir, lambda options: _select({**RUN_DEFAULTS, **options})[1]),
+    text = script(find_cells(args.cell, args.from_dir, lambda options: _select({**RUN_DEFAULTS, **options})[1]),
                   args.from_dir)
     if not args.out:
         print(text, end="")

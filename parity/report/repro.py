@@ -1,6 +1,8 @@
 """``parity repro CELL --from DIR``: one self-contained script that re-runs a failing cell.
 
-The script holds the cell as data (its every axis, the model source of a plugin, the faults that
+``CELL`` is a cell id, or a pair id (the ``cell`` of a ``legacy~native`` record: the cell id
+without its path), whose reproducer re-runs the pair's cells together so their cross-path
+comparison runs again. The script holds the cell as data (its every axis, the model source of a plugin, the faults that
 were injected), what the earlier run found, and one call: :func:`rerun` runs the cell alone on
 its own ranks (gloo on CPU, or the device it names), with the per-module trace of a failing cell,
 and prints the failing checks and the first divergence. It is small enough to attach to a bug
@@ -26,25 +28,33 @@ from parity.report.records import read_records
 _BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 
 
-def find_cell(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> Cell:
-    """The :class:`Cell` of ``cell_id`` in the run recorded in ``out``, rebuilt from its options by
-    ``select`` (the command line's selection: recorded options -> cells)."""
+def find_cells(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> list[Cell]:
+    """The cells ``cell_id`` names in the run recorded in ``out`` (one cell, or every cell of a
+    pair), rebuilt from its options by ``select`` (the command line's selection: recorded options
+    -> cells)."""
     manifest = read_manifest(out)
-    if cell_id not in manifest.get("cells", []):
+    listed = set(manifest.get("cells", []))
+    rebuilt = [c for c in select(manifest.get("options", {})) if c.id in listed]
+    cells = [c for c in rebuilt if c.id == cell_id] or [c for c in rebuilt if c.pair_id == cell_id]
+    if cell_id not in listed and len(cells) < 2:
         failing = _failing(out)
         hint = f"; a failing one: {failing[0].cell}" if failing else ""
-        raise UsageError(f"repro: {cell_id!r} is not a cell of the run in {out}{hint}")
-    for cell in select(manifest.get("options", {})):
-        if cell.id == cell_id:
-            return cell
-    raise UsageError(f"repro: {cell_id!r} cannot be rebuilt from {out}'s options (was a model source moved?)")
+        raise UsageError(f"repro: {cell_id!r} is not a cell or a pair of the run in {out}{hint}")
+    if not cells:
+        raise UsageError(f"repro: {cell_id!r} cannot be rebuilt from {out}'s options (was a model source moved?)")
+    return cells
 
 
-def _failing(out: str, cell_id: str | None = None) -> list:
+def _failing(out: str, ids: set[str] | None = None) -> list:
     path = os.path.join(out, CELLS)
     if not os.path.isfile(path):
         return []
-    return [r for r in read_records(path) if r.verdict in _BAD and (cell_id is None or r.cell == cell_id)]
+    return [r for r in read_records(path) if r.verdict in _BAD and (ids is None or r.cell in ids)]
+
+
+def _ids(cells: list[Cell]) -> set[str]:
+    """The ``cell`` values of ``cells``' records: their ids, and their pair's id when they are a pair."""
+    return {c.id for c in cells} | ({cells[0].pair_id} if len(cells) > 1 else set())
 
 
 def _line(r) -> str:
@@ -58,15 +68,17 @@ def _line(r) -> str:
 _LOCATORS = ("divergence", "stage")
 
 
-def script(cell: Cell, out: str) -> str:
-    """The reproducer's text for ``cell`` of the run recorded in ``out``."""
-    return render(cell, _failing(out, cell.id), f"{os.path.abspath(out)} (torch {torch.__version__})")
+def script(cells: list[Cell], out: str) -> str:
+    """The reproducer's text for ``cells`` (one cell, or a pair's) of the run recorded in ``out``."""
+    origin = f"{os.path.abspath(out)} (torch {torch.__version__})"
+    return render(cells[0] if len(cells) == 1 else cells, _failing(out, _ids(cells)), origin)
 
 
-def render(cell: Cell, bad: list, origin: str) -> str:
-    """The reproducer's text: ``cell`` as data, what failed (``bad``: its records that did not
-    pass) and where it was found (``origin``), and the call that re-runs it. The fuzz campaign
-    writes its failing examples in this format too."""
+def render(cell: Cell | list[Cell], bad: list, origin: str) -> str:
+    """The reproducer's text: ``cell`` (or a pair's cells) as data, what failed (``bad``: its
+    records that did not pass) and where it was found (``origin``), and the call that re-runs it.
+    The fuzz campaign writes its failing examples in this format too."""
+    cells = cell if isinstance(cell, list) else [cell]
     found = [r for r in bad if r.check not in _LOCATORS]
     where = next((r for r in bad if r.check == "divergence"), None)
     stage = next((r for r in bad if r.check == "stage"), None)
@@ -74,20 +86,22 @@ def render(cell: Cell, bad: list, origin: str) -> str:
     if len(found) > 5:
         lines.append(f"  ... {len(found) - 5} more")
     header = "\n".join([
-        f"parity reproducer: {cell.id}",
+        f"parity reproducer: {cells[0].id if len(cells) == 1 else 'the pair ' + cells[0].pair_id}",
         "",
         f"From {origin}:",
         *(lines or ["  nothing failed there"]),
         f"First divergent stage: {stage.detail[:300] if stage else 'none'}",
         f"First divergence: {where.detail[:300] if where else 'not located'}",
         "",
-        f"Run: python <this file>  (parity and torch {torch.__version__}; {cell.ranks} rank(s), {cell.device})",
+        f"Run: python <this file>  (parity and torch {torch.__version__}; {cells[0].ranks} rank(s), {cells[0].device})",
         "     python <this file> --op-log FILE  also writes the failing step's operator log (DebugMode's format)",
     ])
-    embedded = _embedded_model(cell)
-    run = "rerun(with_model(CELL), sys.argv[1:])" if embedded else "rerun(CELL, sys.argv[1:])"
+    embedded = _embedded_model(cells[0])
+    name, data = ("CELL", repr(cells[0])) if len(cells) == 1 else ("CELLS", "[\n    " + ",\n    ".join(map(repr, cells)) + ",\n]")
+    target = name if not embedded else (f"with_model({name})" if name == "CELL" else f"[with_model(c) for c in {name}]")
+    run = f"rerun({target}, sys.argv[1:])"
     return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
-            f"CELL = {cell!r}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
+            f"{name} = {data}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
 
 
 def _embedded_model(cell: Cell) -> str:
@@ -110,9 +124,9 @@ def _embedded_model(cell: Cell) -> str:
             f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
-def rerun(cell: Cell, argv: list[str] | None = None) -> int:
-    """Run ``cell`` alone (traced where it fails), print what failed and where it diverged first;
-    the cell's verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
+def rerun(cell: Cell | list[Cell], argv: list[str] | None = None) -> int:
+    """Run ``cell`` alone, or a pair's cells together (traced where they fail), print what failed
+    and where it diverged first; the verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
     FILE`` also copies the traced step's operator log there (:mod:`parity.execute.oplog`);
     anything else is a one-line usage error (2)."""
     from parity.report.outdir import op_log_path
@@ -122,13 +136,14 @@ def rerun(cell: Cell, argv: list[str] | None = None) -> int:
     if argv and (len(argv) != 2 or argv[0] != "--op-log"):
         print(f"usage: python <reproducer> [--op-log FILE]; got {' '.join(argv)}", file=sys.stderr)
         return 2
+    cells = cell if isinstance(cell, list) else [cell]
     with tempfile.TemporaryDirectory(prefix="parity-repro-") as out:
         run_dir = os.path.join(out, "run")
-        code = run_cells([cell], RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv)))
-        bad = _failing(run_dir, cell.id)
-        logged = op_log_path(run_dir, cell.id)
+        code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv)))
+        bad = _failing(run_dir, _ids(cells))
+        logged = next((p for p in (op_log_path(run_dir, c.id) for c in cells) if os.path.isfile(p)), "")
         if argv:
-            if os.path.isfile(logged):
+            if logged:
                 shutil.copyfile(logged, argv[1])
                 print(f"operator log: {argv[1]} (DebugMode.load_logs reads it)")
             else:
