@@ -203,3 +203,22 @@ def test_gate_refuses_injected_faults(capsys):
 
     assert main(["gate", "--fault", "perturb_grad", "-k", "ranks == 1"]) == 2
     assert "gate refuses --fault" in capsys.readouterr().err
+
+
+def test_a_candidate_compared_with_no_other_path_is_no_go(tmp_path, capsys):
+    """Native cells that are their own baseline pass against the reference but were compared with
+    no other path: not a GO (the gate on that run says NO-GO; asked for, it is refused up front)."""
+    from parity.cli import main
+
+    alone = [rec("m", "native", i) for i in range(2)]
+    d = decide(alone, "m", "native")
+    assert d.decision == NO_GO and "compared with no baseline path" in d.reasons[0]
+    assert decide(healthy(), "m", "native").decision == GO  # with its pairs, the same cells are GO
+    out = str(tmp_path / "run")
+    assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                 "--paths", "native", "--baseline", "native", "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["gate", "--from", out]) == 1
+    assert "kda" in capsys.readouterr().out
+    assert main(["gate", "--baseline", "native", "-k", "ranks == 1", "--out", str(tmp_path / "g")]) == 2
+    assert "--baseline native is the candidate" in capsys.readouterr().err

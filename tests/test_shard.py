@@ -129,6 +129,12 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert "merge the parts of one run only" in capsys.readouterr().err
     assert main(["merge", whole, "--out", str(tmp_path / "m4")]) == 2
     assert "not a part of a sharded run" in capsys.readouterr().err
+    other = str(tmp_path / "other")  # part 2 of the same selection, run with another option
+    assert main(["run", *SLICE, "--shard", "2/4", "--baseline", "native", "--out", other]) in (0, 1)
+    capsys.readouterr()
+    assert main(["merge", parts[0], other, *parts[2:], "--out", str(tmp_path / "m5"), "--gate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "were run with different --baseline (native vs legacy)" in err, err
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
 
 

@@ -74,6 +74,9 @@ def cmd_gate(args) -> int:
     if args.fault:
         raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
                          "test the checks with python -m parity run --fault NAME")
+    if getattr(args, "baseline", None) == candidate:
+        raise UsageError(f"gate: --baseline {candidate} is the candidate: a gate compares the candidate with "
+                         "another path; drop --baseline or name that path")
     baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
         out = args.from_dir

@@ -3,7 +3,7 @@
 A part's ``run.json`` records ``shard``: its index and count, the digest of the whole
 selection, the selection's cell ids (in the order a single run lists them) and its pair groups
 in the order a single run executes them. Merging refuses, with one line and exit code 2, parts
-that are not of one run: another selection or split, another torch, parity, device or model
+that are not of one run: another selection or split, other options (``--baseline``, ``--fp64``, a knob), another torch, parity, device or model
 file, an unfinished part, a part given twice, a part missing, a cell held twice or by no part, or
 a part whose ``cells.csv`` is not what it recorded (cut, emptied or appended to: its length differs
 from its ``progress.jsonl``'s, or a cell it ran has no record).
@@ -69,6 +69,12 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
             raise UsageError(f"merge: {d} is part {m['shard']['index']}/{m['shard']['count']} of selection "
                              f"{m['shard']['digest']}, {first_dir} is part {first['shard']['index']}/{count} of "
                              f"{first['shard']['digest']}; merge the parts of one run only")
+        options, first_options = _options(m), _options(first)
+        if options != first_options:
+            key = next(k for k in sorted({*options, *first_options}) if options.get(k) != first_options.get(k))
+            raise UsageError(f"merge: {d} and {first_dir} were run with different --{key.replace('_', '-')} "
+                             f"({_short(options.get(key))} vs {_short(first_options.get(key))}); run every part "
+                             "with the same options")
         for key in SAME:
             if m.get(key) != first.get(key):
                 raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({_short(m.get(key))} vs "
@@ -92,6 +98,13 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
         if cells:
             raise UsageError(f"merge: cell {cells[0]} {what} ({len(cells)} such); rerun the parts of one run")
     return sorted(parts, key=lambda p: p[1]["shard"]["index"])
+
+
+def _options(manifest: dict) -> dict:
+    """The options that define what a part computes (``run.json``'s, those ``--resume`` keeps), less
+    the two that differ between parts of one run by design: ``shard``, and ``matrix``, whose file
+    may lie at another path on another machine (the shard digest already pins the selection)."""
+    return {k: v for k, v in (manifest.get("options") or {}).items() if k not in ("shard", "matrix")}
 
 
 def _short(value) -> str:
