@@ -119,6 +119,12 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     argv = _argv(command, options)
     if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
         out = options["from_dir"]
+    elif options.get("resume"):  # continues that directory, as the command line does
+        if out and os.path.abspath(out) != os.path.abspath(options["resume"]):
+            from parity.errors import UsageError
+
+            raise UsageError(f"resume={options['resume']!r} writes into that directory; drop out={out!r}")
+        out = options["resume"]
     else:
         out = out or tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv += ["--out", out]
@@ -156,9 +162,10 @@ def select(*, matrix: str = "smoke", **options):
 def run(*, matrix: str = "smoke", out: str | None = None, quiet: bool = False, **options) -> Result:
     """Run a matrix (``python -m parity run``). ``out``: the results directory (default: a new
     temporary one); ``options``: the command's options as keywords (``model``, ``paths``,
-    ``ranks``, ``filter`` for ``-k``, ``seed``, ``steps``, ``fault``, ``fp64``, ``shard`` ...);
+    ``ranks``, ``filter`` for ``-k``, ``seed``, ``steps``, ``fault``, ``fp64``, ``shard`` ...;
+    ``resume=DIR`` continues that run in DIR, with its recorded options, as ``--resume`` does);
     ``quiet`` drops the table the command prints."""
-    return _call("run", out, quiet, {"matrix": matrix, **options})
+    return _call("run", out, quiet, {"matrix": None if options.get("resume") else matrix, **options})
 
 
 def gate(*, matrix: str = "default", out: str | None = None, quiet: bool = False, **options) -> Result:

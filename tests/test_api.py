@@ -27,6 +27,11 @@ def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path):
     assert len(bad) and bad.iloc[0]["verdict"] in ("ERROR", "TIMEOUT", "FAIL")
     assert list(bad["ratio"].dropna()) == sorted(bad["ratio"].dropna(), reverse=True) or \
         bad["verdict"].nunique() > 1
+    # resume continues the directory it names, as the command line does (nothing left to run here)
+    resumed = parity.run(resume=first.out, quiet=True)
+    assert resumed.out == first.out and resumed.code == 0 and len(resumed.cells) == len(rows)
+    with pytest.raises(UsageError, match="drop out="):
+        parity.run(resume=first.out, out=str(tmp_path / "elsewhere"))
     # the CLI's gate reads the API's directory
     decided = parity.gate(from_dir=first.out, quiet=True)
     assert [d["model"] for d in decided.decisions] == ["kda"]

@@ -131,6 +131,21 @@ def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     assert harness["cells"] == 16 and 0 < harness["reference+compare"] < harness["wall"]
 
 
+@pytest.mark.xdist_group("bench")
+def test_bench_that_measured_nothing_fails_and_a_fallback_is_named_beside_its_rows(tmp_path):
+    """A declared isolation error is listed, not a failure -- unless nothing at all was measured;
+    a path that fell back has rows, and bench.md says whose cost they are."""
+    from parity.cli import main
+
+    assert main(["bench", "--fixtures", "unisolatable", "--paths", "legacy", "--ranks", "2", "--warmup", "0",
+                 "--steps", "1", "--out", str(tmp_path / "none")]) == 1
+    assert main(["bench", "--fixtures", "mixed_storage", "--paths", "native", "--ranks", "2", "--warmup", "0",
+                 "--steps", "1", "--out", str(tmp_path / "fell")]) == 0
+    with open(tmp_path / "fell" / "bench.csv") as fh:
+        assert {r["path_taken"] for r in csv.DictReader(fh)} == {"legacy"}
+    assert "mixed_storage / native: took legacy (fell back)" in (tmp_path / "fell" / "bench.md").read_text()
+
+
 def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():
     yaml = pytest.importorskip("yaml")
     with open(os.path.join(ROOT, ".github", "workflows", "parity.yml")) as fh:

@@ -34,7 +34,8 @@ def bench_optimizer(name: str, source: str) -> str:
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
               steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
-    measured (other than a declared isolation error, which is listed, not a failure)."""
+    measured (other than a declared isolation error, which is listed, not a failure) or nothing
+    was measured at all. A path that fell back is listed under "Not measured" beside its rows."""
     if plots:
         try:
             import matplotlib  # noqa: F401
@@ -67,6 +68,9 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                                        else f": {exc.reason.splitlines()[0][:300]}"))
                     code = code if declared else 1
                     continue
+                if results[0].taken != path:  # its rows are another path's cost: say so where they are read
+                    failures.append(f"{name} / {path}: took {results[0].taken} (fell back); the rows labelled "
+                                    f"{path} measure {results[0].taken}")
                 new = rows_for(name, path, ranks, device, results)
                 rows += new
                 ran += 1
@@ -78,6 +82,10 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             shutil.rmtree(tmp, ignore_errors=True)
         if signals():
             failures += [f"{n} / {p}: not run (interrupted by {signals.name})" for n, _, p in todo[ran:]]
+        if not rows and not signals():  # nothing measured is not a measurement, declared or not
+            print(f"parity: bench measured nothing: none of the {len(todo)} model x path runs could be "
+                  "measured (bench.md lists why)", file=sys.stderr)
+            code = 1
         cost = {}
         if harness != "none" and not signals():
             from parity.bench.harness import harness_cost
