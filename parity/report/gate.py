@@ -98,14 +98,14 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
         d.decision = NOT_APPLICABLE
         d.notes.append(f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells")
         return d
-    if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
-        d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
-                         f"results (a run whose --baseline is {candidate} compares nothing with it)")
     undeclared = not_taken - declared
     if undeclared:
         why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
         d.reasons.append(f"native not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
                          f"({clip('; '.join(why), 300)})")
+    if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
+        d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
+                         f"results (a run whose --baseline is {candidate} compares nothing with it)")
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
     if failed_base:
