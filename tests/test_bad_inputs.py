@@ -23,6 +23,14 @@ from parity.runner import resolve_device
 EXIT_MODEL = "import sys\nsys.exit(0)\n"
 RAISING_MODEL = "raise RuntimeError('no GPU here\\nsecond line')\n"
 EXITING_FACTORY = "def model():\n    raise SystemExit\n"
+EMPTY_FACTORY = "def model():\n    return []\n"
+#: A model that builds on meta (registration validates it) and fails on a real device.
+CPU_FAILING = ("import dataclasses\n\nimport torch\n\nfrom parity.model.registry import registered\n\n\n"
+               "def _build():\n    if torch.empty(1).device.type != 'meta':\n"
+               "        raise RuntimeError('needs a weights file')\n    return registered()['kda'].build()\n\n\n"
+               "def model():\n    return dataclasses.replace(registered()['kda'], name='cpufails', build=_build)\n")
+TWICE_FACTORY = ("from parity.model.registry import registered\n\n\ndef model():\n"
+                 "    return [registered()['kda'], registered()['kda']]\n")
 #: A small selection of the smoke matrix (its cells are never run here).
 FILTER = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
@@ -90,6 +98,9 @@ def _files(t) -> dict[str, str]:
     f = {"exit": _write(t / "exit_model.py", EXIT_MODEL) + ":model",
          "raising": _write(t / "raising_model.py", RAISING_MODEL) + ":model",
          "exiting_factory": _write(t / "exiting_factory.py", EXITING_FACTORY) + ":model",
+         "cpu_failing": _write(t / "cpu_failing.py", CPU_FAILING) + ":model",
+         "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
+         "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty")}
@@ -185,6 +196,10 @@ CASES = [
     (["run", "-k", FILTER, "--junit", "{afile}/j.xml", "--out", "{out}"], "no folder"),
     (["run", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
     (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),
+    (["run", "--model", "{empty_factory}", "--out", "{out}"], "describes no model (an empty list or mapping)"),
+    (["plan", "--model", "{empty_factory}"], "describes no model"),
+    (["plan", "--model", "{cpu_failing}"], "plan: building model 'cpufails' failed: RuntimeError: needs a weights file"),
+    (["run", "--model", "{twice_factory}", "--out", "{out}"], "two models are named 'kda'"),
     # run --resume: malformed files
     (["run", "--resume", "{runjson_notjson}"], "run.json is unreadable"),
     (["run", "--resume", "{runjson_list}"], "run.json is not a JSON object"),
@@ -444,3 +459,15 @@ def test_unit_roots_out_of_bottom_up_order_are_one_line():
     # a tuple of tuples (one per unit) instead of FQN strings names the expected shape
     with pytest.raises(UsageError, match=r"Fixture.unit_roots = \(\('blocks.0',\),\); it is a tuple of module FQN strings"):
         validate(dataclasses.replace(spec, unit_roots=(("blocks.0",),)), "test")
+
+
+def test_a_model_that_fails_to_build_on_the_ranks_is_an_error_per_cell_not_a_traceback(tmp_path, capsys):
+    """It built on meta, so it is not bad input: its cells record the failure, the run goes on."""
+    source = _write(tmp_path / "cpu_failing.py", CPU_FAILING) + ":model"
+    out = str(tmp_path / "run")
+    assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1", "--out", out]) == 1
+    from parity.report.records import read_records
+
+    rows = [r for r in read_records(os.path.join(out, "cells.csv")) if r.check == "run"]
+    assert rows and {r.verdict for r in rows} == {"ERROR"} and all("needs a weights file" in r.detail for r in rows)
+    assert "Traceback" not in capsys.readouterr().err

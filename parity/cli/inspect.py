@@ -37,8 +37,9 @@ def _describe_plan(fixture, config) -> str:
     from parity.model.plan import canonical_fqn, fp32_disagreements, matches
     from parity.paths import path_names, plan_sharding
 
-    model = fixture.make(0)
-    ignored = fixture.ignored(model)
+    from parity.model.registry import built
+
+    model, ignored = built(fixture, "plan")
     plan = fixture.resolve(model, config, ignored)
     out = [f"fixture {fixture.name}: {fixture.description}", "", plan.table(), ""]
     resolved = declared_fp32(plan)

@@ -158,11 +158,15 @@ def _warn_rule_disagreements(cells) -> None:
     """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
     the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
     from parity.model.plan import fp32_disagreements
-    from parity.model.registry import get_fixture
+    from parity.model.registry import built, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
-        for fqn, by_framework, _ in fp32_disagreements(fixture.make(0), fixture.keep_fp32):
+        try:
+            model, _ = built(fixture, "run")
+        except UsageError:
+            continue  # no warning to give: its cells build it on their ranks and record the failure as ERROR
+        for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
             print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
                   f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "
                   f"fp32_rule={fixture.fp32_rule!r} (see python -m parity plan)", file=sys.stderr)

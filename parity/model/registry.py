@@ -37,6 +37,17 @@ def _failed(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def built(fixture: Fixture, where: str):
+    """``fixture``'s model as seed 0 builds it on this process's device, and the parameters it
+    ignores; a failure of that user code is a :class:`UsageError` naming the model (exit 2)."""
+    try:
+        model = fixture.make(0)
+        return model, fixture.ignored(model)
+    except _USER_FAILURES as exc:
+        raise UsageError(f"{where}: building model {fixture.name!r} failed: {_failed(exc)}; fix the model's "
+                         "build (it built on meta, not here)") from None
+
+
 def _specs(obj, where: str) -> list[Fixture]:
     if isinstance(obj, Fixture):
         return [validate(obj, where)]
@@ -104,6 +115,13 @@ def load_source(source: str) -> list[Fixture]:
     """The models a ``--model`` source describes, each remembering its source."""
     if source not in _loaded_sources:
         specs = _specs(_import_source(source), f"--model {source}")
+        if not specs:  # an empty list or mapping: the built-in models would run in their place
+            raise UsageError(f"--model {source}: describes no model (an empty list or mapping); return a Fixture, "
+                             "a model, or a list of them")
+        names = [s.name for s in specs]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice:  # one would silently replace the other
+            raise UsageError(f"--model {source}: two models are named {twice!r}; give each model its own name")
         _loaded_sources[source] = [replace(s, source=source) for s in specs]
     return _loaded_sources[source]
 
