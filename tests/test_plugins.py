@@ -171,3 +171,26 @@ def test_integer_inputs_without_token_input_are_one_line_naming_the_field():
     with pytest.raises(UsageError, match="inputs.0. is int64 but Fixture.token_input is False; set token_input=True"):
         validate(spec, "tok")
     assert validate(dataclasses.replace(spec, token_input=True), "tok").token_input
+
+
+def test_a_path_plugin_named_like_a_built_in_path_is_refused(tmp_path):
+    """An entry point whose path is called ``native`` would be judged in native's place (or be
+    dropped for it), silently: exit 2 naming the entry point."""
+    (tmp_path / "shadow_path.py").write_text(textwrap.dedent("""
+        from parity_owner_split import OwnerSplitPath
+
+
+        class Shadow(OwnerSplitPath):
+            name = "native"
+    """))
+    info = tmp_path / "shadow_path-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shadow-path\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[parity.paths]\nshadow = shadow_path:Shadow\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.path.join(ROOT, "examples", "external_path"),
+                                                        ROOT])}
+    done = subprocess.run([sys.executable, "-m", "parity", "run", "--paths", "legacy,native", "-k", "ranks == 1",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "parity.paths:shadow (shadow_path:Shadow) names its path 'native', as a built-in path does" in done.stderr
+    assert not (tmp_path / "run").exists()

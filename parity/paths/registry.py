@@ -42,6 +42,10 @@ def _entry_point_paths() -> dict[str, ShardingPath]:
         except Exception as exc:  # noqa: BLE001
             raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
         path = _check(obj, where)
+        clash = "a built-in path" if path.name in ("legacy", "native") else found.get(path.name) and "another plugin"
+        if clash:  # one of the two would be judged in the other's place, silently
+            raise UsageError(f"{where} names its path {path.name!r}, as {clash} does; give the plugin's path "
+                             "its own name")
         found[path.name] = path
     return found
 
