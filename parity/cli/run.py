@@ -157,7 +157,7 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
 def _warn_rule_disagreements(cells) -> None:
     """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
     the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
-    from parity.model.plan import canonical_fqn, fp32_disagreements, matches
+    from parity.model.plan import fp32_disagreements, unmatched
     from parity.model.registry import built, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
@@ -166,12 +166,10 @@ def _warn_rule_disagreements(cells) -> None:
             model, _ = built(fixture, "run")
         except UsageError:
             continue  # no warning to give: its cells build it on their ranks and record the failure as ERROR
-        tensors = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
-        for pattern in fixture.keep_fp32:  # a generic pattern may select nothing; a typo always does
-            if not any(matches(fqn, pattern, fixture.fp32_rule) for fqn in tensors):
-                print(f"parity: warning: {name}: Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer "
-                      f"(rule {fixture.fp32_rule}); a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch "
-                      "it)", file=sys.stderr)
+        for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
+            print(f"parity: warning: {name}: Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer "
+                  f"(rule {fixture.fp32_rule}); a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch it)",
+                  file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
             print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
                   f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "

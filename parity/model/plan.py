@@ -211,6 +211,13 @@ def matches(fqn: str, pattern: str, rule: str = "transformers") -> bool:
     return any(toks[i : i + len(pat)] == pat for i in range(len(toks) - len(pat) + 1))
 
 
+def unmatched(model: nn.Module, patterns: tuple[str, ...], rule: str) -> list[str]:
+    """The ``patterns`` (a fixture's ``keep_fp32``) that select no parameter or buffer of ``model``
+    under ``rule``: a generic pattern may select nothing, a typo always does."""
+    tensors = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
+    return [p for p in patterns if not any(matches(fqn, p, rule) for fqn in tensors)]
+
+
 def fp32_disagreements(model: nn.Module, extra: tuple[str, ...] = ()) -> list[tuple[str, bool, bool]]:
     """(FQN, FP32 under ``transformers``, FP32 under ``tokens``) for every floating tensor the
     two rules resolve differently -- where parity's plan would mean something else than the

@@ -219,8 +219,8 @@ def validate(spec: object, where: str) -> Fixture:
     for what in ("keep_fp32", "backward_free", "quantizable", "expert_parallel"):  # a bare string iterates as letters
         names = getattr(spec, what)
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise UsageError(f"{where}: Fixture.{what} = {names!r}; it is a tuple of strings, e.g. ({names!r},)"
-                             if isinstance(names, str) else f"{where}: Fixture.{what} = {names!r}; it is a tuple of strings")
+            example = f", e.g. ({names!r},)" if isinstance(names, str) else ""
+            raise UsageError(f"{where}: Fixture.{what} = {names!r}; it is a tuple of strings{example}")
     if not spec.unit_roots:
         raise UsageError(f"{where}: Fixture.unit_roots is empty; declare the modules handed to fully_shard")
     for i, outer in enumerate(spec.unit_roots):  # FSDP shards bottom-up: a root after every root inside it

@@ -3,8 +3,8 @@
 A part's ``run.json`` records ``shard``: its index and count, the digest of the whole
 selection, the selection's cell ids (in the order a single run lists them) and its pair groups
 in the order a single run executes them. Merging refuses, with one line and exit code 2, parts
-that are not of one run: another selection or split, other options (``--baseline``, ``--fp64``, a knob), another torch, parity, device or model
-file, an unfinished part, a part given twice, a part missing, a cell held twice or by no part, or
+that are not of one run: another selection or split, other options (``--baseline``, ``--fp64``,
+a knob), another torch, parity, device or model file, an unfinished part, a part given twice, a part missing, a cell held twice or by no part, or
 a part whose ``cells.csv`` is not what it recorded (cut, emptied or appended to: its length differs
 from its ``progress.jsonl``'s, or a cell it ran has no record).
 
@@ -124,7 +124,6 @@ def merged_blocks(directories: list[str], manifests: list[dict]) -> list[tuple[s
     if unknown:
         raise UsageError(f"merge: records of {unknown[0]} belong to no pair group of the selection; rerun that part")
     return [(g, blocks[g]) for g in order if g in blocks]
-
 
 
 def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: str = "") -> tuple[dict, list[Record]]:

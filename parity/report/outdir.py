@@ -224,7 +224,7 @@ def mark_group_done(out: str, group: str) -> None:
 
 
 def write_progress(out: str, entries: list[dict]) -> None:
-    """``progress.jsonl`` written at once (a merged run's: its groups and their byte ends)."""
+    """``progress.jsonl`` written at once (a merged run's groups, or a resumed run's kept ones)."""
     with writing(os.path.join(out, PROGRESS)), open(os.path.join(out, PROGRESS), "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
         fh.flush()
@@ -277,8 +277,7 @@ def resume_point(out: str) -> set[str]:
     with writing(cells), open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
     read_records(cells, whole=True)
-    with writing(path), open(path, "w") as fh:
-        fh.writelines(json.dumps(e) + "\n" for e in entries)
+    write_progress(out, entries)
     return {e["group"] for e in entries}
 
 
