@@ -115,7 +115,8 @@ def _files(t) -> dict[str, str]:
                 "skip_entry": "skip = [1]", "when": '[[skip]]\nwhen = 3\nreason = "r"',
                 "reason": "[[skip]]\nwhen = \"ranks == 1\"\nreason = []", "steps": "steps = true",
                 "steps_huge": "steps = 100000", "design": "design = [1]", "description": "description = {a = 1}",
-                "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\""}
+                "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\"",
+                "model_file": 'models = ["nowhere.py:m"]'}
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
@@ -176,6 +177,8 @@ CASES = [
     (["run", "--matrix", "{matrix_description}", "--out", "{out}"], "description must be a string, not a table"),
     (["run", "--matrix", "{matrix_exhaustive}", "--out", "{out}"], "exhaustive must be an array of strings"),
     (["run", "--matrix", "{matrix_models}", "--out", "{out}"], "models must be an array of strings"),
+    (["run", "--matrix", "{matrix_model_file}", "--out", "{out}"],  # named where it was written, not as --model
+     "model_file.toml: models entry '"),
     # run: options
     (["run", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
     (["run", "--ranks", "1,2,1", "--out", "{out}"], "--ranks: '1' is given twice"),

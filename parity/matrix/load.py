@@ -268,7 +268,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     steps = _typed(path, "steps", data.get("steps", 2), int)
     if not 1 <= steps <= MAX_STEPS:
         raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
-    models = registry(tuple(sources))
+    models = registry(tuple(sources), label="--model" if models else f"{path}: models entry")
     source_of = {m.name: m.source for m in models.values() if m.source}
     defaults = {"fixture": list(source_of) or list(models), "path": path_names(), "ranks": [1], "accumulation": ["1"],
                 "checkpointing": ["none"], "reshard": [True], "output_dtype": ["natural"], "seed": [0],

@@ -80,14 +80,14 @@ def registered() -> dict[str, Fixture]:
     return found
 
 
-def _import_source(source: str):
+def _import_source(source: str, label: str = "--model"):
     target, sep, attr = source.rpartition(":")
     if not sep or not target or not attr:
-        raise UsageError(f"--model {source!r}: write pkg.module:factory or path/to/file.py:factory")
+        raise UsageError(f"{label} {source!r}: write pkg.module:factory or path/to/file.py:factory")
     if target.endswith(".py"):
         path = os.path.abspath(target)
         if not os.path.isfile(path):
-            raise UsageError(f"--model {source!r}: no file {target}")
+            raise UsageError(f"{label} {source!r}: no file {target}")
         name = "parity_user_model_" + str(abs(hash(path)))
         if name not in sys.modules:
             spec = importlib.util.spec_from_file_location(name, path)
@@ -97,40 +97,42 @@ def _import_source(source: str):
                 spec.loader.exec_module(module)
             except _USER_FAILURES as exc:
                 del sys.modules[name]
-                raise UsageError(f"--model {source!r}: importing {target} failed: {_failed(exc)}") from None
+                raise UsageError(f"{label} {source!r}: importing {target} failed: {_failed(exc)}") from None
         module = sys.modules[name]
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
-            raise UsageError(f"--model {source!r}: cannot import {target} ({exc}); install it or give a file path") from None
+            raise UsageError(f"{label} {source!r}: cannot import {target} ({exc}); install it or give a file path") from None
         except _USER_FAILURES as exc:  # user code failing at import is bad input too
-            raise UsageError(f"--model {source!r}: importing {target} failed: {_failed(exc)}") from None
+            raise UsageError(f"{label} {source!r}: importing {target} failed: {_failed(exc)}") from None
     if not hasattr(module, attr):
-        raise UsageError(f"--model {source!r}: {target} has no attribute {attr!r}")
+        raise UsageError(f"{label} {source!r}: {target} has no attribute {attr!r}")
     return getattr(module, attr)
 
 
-def load_source(source: str) -> list[Fixture]:
-    """The models a ``--model`` source describes, each remembering its source."""
+def load_source(source: str, label: str = "--model") -> list[Fixture]:
+    """The models a ``--model`` source describes, each remembering its source. ``label`` names
+    where the source was given in errors (``--model``, or a matrix file's ``models`` entry)."""
     if source not in _loaded_sources:
-        specs = _specs(_import_source(source), f"--model {source}")
+        specs = _specs(_import_source(source, label), f"{label} {source}")
         if not specs:  # an empty list or mapping: the built-in models would run in their place
-            raise UsageError(f"--model {source}: describes no model (an empty list or mapping); return a Fixture, "
+            raise UsageError(f"{label} {source}: describes no model (an empty list or mapping); return a Fixture, "
                              "a model, or a list of them")
         names = [s.name for s in specs]
         twice = next((n for n in names if names.count(n) > 1), None)
         if twice:  # one would silently replace the other
-            raise UsageError(f"--model {source}: two models are named {twice!r}; give each model its own name")
+            raise UsageError(f"{label} {source}: two models are named {twice!r}; give each model its own name")
         _loaded_sources[source] = [replace(s, source=source) for s in specs]
     return _loaded_sources[source]
 
 
-def registry(sources: tuple[str, ...] = ()) -> dict[str, Fixture]:
-    """Registered models plus those of ``sources`` (a source's model replaces a namesake)."""
+def registry(sources: tuple[str, ...] = (), label: str = "--model") -> dict[str, Fixture]:
+    """Registered models plus those of ``sources`` (a source's model replaces a namesake);
+    ``label`` as in :func:`load_source`."""
     found = dict(registered())
     for source in sources:
-        for spec in load_source(source):
+        for spec in load_source(source, label):
             found[spec.name] = spec
     if not found:
         raise UsageError("no models registered: install parity (pip install -e .) or pass --model pkg.module:factory")
