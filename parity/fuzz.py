@@ -80,7 +80,8 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     os.makedirs(out_dir, exist_ok=True)
     index, count = shard
     share = examples // count + (1 if index <= examples % count else 0)
-    campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count}
+    campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count,
+                   "device": device, "timeout": timeout}
     with Signals() as signals:
         return _campaign(examples=share, seed=part_seed(seed, index, count), out_dir=out_dir, fault=fault,
                          device=device, timeout=timeout, signals=signals, campaign_of=campaign_of,
@@ -188,7 +189,8 @@ MANIFEST = "fuzz.json"
 
 
 def write_manifest(out_dir: str, fields: dict) -> None:
-    """``fuzz.json``: the campaign (seed, examples, fault, this part's index and count), what the
+    """``fuzz.json``: the campaign (seed, examples, fault, device, timeout, this part's index and
+    count), what the
     part asked and ran, its exit code, verdict counts, INCONCLUSIVE runs, the reproducers it
     wrote, and the torch and parity it ran with (:mod:`parity.report.fuzz_merge` reads it)."""
     import json

@@ -209,7 +209,7 @@ def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:
     d.mkdir()
     if changes.pop("reproducer", False):
         (d / "repro_gen_7.py").write_text("# a reproducer\n")
-    fields = dict(seed=2026, examples=5, fault="", index=index, count=count, asked=3 if index == 1 else 2,
+    fields = dict(seed=2026, examples=5, fault="", device="cpu", timeout=120.0, index=index, count=count, asked=3 if index == 1 else 2,
                   ran=3 if index == 1 else 2, code=0, interrupted="", verdicts={"PASS": 100 * index},
                   inconclusive=[], caught=None, text="")
     write_manifest(str(d), {**fields, **changes})
@@ -242,6 +242,11 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
     other.mkdir()
     assert main(["merge", parts[0], _fuzz_part(other, 2, seed=7), "--out", str(tmp_path / "m3")]) == 2
     assert "differ in seed" in capsys.readouterr().err
+    for option, value in (("device", "cuda"), ("timeout", 30.0)):  # another option: another campaign's evidence
+        elsewhere = tmp_path / f"other-{option}"
+        elsewhere.mkdir()
+        assert main(["merge", parts[0], _fuzz_part(elsewhere, 2, **{option: value}), "--out", str(elsewhere / "m")]) == 2
+        assert f"differ in {option}" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
     assert main(["merge", parts[0], str(tmp_path / "m"), str(tmp_path / "run-part"), "--out", str(tmp_path / "m5")]) == 2
 

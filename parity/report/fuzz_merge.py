@@ -1,7 +1,7 @@
 """``python -m parity merge DIR... --out DIR`` on the parts of a fuzz campaign (``fuzz --shard I/N``).
 
 Each part's ``fuzz.json`` (:func:`parity.fuzz.write_manifest`) names its campaign (seed,
-examples, fault), its index and count, what it ran and its exit code. Merging refuses, with one
+examples, fault, device, timeout), its index and count, what it ran and its exit code. Merging refuses, with one
 line and exit code 2, parts of another campaign or split, another torch or parity, a part given
 twice or missing, or a directory that is not a fuzz part. The merged directory holds one
 ``fuzz.md`` (the campaign's totals, then each part's line), ``fuzz.json`` and every part's
@@ -21,6 +21,9 @@ from parity.errors import UsageError, writing
 MANIFEST = "fuzz.json"
 #: Entries every part of one campaign shares.
 SAME = ("seed", "examples", "fault", "count", "torch", "parity")
+#: Options every part shares too, compared where written (a part from before they were written
+#: has neither, and matches only another such part).
+SAME_OPTIONS = ("device", "timeout")
 
 
 def is_part(directory: str) -> bool:
@@ -45,10 +48,10 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
     parts = [(d, _read(d)) for d in directories]
     first_dir, first = parts[0]
     for d, m in parts[1:]:
-        for key in SAME:
-            if m[key] != first[key]:
-                raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({m[key]!r} vs {first[key]!r}); "
-                                 "merge the parts of one fuzz campaign, run with the same torch and parity")
+        for key in SAME + SAME_OPTIONS:
+            if m.get(key) != first.get(key):
+                raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({m.get(key)!r} vs {first.get(key)!r}); "
+                                 "merge the parts of one fuzz campaign, run with the same options, torch and parity")
     seen: dict[int, str] = {}
     for d, m in parts:
         if m["index"] in seen:
@@ -104,7 +107,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
                 shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
     with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
         fh.write(text + "\n")
-    merged = {**{k: first[k] for k in SAME}, "kind": "parity-fuzz/1", "index": None, "asked": first["examples"],
+    merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1", "index": None, "asked": first["examples"],
               "ran": ran, "code": code, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
               "parts": [os.path.abspath(d) for d, _ in parts]}
     with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w") as fh:
