@@ -116,7 +116,7 @@ def _files(t) -> dict[str, str]:
                 "reason": "[[skip]]\nwhen = \"ranks == 1\"\nreason = []", "steps": "steps = true",
                 "steps_huge": "steps = 100000", "design": "design = [1]", "description": "description = {a = 1}",
                 "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\"",
-                "model_file": 'models = ["nowhere.py:m"]'}
+                "model_file": 'models = ["nowhere.py:m"]', "twice": "[axes]\nranks = [1, 2, 1]"}
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
@@ -179,6 +179,7 @@ CASES = [
     (["run", "--matrix", "{matrix_models}", "--out", "{out}"], "models must be an array of strings"),
     (["run", "--matrix", "{matrix_model_file}", "--out", "{out}"],  # named where it was written, not as --model
      "model_file.toml: models entry '"),
+    (["run", "--matrix", "{matrix_twice}", "--out", "{out}"], "axes.ranks has 1 twice; give each value once"),
     # run: options
     (["run", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
     (["run", "--ranks", "1,2,1", "--out", "{out}"], "--ranks: '1' is given twice"),

@@ -119,7 +119,8 @@ def _kind(value) -> str:
 
 
 def _validate(source: str, axis: str, values, valid=None) -> list:
-    """``values`` of ``axis``: a non-empty list of :func:`axis_type` values, each in ``valid`` if given."""
+    """``values`` of ``axis``: a non-empty list of distinct :func:`axis_type` values, each in
+    ``valid`` if given."""
     kind = axis_type(axis)
     choices = f"; valid: {', '.join(map(str, valid))}" if valid is not None else ""
     if not isinstance(values, list) or not values:
@@ -131,6 +132,9 @@ def _validate(source: str, axis: str, values, valid=None) -> list:
     bad = [v for v in values if valid is not None and v not in valid]
     if bad:
         raise UsageError(f"{source}: axes.{axis} has unknown value {bad[0]!r}{choices}")
+    twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+    if twice is not None:  # as --paths / --ranks given twice: likely a typo for another value
+        raise UsageError(f"{source}: axes.{axis} has {twice!r} twice; give each value once")
     return values
 
 
