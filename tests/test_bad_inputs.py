@@ -180,6 +180,8 @@ CASES = [
     (["run", "--matrix", "{matrix_model_file}", "--out", "{out}"],  # named where it was written, not as --model
      "model_file.toml: models entry '"),
     (["run", "--matrix", "{matrix_twice}", "--out", "{out}"], "axes.ranks has 1 twice; give each value once"),
+    (["run", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
+    (["bench", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
     # run: options
     (["run", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
     (["run", "--ranks", "1,2,1", "--out", "{out}"], "--ranks: '1' is given twice"),

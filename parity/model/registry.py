@@ -128,8 +128,11 @@ def load_source(source: str, label: str = "--model") -> list[Fixture]:
 
 
 def registry(sources: tuple[str, ...] = (), label: str = "--model") -> dict[str, Fixture]:
-    """Registered models plus those of ``sources`` (a source's model replaces a namesake);
-    ``label`` as in :func:`load_source`."""
+    """Registered models plus those of ``sources`` (a source's model replaces a namesake; a
+    source given twice is bad input); ``label`` as in :func:`load_source`."""
+    twice = next((s for i, s in enumerate(sources) if s in sources[:i]), None)
+    if twice is not None:
+        raise UsageError(f"{label} {twice!r} is given twice; give each model source once")
     found = dict(registered())
     for source in sources:
         for spec in load_source(source, label):
