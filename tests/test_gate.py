@@ -65,6 +65,27 @@ def test_a_declared_fallback_is_not_applicable_and_an_undeclared_one_is_no_go():
     assert decide(rows, "m", "native").decision == NO_GO
 
 
+def test_a_declared_fallback_or_isolation_error_with_a_skipped_cell_is_not_not_applicable():
+    """NOT APPLICABLE (exit 0) speaks for every candidate cell: one skipped cell (e.g. too few
+    ranks under torchrun) leaves its pair unpaired, and that is NO-GO as on any other model."""
+    def fell_back(i):
+        return [rec("m", "native", i, taken="legacy", fallback_reason="unit x mixes trainable storage dtypes"),
+                rec("m", "native", i, check="fallback", name="declared", taken="legacy",
+                    fallback_reason="unit x mixes trainable storage dtypes")]
+
+    def raised(i):
+        return [rec("m", "native", i, check="expected_error", name="isolation")]
+
+    for one in (fell_back, raised):
+        rows = one(0) + [rec("m", "legacy", 0), rec("m", "legacy~native", 0, taken="")]
+        assert decide(rows, "m", "native").decision == NOT_APPLICABLE, one
+        rows += [rec("m", "legacy", 1), rec("m", "native", 1, check="run", verdict="SKIP"),
+                 rec("m", "legacy~native", 1, check="pair", verdict="UNPAIRED", taken="", name="skipped",
+                     detail="native was skipped")]
+        d = decide(rows, "m", "native")
+        assert d.decision == NO_GO and "1 pairs not compared: native was skipped" in d.reasons, (one, d.reasons)
+
+
 def test_all_native_cells_skipped_is_no_go():
     rows = [rec("m", "legacy", 0), rec("m", "native", 0, check="run", verdict="SKIP")]
     d = decide(rows, "m", "native")

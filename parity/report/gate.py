@@ -88,13 +88,17 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     expected_errors = [r for r in own if r.cell in ran and r.check == "expected_error"]
     not_taken = {r.cell for r in own if r.cell in ran and r.path_taken and r.path_taken != candidate}
     declared = {r.cell for r in fallbacks if r.name == "declared" and r.verdict == Verdict.PASS}
-    if not_taken and not_taken <= declared and all(verdicts[c] == Verdict.PASS for c in ran) and not_taken == ran:
+    # NOT APPLICABLE speaks for every cell: one that was skipped showed nothing, and the
+    # decision below counts its unpaired pair as it does on a GO
+    every = ran == cand_cells
+    if every and not_taken and not_taken <= declared and all(verdicts[c] == Verdict.PASS for c in ran) \
+            and not_taken == ran:
         d.decision = NOT_APPLICABLE
         d.notes.append(f"{candidate} falls back in all {len(ran)} cells, as the model declares: "
                        + next(r.detail for r in fallbacks if r.cell in declared))
         return d
     raised = {r.cell for r in expected_errors if r.path_taken == candidate and r.verdict == Verdict.PASS}
-    if raised == ran:
+    if every and raised == ran:
         d.decision = NOT_APPLICABLE
         d.notes.append(f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells")
         return d
