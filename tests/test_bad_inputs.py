@@ -361,11 +361,25 @@ def test_a_closed_pipe_keeps_the_verdict_in_a_real_process(tmp_path):
     ({A: "PASS"}, {A: "INCONCLUSIVE"}, f"cell {A}: PASS -> INCONCLUSIVE"),
     ({A: "TIMEOUT"}, {A: "ERROR"}, f"cell {A}: TIMEOUT -> ERROR"),
     ({A: "PASS", "kda/native/r1/c0": "PASS"}, {A: "PASS"}, "cell kda/native/r1/c0: PASS before, not run now"),
+    ({A: "PASS"}, {A: "SKIP"}, f"cell {A}: PASS -> SKIP"),  # checked before, not now: e.g. --device cuda, no GPU
+    ({A: "FAIL"}, {A: "SKIP"}, f"cell {A}: FAIL -> SKIP"),  # a failure hidden is no improvement
 ])
 def test_compare_flags_new_alarms_and_missing_cells(capsys, tmp_path, old, new, line):
     assert main(["compare", results(tmp_path / "old", old), results(tmp_path / "new", new)]) == 1
     out = capsys.readouterr().out
     assert "REGRESSED" in out and line in out
+
+
+def test_compare_flags_a_check_measured_before_and_missing_now(capsys, tmp_path):
+    def rows(checks):
+        return [Record(cell=A, fixture="kda", path="legacy", check=c, name="w", verdict=Verdict.PASS, ratio=0.1)
+                for c in checks]
+    old, new = results(tmp_path / "old", {A: "PASS"}), results(tmp_path / "new", {A: "PASS"})
+    _recorded(old, rows(["grad", "checkpoint.same"]))
+    _recorded(new, rows(["grad"]))
+    assert main(["compare", old, new]) == 1
+    assert "check kda / checkpoint.same: worst ratio 0.1 before, not measured now" in capsys.readouterr().out
+    assert main(["compare", new, old]) == 0  # a check measured only now is not a regression
 
 
 def test_compare_of_an_interrupted_new_run_flags_what_it_did_not_run(capsys, tmp_path):

@@ -107,10 +107,12 @@ def _run_of(directory: str) -> dict:
 
 
 def _worse(old: str | None, new: str) -> bool:
-    """Whether verdict ``new`` is a regression from ``old`` (``None``: OLD lacks the cell): more severe
-    (SKIP apart), or an alarm OLD did not have."""
-    if Verdict(new) == Verdict.SKIP or new == old:
+    """Whether verdict ``new`` is a regression from ``old`` (``None``: OLD lacks the cell): more severe,
+    an alarm OLD did not have, or a SKIP where OLD checked the cell (what it showed is gone)."""
+    if new == old:
         return False
+    if Verdict(new) == Verdict.SKIP:
+        return old is not None
     if old is None:
         return Verdict(new) in ALARMS
     return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or (
@@ -134,7 +136,8 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
                     f"{next(c for c in added if c not in alarms)})")
     for check, was in sorted(old.get("checks", {}).items()):
         now = new.get("checks", {}).get(check)
-        if now is None:
+        if now is None:  # measured before, not now: that evidence is missing, not better
+            bad.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} before, not measured now")
             continue
         if now > floor and now > factor * was:
             bad.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g} (grew more than {factor:g}x)")
