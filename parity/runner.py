@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from parity.errors import OutputError, writing
+from parity.errors import OutputError, UsageError, writing
 from parity.execute import knobs
 from parity.execute.pool import CellFailure
 from parity.execute.pools import Pools
@@ -134,7 +134,12 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
     with outdir.locked(out, "--resume" if options.resume else "--out"), Signals(enabled=executor is None) as signals:
         if options.resume:
-            done_groups = outdir.resume_point(out)
+            done_groups, held = outdir.resume_point(out)
+            claimed = [c.id for c in cells if c.pair_id in done_groups and c.id not in held]
+            if claimed:  # progress says done, the rows are not there: that evidence would never be made
+                raise UsageError(f"--resume {out}: {outdir.PROGRESS} records {len(claimed)} cells as done that "
+                                 f"{outdir.CELLS} holds no records of (e.g. {claimed[0]}); start a new run with "
+                                 "--overwrite")
             outdir.write_manifest(out, {**manifest, "status": "running"})
         else:
             outdir.prepare(out, manifest, overwrite=options.overwrite)

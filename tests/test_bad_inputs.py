@@ -220,6 +220,7 @@ CASES = [
     (["run", "--resume", "{resume_progress}"], "progress.jsonl line 1 is not a progress entry"),
     (["run", "--resume", "{resume_progress_shape}"], "progress.jsonl line 2 is not a progress entry"),
     (["run", "--resume", "{resume_cells}"], "cells.csv row 2: not a parity record"),
+    (["run", "--resume", "{resume_claimed}"], "progress.jsonl records 2 cells as done that cells.csv holds no records"),
     # gate
     (["gate", "--from", "{gate_runjson_notjson}"], "run.json is unreadable"),
     (["gate", "--from", "{gate_runjson_list}"], "run.json is not a JSON object"),
@@ -280,6 +281,9 @@ def files(tmp_path_factory):
                                             '{"group": "g", "bytes": SIZE}\n{"group": 1}\n', HEADER)
     f["resume_cells"] = _resumable(tmp_path / "resume_cells", '{"group": "g", "bytes": SIZE}\n',
                                    HEADER + "a,b,c\n")
+    first = _select({**RUN_DEFAULTS, "filter": FILTER})[1][0]  # progress claims its group, no row of it exists
+    f["resume_claimed"] = _resumable(tmp_path / "resume_claimed", f'{{"group": "{first.pair_id}", "bytes": SIZE}}\n',
+                                     HEADER)
     f["out"] = str(tmp_path / "out")
     return f
 

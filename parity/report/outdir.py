@@ -257,9 +257,10 @@ def _progress(path: str, who: str = "--resume", fix: str = "start a new run with
     return entries
 
 
-def resume_point(out: str) -> set[str]:
-    """Groups already recorded; cuts ``cells.csv`` back to the end of the last of them, whose rows must
-    read back (a corrupted row is a :class:`UsageError` before anything runs)."""
+def resume_point(out: str) -> tuple[set[str], set[str]]:
+    """(groups already recorded, cells with records); cuts ``cells.csv`` back to the end of the last
+    of those groups, whose rows must read back (a corrupted row is a :class:`UsageError` before
+    anything runs)."""
     from parity.report.records import read_records
 
     path = os.path.join(out, PROGRESS)
@@ -269,16 +270,16 @@ def resume_point(out: str) -> set[str]:
         for f in (cells, path):
             if os.path.exists(f):
                 os.remove(f)
-        return set()
+        return set(), set()
     size = os.path.getsize(cells) if os.path.exists(cells) else -1
     if size < entries[-1]["bytes"]:
         raise UsageError(f"--resume {out}: {CELLS} is missing or shorter than {PROGRESS} records; "
                          "start a new run with --overwrite")
     with writing(cells), open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
-    read_records(cells, whole=True)
+    held = {r.cell for r in read_records(cells, whole=True)}
     write_progress(out, entries)
-    return {e["group"] for e in entries}
+    return {e["group"] for e in entries}, held
 
 
 def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the matrix into a new --out") -> list:
