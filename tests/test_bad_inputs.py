@@ -120,7 +120,10 @@ def _files(t) -> dict[str, str]:
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
-                       "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}'}.items():
+                       "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}',
+                       "fault": '{"options": {"matrix": "smoke", "fault": null}, "status": "complete", "cells": []}',
+                       "model": '{"options": {"matrix": "smoke", "model": null}, "status": "complete", "cells": []}',
+                       "environment": '{"options": {"matrix": "smoke"}, "environment": 5, "status": "complete"}'}.items():
         f[f"runjson_{name}"] = _write(t / f"runjson_{name}" / "run.json", text).removesuffix("/run.json")
         results(t / f"gate_runjson_{name}", {A: "PASS"})
         _write(t / f"gate_runjson_{name}" / "run.json", text)
@@ -224,6 +227,10 @@ CASES = [
     # gate
     (["gate", "--from", "{gate_runjson_notjson}"], "run.json is unreadable"),
     (["gate", "--from", "{gate_runjson_list}"], "run.json is not a JSON object"),
+    (["gate", "--from", "{gate_runjson_fault}"], "run.json records fault None, which that option cannot be"),
+    (["gate", "--from", "{gate_runjson_model}"], "run.json records model None, which that option cannot be"),
+    (["gate", "--from", "{gate_runjson_environment}"], "run.json: environment is not an object"),
+    (["run", "--resume", "{runjson_model}"], "run.json records model None, which that option cannot be"),
     (["gate", "--from", "{csv_verdict}"], "cells.csv row 2: not a parity record ('MAYBE' is not a valid Verdict)"),
     (["gate", "--from", "{csv_number}"], "cells.csv row 2: not a parity record"),
     (["gate", "--from", "{csv_binary}"], "cells.csv is unreadable"),

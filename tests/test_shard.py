@@ -138,6 +138,20 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
 
 
+@pytest.mark.parametrize("key, value", [("cell_groups", 5), ("index", [3]), ("selection", [[1]]), ("groups", None),
+                                        ("count", 0), ("digest", 7), ("cell_groups", [])])
+def test_a_parts_malformed_shard_entry_is_one_line(sharded, tmp_path, capsys, key, value):
+    root, whole, parts, merged, code = sharded
+    bad = str(tmp_path / "bad")
+    shutil.copytree(parts[2], bad)
+    manifest = json.loads(pathlib.Path(bad, "run.json").read_text())
+    manifest["shard"][key] = value
+    pathlib.Path(bad, "run.json").write_text(json.dumps(manifest))
+    assert main(["merge", parts[0], parts[1], bad, parts[3], "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"run.json: shard." in err and "Traceback" not in err, err
+
+
 def _cut(path: str, keep) -> None:
     """Rewrite ``cells.csv`` at ``path`` keeping the header and the rows ``keep(row)`` accepts."""
     with open(path, newline="") as fh:

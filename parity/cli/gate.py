@@ -9,7 +9,7 @@ import re
 import sys
 
 from parity.cli.parser import AXIS_OPTIONS, RUN_DEFAULTS
-from parity.cli.run import _execute, _run_settings, _select
+from parity.cli.run import _execute, _run_settings, _select, check_recorded
 from parity.errors import UsageError
 from parity.interrupt import Signals
 
@@ -113,6 +113,7 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
     from parity.errors import writing
     from parity.report import gate, outdir
 
+    check_recorded(manifest.get("options") or {}, f"gate: {out}", "rerun the matrix into a new --out")
     records = outdir.complete_records(out, manifest, "gate")
     decisions = gate.evaluate(records, candidate)
     if baseline is not None:

@@ -27,10 +27,7 @@ def _run_settings(args, defaults: dict) -> dict:
     recorded = read_manifest(args.resume).get("options")
     if not isinstance(recorded, dict):
         raise UsageError(f"--resume {args.resume}: run.json records no options (not a parity run directory)")
-    wrong = [k for k in RUN_IDENTITY if k in recorded and not _as_parsed(k, recorded[k])]
-    if wrong:
-        raise UsageError(f"--resume {args.resume}: run.json records {wrong[0]} {recorded[wrong[0]]!r}, which that "
-                         "option cannot be (the file was edited); start a new run with --overwrite")
+    check_recorded(recorded, f"--resume {args.resume}", "start a new run with --overwrite")
     for key, value in given.items():
         if key in RUN_IDENTITY and recorded.get(key) != value:
             raise UsageError(f"--resume {args.resume}: {key} differs from the interrupted run's "
@@ -45,16 +42,25 @@ def _run_actions() -> dict[str, argparse.Action]:
     return {a.dest: a for a in p._actions}
 
 
+def check_recorded(recorded: dict, who: str, fix: str) -> None:
+    """A :class:`UsageError` for the first option ``run.json`` records as a value that option
+    cannot take (the file was edited): ``--resume`` and ``gate --from`` would select cells by it."""
+    wrong = [k for k in RUN_IDENTITY if k in recorded and not _as_parsed(k, recorded[k])]
+    if wrong:
+        raise UsageError(f"{who}: run.json records {wrong[0]} {recorded[wrong[0]]!r}, which that option cannot be "
+                         f"(the file was edited); {fix}")
+
+
 def _as_parsed(key: str, value) -> bool:
     """Whether ``value`` (recorded in ``run.json``) is what ``run``'s option ``key`` parses to: the same
     argument types and choices decide (no second table of option types)."""
     action = _run_actions()[key]
+    if isinstance(action, argparse._AppendAction):  # recorded as a list, empty when not given
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if value is None:
         return True
     if action.nargs == 0:  # a flag
         return isinstance(value, bool)
-    if isinstance(action, argparse._AppendAction):
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         return False
     try:

@@ -42,12 +42,35 @@ def _part(directory: str) -> dict:
     if not isinstance(shard, dict) or not {"index", "count", "digest", "selection", "groups", "cell_groups"} <= set(shard):
         raise UsageError(f"merge: {directory} is not a part of a sharded run (no shard in its run.json); "
                          "give directories written by run --shard I/N")
+    bad = _malformed(shard, manifest.get("cells"))
+    if bad:
+        raise UsageError(f"merge: {directory}/run.json: shard.{bad}; rerun that part (run --shard I/N)")
     if manifest.get("status") != "complete":
         raise UsageError(f"merge: part {shard['index']}/{shard['count']} in {directory} is "
                          f"{manifest.get('status', 'unfinished')}; finish it with python -m parity run --resume {directory}")
     if not os.path.isfile(os.path.join(directory, outdir.CELLS)):
         raise UsageError(f"merge: {directory} has no {outdir.CELLS}; rerun that part")
     return manifest
+
+
+def _malformed(shard: dict, cells) -> str:
+    """What is wrong with a part's ``shard`` entry (``""``: nothing): its index and count are
+    integers, 1 <= index <= count; its digest a string; selection, groups and cell_groups lists
+    of strings, one cell group per cell ``run.json`` lists."""
+    def strings(v):
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    ints = all(isinstance(shard[k], int) and not isinstance(shard[k], bool) for k in ("index", "count"))
+    if not ints or not 1 <= shard["index"] <= shard["count"]:
+        return f"index / count must be integers with 1 <= index <= count, not {shard['index']!r} / {shard['count']!r}"
+    if not isinstance(shard["digest"], str):
+        return f"digest must be a string, not {_short(shard['digest'])}"
+    for key in ("selection", "groups", "cell_groups"):
+        if not strings(shard[key]):
+            return f"{key} must be a list of strings, not {_short(shard[key])}"
+    if isinstance(cells, list) and len(shard["cell_groups"]) != len(cells):
+        return f"cell_groups holds {len(shard['cell_groups'])} groups for {len(cells)} cells"
+    return ""
 
 
 def _records(directory: str, manifest: dict) -> list[Record]:

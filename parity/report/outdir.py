@@ -201,14 +201,14 @@ def read_json(path: str, fix: str) -> dict:
 
 
 def read_manifest(out: str) -> dict:
-    """``out``'s ``run.json``: an object whose ``options`` (if any) is an object, ``cells`` a list and
-    ``status`` a string."""
+    """``out``'s ``run.json``: an object whose ``options`` and ``environment`` (if any) are objects,
+    ``cells`` a list and ``status`` a string."""
     path = os.path.join(out, MANIFEST)
     if not os.path.isfile(path):
         raise UsageError(f"{out}: no {MANIFEST} there; give the --out directory of an earlier parity run")
     fix = "start a new run with --overwrite"
     manifest = read_json(path, fix)
-    for key, kind in (("options", dict), ("cells", list), ("status", str)):
+    for key, kind in (("options", dict), ("environment", dict), ("cells", list), ("status", str)):
         if key in manifest and not isinstance(manifest[key], kind):
             raise UsageError(f"{path}: {key} is not {'an object' if kind is dict else 'a ' + kind.__name__}; {fix}")
     return manifest
