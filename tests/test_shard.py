@@ -149,7 +149,7 @@ def test_a_parts_malformed_shard_entry_is_one_line(sharded, tmp_path, capsys, ke
     pathlib.Path(bad, "run.json").write_text(json.dumps(manifest))
     assert main(["merge", parts[0], parts[1], bad, parts[3], "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"run.json: shard." in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and "run.json: shard." in err and "Traceback" not in err, err
 
 
 def _cut(path: str, keep) -> None:
