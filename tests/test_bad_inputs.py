@@ -128,13 +128,17 @@ def _files(t) -> dict[str, str]:
         results(t / f"gate_runjson_{name}", {A: "PASS"})
         _write(t / f"gate_runjson_{name}" / "run.json", text)
         f[f"gate_runjson_{name}"] = str(t / f"gate_runjson_{name}")
-    for name in ("verdict", "number", "binary"):
+    columns = HEADER.strip().split(",")
+    for name in ("verdict", "number", "binary", "pass_ratio", "pass_nan"):
         d = results(t / f"csv_{name}", {A: "PASS"})
         with open(os.path.join(d, "cells.csv")) as fh:
             good = fh.read().splitlines()[1].split(",")
         bad = list(good)
         if name == "verdict":
             bad[bad.index("PASS")] = "MAYBE"
+        elif name.startswith("pass_"):  # a PASS its numbers contradict (an edited row of the same length or not)
+            bad[columns.index("observed")], bad[columns.index("allowed")] = ("9", "1") if name == "pass_ratio" else ("nan", "1")
+            bad[columns.index("ratio")] = "9" if name == "pass_ratio" else "nan"
         else:
             bad[HEADER.split(",").index("ranks")] = "abc"
         text = HEADER + ",".join(bad) + "\n" + ",".join(good) + "\n"
@@ -234,6 +238,10 @@ CASES = [
     (["gate", "--from", "{csv_verdict}"], "cells.csv row 2: not a parity record ('MAYBE' is not a valid Verdict)"),
     (["gate", "--from", "{csv_number}"], "cells.csv row 2: not a parity record"),
     (["gate", "--from", "{csv_binary}"], "cells.csv is unreadable"),
+    (["gate", "--from", "{csv_pass_ratio}"], "row 2: not a parity record (a PASS whose numbers say otherwise: observed 9"),
+    (["gate", "--from", "{csv_pass_nan}"], "a PASS whose numbers say otherwise: observed nan, allowed 1, ratio nan"),
+    (["report", "{csv_pass_ratio}"], "ratio 9)"),
+    (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
     (["gate", "--compare-to", "{interrupted}", "--out", "{out}"], "that run is interrupted, not complete"),
     (["gate", "--compare-to", "{empty}/nope", "--out", "{out}"], "--compare-to {empty}/nope: no such directory"),

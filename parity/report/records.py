@@ -69,6 +69,10 @@ def _parse(row: dict[str, str]) -> Record:
     if values["step"] != "":
         values["step"] = int(values["step"])
     values["verdict"] = Verdict(values["verdict"])
+    if values["verdict"] == Verdict.PASS:  # a PASS its own numbers contradict was not written by a judge
+        nums = {k: values[k] for k in ("observed", "allowed", "ratio") if values[k] != ""}
+        if any(not math.isfinite(v) for v in nums.values()) or nums.get("ratio", 0.0) > 1.0:
+            raise ValueError("a PASS whose numbers say otherwise: " + ", ".join(f"{k} {v:g}" for k, v in nums.items()))
     return Record(**values)
 
 
