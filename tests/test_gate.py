@@ -86,6 +86,16 @@ def test_a_declared_fallback_or_isolation_error_with_a_skipped_cell_is_not_not_a
         assert d.decision == NO_GO and "1 pairs not compared: native was skipped" in d.reasons, (one, d.reasons)
 
 
+def test_a_candidate_cell_without_its_pair_row_is_no_go():
+    """Every candidate cell gets a pair row (compared or UNPAIRED); rows of a pair that are gone
+    from the results are missing evidence, not a pair that needed no comparison."""
+    rows = [r for r in healthy() if not (r.path == "legacy~native" and r.cell == "m/r1/c1")]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and d.reasons == [
+        "1 native cells have no cross-path record in the results (e.g. m/native/r1/c1): their comparison with "
+        "the baseline is missing"]
+
+
 def test_all_native_cells_skipped_is_no_go():
     rows = [rec("m", "legacy", 0), rec("m", "native", 0, check="run", verdict="SKIP")]
     d = decide(rows, "m", "native")

@@ -110,6 +110,12 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
         d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
                          f"results (a run whose --baseline is {candidate} compares nothing with it)")
+    else:  # a run writes a pair row (compared or UNPAIRED) for every candidate cell: one without is missing evidence
+        grouped = {r.cell for r in pairs}
+        alone = sorted(c for c in cand_cells if c.replace(f"/{candidate}/", "/", 1) not in grouped)
+        if alone:
+            d.reasons.append(f"{len(alone)} {candidate} cells have no cross-path record in the results (e.g. "
+                             f"{alone[0]}): their comparison with the baseline is missing")
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
     if failed_base:
