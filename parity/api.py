@@ -99,17 +99,47 @@ def _argv(command: str, options: dict) -> list[str]:
             raise TypeError(f"parity.{command}() got an unexpected keyword argument {key!r}")
         if value is None:
             continue
+        _check_type(command, key, action, value)
         flag = action.option_strings[-1]
         if action.nargs == 0:
             argv += [flag] if value else []
         elif isinstance(action, argparse._AppendAction):
-            for v in [value] if isinstance(value, str) else value:
-                argv += [flag, str(v)]
+            for v in [value] if isinstance(value, (str, os.PathLike)) else value:
+                argv += [flag, os.fspath(v)]
         elif isinstance(value, (list, tuple)):
             argv += [flag, ",".join(map(str, value))]
         else:
-            argv += [flag, str(value)]
+            argv += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
     return argv
+
+
+#: Keyword arguments whose value is text to parse (an expression), never a number.
+_TEXT = ("filter",)
+
+
+def _check_type(command: str, key: str, action, value) -> None:
+    """A :class:`~parity.errors.UsageError` naming ``key`` when ``value`` is not what it can be: a
+    bool for a switch; a string (or a list of them) for a repeatable option (``model``,
+    ``fault``); a string, a number or, for a comma option, a list of them otherwise."""
+    from parity.errors import UsageError
+
+    def scalar(v, text_only=False):
+        if isinstance(v, (str, os.PathLike)):
+            return True
+        return not text_only and isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if action.nargs == 0:
+        ok, want = isinstance(value, bool), "True or False"
+    elif isinstance(action, argparse._AppendAction):
+        ok = scalar(value, True) or (isinstance(value, (list, tuple)) and all(scalar(v, True) for v in value))
+        want = "a string or a list of strings"
+    elif key in _TEXT:
+        ok, want = scalar(value, True), "a string"
+    else:
+        ok = scalar(value) or (isinstance(value, (list, tuple)) and all(scalar(v) for v in value))
+        want = "a string, a number or a list of them"
+    if not ok:
+        raise UsageError(f"parity.{command}({key}=...): got {type(value).__name__} {value!r:.60}; give {want}")
 
 
 def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
@@ -126,7 +156,11 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
             raise UsageError(f"resume={options['resume']!r} writes into that directory; drop out={out!r}")
         out = options["resume"]
     else:
-        out = out or tempfile.mkdtemp(prefix=f"parity-{command}-")
+        if out is not None and not isinstance(out, (str, os.PathLike)):
+            from parity.errors import UsageError
+
+            raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
+        out = os.fspath(out) if out else tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv += ["--out", out]
     sink = io.StringIO() if quiet else None
     with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():

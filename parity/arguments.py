@@ -11,6 +11,9 @@ from parity.errors import UsageError
 #: The most optimizer steps a cell (``--steps``, a matrix's ``steps``) or a bench (``--steps``,
 #: ``--warmup``) may take: parity checks a few steps; more is a typo, not a plan.
 MAX_STEPS = 1000
+#: The most micro-batches a step accumulates (matrix files' ``accumulation``): the per-cell
+#: timeout counts seconds without progress, and each micro-batch is progress.
+MAX_MICROBATCHES = 64
 #: Seeds ``torch.manual_seed`` takes (a cell's seed, ``--seed``, a matrix's seed axis).
 SEEDS = range(-(2**63), 2**64)
 

@@ -47,6 +47,18 @@ def test_bad_input_raises_what_the_cli_prints():
         parity.gate(colour="red")
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model": 3}, r"parity.run\(model=...\): got int 3; give a string or a list of strings"),
+    ({"filter": 3}, r"parity.run\(filter=...\): got int 3; give a string"),  # "-k 3" would select every cell
+    ({"fp64": "yes"}, r"parity.run\(fp64=...\): got str 'yes'; give True or False"),
+    ({"ranks": {2}}, r"parity.run\(ranks=...\): got set"),
+    ({"out": 3}, r"parity.run\(out=...\): got int 3; give a directory path"),
+])
+def test_a_keyword_of_the_wrong_type_is_named(kwargs, message):
+    with pytest.raises(UsageError, match=message):
+        parity.run(matrix="smoke", **kwargs)
+
+
 def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line(monkeypatch):
     """Ranks start as processes that import the caller's main script: a call without an
     ``if __name__ == "__main__":`` guard would start runs inside ranks."""

@@ -116,7 +116,10 @@ def _files(t) -> dict[str, str]:
                 "reason": "[[skip]]\nwhen = \"ranks == 1\"\nreason = []", "steps": "steps = true",
                 "steps_huge": "steps = 100000", "design": "design = [1]", "description": "description = {a = 1}",
                 "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\"",
-                "model_file": 'models = ["nowhere.py:m"]', "twice": "[axes]\nranks = [1, 2, 1]"}
+                "model_file": 'models = ["nowhere.py:m"]', "twice": "[axes]\nranks = [1, 2, 1]",
+                "microbatches": '[axes]\naccumulation = ["1000000000:last"]',
+                "skip_some": '[axes]\nfixture = ["kda"]\nranks = [1, 2]\n[[skip]]\nwhen = "ranks / (ranks - 2) == 1"\n'
+                             'reason = "r"'}
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
@@ -243,6 +246,18 @@ CASES = [
     (["report", "{csv_pass_ratio}"], "ratio 9)"),
     (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
+    (["gate", "--from", "{complete}", "--matrix", "nope"], "judges that run as it ran (its gate files go beside it): "
+     "--matrix does not apply"),
+    (["gate", "--from", "{complete}", "-k", "ranks == 2"], "-k does not apply"),
+    (["gate", "--from", "{complete}", "--out", "{out}"], "--out does not apply"),
+    (["gate", "--from", "{complete}", "--fp64"], "--fp64 does not apply"),
+    (["run", "--shard", "1/99999999999999999999", "--out", "{out}"], "at most 1024 parts"),
+    (["run", "--shard", "1/1025", "--list"], "at most 1024 parts"),
+    (["run", "--matrix", "{matrix_microbatches}", "--out", "{out}"], "(1 <= K <= 64)"),
+    (["run", "--matrix", "{matrix_skip_some}", "--out", "{out}"], "skip_some.toml: skip.when: cannot evaluate "
+     "'ranks / (ranks - 2) == 1' on cell kda/legacy/r2"),
+    (["run", "-k", "ranks is 2", "--out", "{out}"], "-k: write == / != instead of is / is not in 'ranks is 2'"),
+    (["run", "--junit", "", "--out", "{out}"], "--junit '': give a file path"),
     (["gate", "--compare-to", "{interrupted}", "--out", "{out}"], "that run is interrupted, not complete"),
     (["gate", "--compare-to", "{empty}/nope", "--out", "{out}"], "--compare-to {empty}/nope: no such directory"),
     (["gate", "--compare-to", "{complete}", "--matrix", "default", "--out", "{out}"],
@@ -343,6 +358,12 @@ class _ClosedPipe:
 
     def flush(self):
         raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_user_code_raising_keyboard_interrupt_is_one_line_and_130(tmp_path, capsys):
+    model = _write(tmp_path / "kb.py", "def kb():\n    raise KeyboardInterrupt\n") + ":kb"
+    assert main(["run", "--list", "--model", model]) == 130
+    assert capsys.readouterr().err == "parity: interrupted by KeyboardInterrupt\n"
 
 
 def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys):

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:  # outside a command's own safe points: nothing was being written
         print(f"parity: interrupted by {exc}", file=sys.stderr)
         return exit_code(exc.signum) if exc.signum else 130
+    except KeyboardInterrupt:  # raised, not signalled (user code, e.g. a model factory): as a Ctrl-C
+        print("parity: interrupted by KeyboardInterrupt", file=sys.stderr)
+        return 130
     finally:
         for stream in safe:
             stream.flush()

@@ -79,6 +79,7 @@ def cmd_gate(args) -> int:
                          "another path; drop --baseline or name that path")
     baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
+        _only_judging(args)
         out = args.from_dir
         if not os.path.isfile(os.path.join(out, outdir.CELLS)):
             raise UsageError(f"--from {out}: no {outdir.CELLS} there; give the --out directory of a parity run")
@@ -105,6 +106,16 @@ def cmd_gate(args) -> int:
                   f"python -m parity merge PART_DIRS... --out DIR --gate")
             return code
         return _decide(args, out, manifest, candidate, baseline, signals)
+
+
+def _only_judging(args) -> None:
+    """``gate --from DIR`` judges that run as it ran and writes beside it: an option that selects,
+    runs or places cells would be ignored, so it is refused instead (one line, exit 2)."""
+    given = [k for k in (*RUN_DEFAULTS, "overwrite", "resume") if getattr(args, k, None) not in (None, [], False)]
+    if given:
+        flag = "-k" if given[0] == "filter" else "--" + given[0].replace("_", "-")
+        raise UsageError(f"gate --from {args.from_dir} judges that run as it ran (its gate files go beside it): "
+                         f"{flag} does not apply; drop it, or run a new gate with it (gate {flag} ... --out DIR)")
 
 
 def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | None, signals: Signals) -> int:
@@ -165,11 +176,11 @@ def cmd_merge(args) -> int:
             other = next(d for d in args.parts if d not in fuzz)
             raise UsageError(f"merge: {fuzz[0]} is a fuzz campaign's part and {other} is not; merge a run's "
                              "parts or a campaign's parts, not both")
-        if args.gate or args.junit:
+        if args.gate or args.junit is not None:
             raise UsageError("merge: --gate and --junit decide on a matrix run's records; a fuzz campaign's "
                              "merged verdict is its exit code and fuzz.md")
         return fuzz_merge.merge(args.parts, args.out, overwrite=args.overwrite)
-    if args.junit:
+    if args.junit is not None:
         from parity.report.outdir import writable_file
 
         writable_file(args.junit, "--junit")

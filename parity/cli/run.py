@@ -107,7 +107,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    if opts["junit"]:
+    if opts["junit"] is not None:
         from parity.report.outdir import writable_file
 
         writable_file(opts["junit"], "--junit")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from parity.errors import UsageError
@@ -62,6 +62,10 @@ RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "i
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
                "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt",
                "compile": "cmp"}
+
+
+#: Cell fields that say how a cell runs, not which cell it is: not axes.
+_RUN_LEVEL = frozenset(("faults", "source", "baseline", "crossload", "trace", "trace_step", "op_log"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,10 +378,11 @@ class Cell:
         return [self.baseline] if self.path != self.baseline else []
 
     def axes(self) -> dict:
-        d = asdict(self)
-        for run_level in ("faults", "source", "baseline", "crossload", "trace", "trace_step", "op_log"):
-            d.pop(run_level)
+        """The cell's axis values by name (what ``-k`` and ``skip.when`` read), without the
+        run-level fields; dtypes by name, ``reshard`` as ``on`` / ``off``."""
+        d = {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in _RUN_LEVEL}
         d["reshard"] = "on" if self.reshard else "off"
-        d["output_dtype"] = dtype_name(self.precision().output_dtype)
-        d["reduce_dtype"] = dtype_name(self.precision().reduce_dtype)
+        precision = self.precision()
+        d["output_dtype"] = dtype_name(precision.output_dtype)
+        d["reduce_dtype"] = dtype_name(precision.reduce_dtype)
         return d

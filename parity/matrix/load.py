@@ -47,7 +47,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 
-from parity.arguments import MAX_STEPS, SEEDS
+from parity.arguments import MAX_MICROBATCHES, MAX_STEPS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, OUTPUT_DTYPES,
                                 PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
@@ -69,8 +69,7 @@ _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "para
 #: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
 _FILTER_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
-                 ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Is,
-                 ast.IsNot, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add,
+                 ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add,
                  ast.Sub, ast.Div, ast.FloorDiv)
 #: The longest ``-k`` / ``skip.when`` expression accepted (characters).
 MAX_FILTER = 500
@@ -162,8 +161,9 @@ def _accumulation(source: str, value) -> tuple[int, str]:
     except ValueError:
         micro = 0
     sync = sync or "every"
-    if micro < 1 or sync not in SYNC:
-        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, K:replicas-last (K >= 1)")
+    if not 1 <= micro <= MAX_MICROBATCHES or sync not in SYNC:
+        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, "
+                         f"K:replicas-last (1 <= K <= {MAX_MICROBATCHES})")
     return micro, sync
 
 
@@ -339,6 +339,7 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
             raise UsageError(f"{path}: each [[skip]] needs exactly the keys when, reason")
         check_filter(_typed(path, "skip.when", entry["when"], str), f"{path}: skip.when")
         skips.append((entry["when"], _typed(path, "skip.reason", entry["reason"], str)))
+    _evaluates(cells, [when for when, _ in skips], f"{path}: skip.when")
     name = os.path.basename(path).removesuffix(".toml")
     return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
                   path=os.path.abspath(path))
@@ -361,10 +362,28 @@ def check_filter(expr: str, what: str = "-k") -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id not in FILTER_NAMES:
             raise UsageError(f"{what}: unknown name {node.id!r}; valid: {', '.join(FILTER_NAMES)}")
+        if isinstance(node, (ast.Is, ast.IsNot)):  # identity of literals is not their value
+            raise UsageError(f"{what}: write == / != instead of is / is not in {_short(expr)}")
         if not isinstance(node, _FILTER_NODES):
             raise UsageError(f"{what}: only comparisons of axis values joined by and / or / not (and + - /) are "
                              f"allowed; {type(node).__name__} in {_short(expr)} is not")
     matches(Cell(fixture="kda", path="legacy"), expr, what)
+
+
+def _evaluates(cells: list[Cell], exprs: list[str], what: str) -> None:
+    """Evaluate every expression on every cell now, so one that fails on some cell only (a
+    division by zero there) is bad input before anything runs, not an error in mid-run."""
+    if not exprs:
+        return
+    codes = [(expr, compile(expr, "<filter>", "eval")) for expr in exprs]
+    for cell in cells:
+        values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
+        for expr, code in codes:
+            try:
+                eval(code, {"__builtins__": {}}, values)  # noqa: S307 - checked by check_filter
+            except Exception as exc:  # noqa: BLE001 - any evaluation error is bad input
+                raise UsageError(f"{what}: cannot evaluate {expr!r} on cell {cell.id} ({type(exc).__name__}: "
+                                 f"{exc})") from None
 
 
 def matches(cell: Cell, expr: str, what: str = "-k") -> bool:

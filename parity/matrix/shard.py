@@ -39,8 +39,13 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
+#: The most parts a matrix splits into: CI job matrices stop at a few hundred jobs (GitHub's at
+#: 256), and every part is a job.
+MAX_PARTS = 1024
+
+
 def parse_shard(text: str) -> Shard:
-    """``"I/N"`` with 1 <= I <= N; anything else is a one-line usage error."""
+    """``"I/N"`` with 1 <= I <= N <= :data:`MAX_PARTS`; anything else is a one-line usage error."""
     index, sep, count = str(text).partition("/")
     try:
         shard = Shard(int(index), int(count))
@@ -48,6 +53,8 @@ def parse_shard(text: str) -> Shard:
         shard = None
     if not sep or shard is None or not 1 <= shard.index <= shard.count:
         raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")
+    if shard.count > MAX_PARTS:
+        raise UsageError(f"{text!r}: at most {MAX_PARTS} parts; split into fewer (each part is a CI job)")
     return shard
 
 

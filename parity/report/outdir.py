@@ -42,6 +42,8 @@ _held: set[str] = set()
 def writable_file(path: str, what: str) -> None:
     """``path`` can be written as a file at the end of a run (``--junit``): not a directory, in an existing
     folder parity can write. Checked before any work, so a finished run cannot fail on it."""
+    if not path:
+        raise UsageError(f"{what} '': give a file path, e.g. results/junit.xml (or leave the option out)")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{what} {path}: is a directory; give a file path, e.g. {os.path.join(path, 'junit.xml')}")
