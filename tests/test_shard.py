@@ -138,6 +138,13 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
 
 
+def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded, capsys):
+    root, whole, parts, merged, code = sharded
+    assert main(["merge", *parts, "--out", whole]) == 2
+    err = capsys.readouterr().err
+    assert "holds another run's results" in err and "pass --overwrite" in err and "--resume" not in err, err
+
+
 @pytest.mark.parametrize("key, value", [("cell_groups", 5), ("index", [3]), ("selection", [[1]]), ("groups", None),
                                         ("count", 0), ("digest", 7), ("cell_groups", [])])
 def test_a_parts_malformed_shard_entry_is_one_line(sharded, tmp_path, capsys, key, value):

@@ -66,7 +66,7 @@ _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "para
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
             "weights": WEIGHTS, "eval": EVALS, "move": MOVES, **KNOB_VALUES}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
-#: ``and`` / ``or`` / ``not``, with ``+ - /`` -- nothing whose cost grows with a number in it (``*``, ``**``,
+#: ``and`` / ``or`` / ``not``, with ``+ - / //`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
 _FILTER_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
                  ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add,
@@ -365,7 +365,7 @@ def check_filter(expr: str, what: str = "-k") -> None:
         if isinstance(node, (ast.Is, ast.IsNot)):  # identity of literals is not their value
             raise UsageError(f"{what}: write == / != instead of is / is not in {_short(expr)}")
         if not isinstance(node, _FILTER_NODES):
-            raise UsageError(f"{what}: only comparisons of axis values joined by and / or / not (and + - /) are "
+            raise UsageError(f"{what}: only comparisons of axis values joined by and / or / not (and + - / //) are "
                              f"allowed; {type(node).__name__} in {_short(expr)} is not")
     matches(Cell(fixture="kda", path="legacy"), expr, what)
 

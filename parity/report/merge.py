@@ -171,7 +171,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
         timings.update({k: v for k, v in data.items() if isinstance(v, (int, float)) and k != "per_cell"})
     timings["per_cell"] = timings["wall"] / max(1, timings["cells"])
     with outdir.locked(out):
-        outdir.prepare(out, manifest, overwrite=overwrite)
+        outdir.prepare(out, manifest, overwrite=overwrite, resumable=False)
         writer = RecordWriter(os.path.join(out, outdir.CELLS))
         progress = []
         with writing(writer.path):

@@ -119,15 +119,15 @@ def locked(out: str, what: str = "--out"):
         os.close(fd)
 
 
-def prepare(out: str, manifest: dict, *, overwrite: bool) -> None:
-    """Make ``out`` ready for a new run and write its manifest (status ``running``)."""
+def prepare(out: str, manifest: dict, *, overwrite: bool, resumable: bool = True) -> None:
+    """Make ``out`` ready for a new run and write its manifest (status ``running``). ``resumable``:
+    whether the command writing it has ``--resume`` to suggest (``merge`` has not)."""
     usable(out)
     present = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if present and not overwrite:
-        raise UsageError(
-            f"--out {out} holds another run's results ({', '.join(present)}); pass --overwrite to replace "
-            f"them, --resume {out} to continue that run, or choose another --out"
-        )
+        resume = f", --resume {out} to continue that run" if resumable else ""
+        raise UsageError(f"--out {out} holds another run's results ({', '.join(present)}); pass --overwrite to "
+                         f"replace them{resume}, or choose another --out")
     for f in present:
         os.remove(os.path.join(out, f))
     shutil.rmtree(os.path.join(out, TRACES), ignore_errors=True)  # another run's traces
