@@ -146,6 +146,10 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     from parity.cli import _command, _parser
 
     _refuse_in_bootstrap(command)
+    if options.get("list"):  # would return ok with nothing run
+        from parity.errors import UsageError
+
+        raise UsageError(f"parity.{command}(list=True) runs nothing; list the cells with parity.select(...)")
     argv = _argv(command, options)
     if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
         out = options["from_dir"]

@@ -78,11 +78,26 @@ def pytest_configure(config):
     config.addinivalue_line("markers", MARKER)
 
 
+#: ``run`` options a marker cannot honour: its cells run in pytest's own temporary folders, one pair
+#: group at a time, and each test's outcome is the verdict (no part, JUnit of parity's, op log,
+#: resumed or listed run).
+_NOT_IN_A_MARKER = ("shard", "junit", "op_log", "resume", "out", "overwrite", "list")
+
+
 def _marked(node):
-    marker = node.get_closest_marker("parity")
+    markers = list(node.iter_markers("parity"))
+    if len(markers) > 1:  # the closest would win silently
+        raise pytest.UsageError(f"{node.nodeid}: {len(markers)} @pytest.mark.parity markers (on the test, its class "
+                                "or module); give one marker with every option")
+    marker = markers[0] if markers else None
     if marker is not None and marker.args:
         raise pytest.UsageError("@pytest.mark.parity takes keywords only, e.g. "
                                 "@pytest.mark.parity(model='my_pkg.models:parity_model', matrix='smoke')")
+    unsupported = [k for k in _NOT_IN_A_MARKER if marker is not None and k in marker.kwargs]
+    if unsupported:
+        raise pytest.UsageError(f"@pytest.mark.parity on {node.nodeid}: {unsupported[0]}= does not apply in a marker "
+                                "(each test's outcome is its cell's verdict; pytest's --junitxml has one case per "
+                                "cell); drop it, or call parity.run from a test")
     return marker
 
 
@@ -132,10 +147,15 @@ class CellOutcome:
 
     @property
     def verdict(self) -> str:
-        from parity.judge.record import SEVERITY
+        """The worst verdict of the cell's records and its comparison's; SKIP when the cell's own
+        records are all SKIP (its comparison is then UNPAIRED for that reason: nothing ran)."""
+        from parity.judge.record import SEVERITY, Verdict
 
         if not self.records:
             return "ERROR"
+        own = [r for r in self.records if r.cell == self.cell.id]
+        if own and all(r.verdict == Verdict.SKIP for r in own):
+            return "SKIP"
         return str(max((r.verdict for r in self.records), key=lambda v: SEVERITY[v]))
 
     def check(self) -> None:
@@ -239,15 +259,26 @@ def _run_group(options: dict, cell, tmp_path_factory) -> dict:
         matrix, cells, opts = _selection(options)
         group = [c for c in cells if c.pair_id == cell.pair_id]
         out = str(tmp_path_factory.mktemp("parity-cell"))
-        run_cells(group, RunOptions(out_dir=out, device=resolve_device(opts["device"]), timeout=opts["timeout"],
-                                    fp64=bool(opts["fp64"]), progress=False, overwrite=True,
-                                    require_native=bool(opts["require_native"])),
-                  skip_reason=matrix.skip_reason)
+        code = run_cells(group, RunOptions(out_dir=out, device=resolve_device(opts["device"]),
+                                           timeout=opts["timeout"], fp64=bool(opts["fp64"]), progress=False,
+                                           overwrite=True, require_native=bool(opts["require_native"])),
+                         skip_reason=matrix.skip_reason)
+        if code in (130, 143):  # SIGINT / SIGTERM reached the run: the session stops, as the CLI does
+            raise KeyboardInterrupt
         records = read_records(f"{out}/cells.csv")
         _GROUPS[key] = {c.id: CellOutcome(c, [r for r in records if r.cell == c.id
                                                or (r.cell == c.pair_id and c.path != c.baseline)], out)
                         for c in group}
     return _GROUPS[key]
+
+
+def pytest_collection_modifyitems(config, items):
+    """A marker on a test pytest does not parametrize (a ``unittest.TestCase`` method) would run no
+    cell and pass: a usage error instead."""
+    for item in items:
+        if item.get_closest_marker("parity") is not None and "parity_cell" not in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"@pytest.mark.parity on {item.nodeid}: only plain pytest test functions (and "
+                                    "their classes) become one test per cell; not a unittest.TestCase method")
 
 
 @pytest.fixture

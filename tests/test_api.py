@@ -53,6 +53,7 @@ def test_bad_input_raises_what_the_cli_prints():
     ({"fp64": "yes"}, r"parity.run\(fp64=...\): got str 'yes'; give True or False"),
     ({"ranks": {2}}, r"parity.run\(ranks=...\): got set"),
     ({"out": 3}, r"parity.run\(out=...\): got int 3; give a directory path"),
+    ({"list": True}, r"parity.run\(list=True\) runs nothing; list the cells with parity.select"),
 ])
 def test_a_keyword_of_the_wrong_type_is_named(kwargs, message):
     with pytest.raises(UsageError, match=message):

@@ -124,6 +124,11 @@ def test_nothing_checked(parity_cell):
     pass
 
 
+@pytest.mark.parity(matrix="allskip.toml")
+def test_nothing_checked_on_either_path(parity_cell):
+    pass
+
+
 @pytest.mark.skip(reason="the team's own skip")
 @pytest.mark.parity(matrix="smoke", filter="fixture == 'kda' and ranks == 1 and microbatches == 1")
 def test_skipped_by_its_team(parity_cell):
@@ -136,11 +141,54 @@ def test_a_marked_test_whose_every_cell_parity_skipped_fails_the_session(pyteste
     pytester.makefile(".toml", allskip=ALL_SKIPPED)
     pytester.makepyfile(test_skips=SELECTIONS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(skipped=3)
+    result.assert_outcomes(skipped=5)  # a skipped native cell is skipped too, not passed for its unpaired pair
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     text = result.stdout.str()
     assert "parity: every cell of test_skips.py::test_nothing_checked was skipped; nothing was checked" in text
+    assert "every cell of test_skips.py::test_nothing_checked_on_either_path was skipped" in text
     assert "parity skipped the cell: no such device here" in text and "test_skipped_by_its_team was" not in text
+
+
+def test_a_skipped_cell_is_skipped_whatever_its_pair_row_says():
+    from parity.judge.record import Record, Unpaired, Verdict
+    from parity.matrix.cell import Cell
+    from parity.pytest_plugin import CellOutcome
+
+    cell = Cell(fixture="kda", path="native")
+    base = dict(cell=cell.id, fixture="kda", path="native", path_taken="native", ranks=1)
+    outcome = CellOutcome(cell, [Record(**base, check="run", name="skip", verdict=Verdict.SKIP, detail="no GPU"),
+                                 Record(**{**base, "cell": cell.pair_id, "path": "legacy~native"}, check="pair",
+                                        name=str(Unpaired.SKIPPED), verdict=Verdict.UNPAIRED, detail="skipped")], out="")
+    assert outcome.verdict == "SKIP"
+    with pytest.raises(pytest.skip.Exception, match="no GPU"):
+        outcome.check()
+
+
+def test_an_interrupted_group_stops_the_session(monkeypatch, tmp_path_factory):
+    """SIGINT / SIGTERM during a marked test's run: KeyboardInterrupt, which ends pytest's session."""
+    import parity.runner
+    from parity.matrix.cell import Cell
+    from parity.pytest_plugin import _run_group
+
+    monkeypatch.setattr(parity.runner, "run_cells", lambda *a, **k: 130)
+    options = {"matrix": "smoke", "filter": "fixture == 'kda' and ranks == 1 and microbatches == 1"}
+    with pytest.raises(KeyboardInterrupt):
+        _run_group(options, Cell(fixture="kda", path="legacy"), tmp_path_factory)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("@pytest.mark.parity(matrix='smoke')\n@pytest.mark.parity(matrix='smoke', filter='ranks == 1')\n"
+     "def test_two(parity_cell):\n    pass\n", "2 @pytest.mark.parity markers"),
+    ("@pytest.mark.parity(matrix='smoke', junit='x.xml')\ndef test_junit(parity_cell):\n    pass\n",
+     "junit= does not apply in a marker"),
+    ("import unittest\nclass T(unittest.TestCase):\n    @pytest.mark.parity(matrix='smoke')\n"
+     "    def test_ut(self):\n        pass\n", "not a unittest.TestCase method"),
+])
+def test_a_marker_parity_cannot_honour_is_a_usage_error(pytester, source, message):
+    pytester.makepyfile(test_marker="import pytest\n" + source)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR), result.ret
+    assert message in result.stdout.str() + result.stderr.str()
 
 
 def test_a_marker_that_selects_no_cell_is_a_usage_error(pytester):
