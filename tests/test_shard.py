@@ -207,6 +207,28 @@ def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp
     assert f"e.g. {gone})" in err and not os.path.exists(os.path.join(copy, "gate.json")), err
 
 
+def test_a_judged_cell_without_its_coverage_record_is_refused(sharded, tmp_path, capsys):
+    """Its coverage row removed (progress.jsonl made to agree): the records that say whether the
+    cell's evidence was complete are gone, so its other records prove nothing."""
+    root, whole, parts, merged, code = sharded
+    copy = shutil.copytree(merged, tmp_path / "merged")
+    with open(os.path.join(copy, "cells.csv")) as fh:
+        rows = list(csv.DictReader(fh))
+    last = rows[-1]["cell"]  # the last group's: the earlier progress entries stay true
+    victim = next(r["cell"] for r in rows if r["check"] == "coverage" and r["cell"].split("/")[0] == last.split("/")[0]
+                  and r["cell"].replace("/legacy/", "/").replace("/native/", "/") == last.replace("/legacy/", "/")
+                  .replace("/native/", "/"))
+    _cut(os.path.join(copy, "cells.csv"), lambda line: not (line.startswith(victim + ",") and ",coverage," in line))
+    with open(os.path.join(copy, "progress.jsonl")) as fh:
+        entries = [json.loads(line) for line in fh]
+    entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
+    with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in entries)
+    assert main(["gate", "--from", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "without their coverage record (e.g. " in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("edit", ["header only", "a torn last line"])
 def test_gate_from_report_and_compare_of_a_run_whose_results_were_edited_are_refused(sharded, tmp_path, capsys, edit):
     root, whole, parts, merged, code = sharded

@@ -309,6 +309,13 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
     if missing:
         raise UsageError(f"{who}: {cells} has no records of {len(missing)} of the {len(listed)} cells "
                          f"{MANIFEST} lists (e.g. {missing[0]}); {fix}")
+    # a judged cell's records end with its coverage record, written with them: a cell that trained
+    # (its outputs are judged) without one lost records after the run
+    judged = {r.cell for r in records if r.check == "output" and "~" not in r.path}  # not a pair's comparison
+    uncovered = sorted(judged - {r.cell for r in records if r.check == "coverage"})
+    if uncovered:
+        raise UsageError(f"{who}: {cells} holds judged records of {len(uncovered)} cells without their coverage "
+                         f"record (e.g. {uncovered[0]}): rows were removed after the run; {fix}")
     return records
 
 
