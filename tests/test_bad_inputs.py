@@ -38,8 +38,15 @@ FILTER = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
 
 def _records(verdicts: dict[str, str]) -> list[Record]:
-    return [Record(cell=cell, fixture=cell.split("/")[0], path=cell.split("/")[1], check="output", name="loss",
-                   verdict=Verdict(v), detail="d") for cell, v in verdicts.items()]
+    """One judged record per cell and, as a run writes it after them, a judged cell's coverage record."""
+    out = []
+    for cell, v in verdicts.items():
+        where = dict(cell=cell, fixture=cell.split("/")[0], path=cell.split("/")[1])
+        out.append(Record(**where, check="output" if v != "SKIP" else "run", name="loss", verdict=Verdict(v),
+                          detail="d"))
+        if v != "SKIP":
+            out.append(Record(**where, check="coverage", name="records", verdict=Verdict.PASS, detail="all owed"))
+    return out
 
 
 def results(d, verdicts: dict[str, str], status: str = "complete", options: dict | None = None):

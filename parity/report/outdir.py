@@ -311,7 +311,8 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
                          f"{MANIFEST} lists (e.g. {missing[0]}); {fix}")
     # a judged cell's records end with its coverage record, written with them: a cell that trained
     # (its outputs are judged) without one lost records after the run
-    judged = {r.cell for r in records if r.check == "output" and "~" not in r.path}  # not a pair's comparison
+    judged = {r.cell for r in records  # a cell's own outputs, judged (not a pair's comparison, not skipped)
+              if r.check == "output" and "~" not in r.path and r.verdict != "SKIP"}
     uncovered = sorted(judged - {r.cell for r in records if r.check == "coverage"})
     if uncovered:
         raise UsageError(f"{who}: {cells} holds judged records of {len(uncovered)} cells without their coverage "
