@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.judge.record import Unpaired  # an enum module: no torch
+from parity.judge.record import NOT_ASKED  # an enum module: no torch
 
 #: Failing records shown in a test's failure message.
 SHOWN = 8
@@ -132,10 +132,6 @@ def _number(value) -> float:
     return number if number == number else 0.0
 
 
-#: UNPAIRED reasons a cell's test passes with, as ``run`` exits 0 with them: the model declares the
-#: isolation error, or the twin was skipped or filtered out. Every other reason stems from the twin's
-#: failure (ERROR / TIMEOUT records, which fail ``run`` too) and fails this cell's test as well.
-_NOT_ASKED = (Unpaired.EXPECTED_ISOLATION_ERROR, Unpaired.SKIPPED, Unpaired.BASELINE_NOT_RUN)
 
 
 class CellOutcome:
@@ -163,7 +159,7 @@ class CellOutcome:
         if verdict == "SKIP":
             reasons = {r.detail for r in self.records if r.detail}
             pytest.skip(SKIPPED + ("; ".join(sorted(reasons))[:300] or "no reason recorded"))
-        left = all(r.name in _NOT_ASKED for r in self.records if r.verdict == "UNPAIRED")
+        left = all(r.name in NOT_ASKED for r in self.records if r.verdict == "UNPAIRED")
         if verdict == "UNPAIRED" and left:
             return  # the cell passed; its pair was not asked for or cannot exist (the CLI exits 0; the gate decides)
         if verdict != "PASS":

@@ -471,6 +471,22 @@ def test_junit_is_well_formed_whatever_a_detail_holds(tmp_path):
     assert suite.get("name") == "parity s#x07"
 
 
+def test_junit_never_passes_an_unpaired_pair(tmp_path):
+    """Skipped where the run passes with the reason (declared isolation error, twin skipped or
+    filtered out), a failure where the twin did not finish; never a green case."""
+    def pair(i, reason):
+        return Record(cell=f"m/c{i}", fixture="m", path="legacy~native", check="pair", name=reason,
+                      verdict=Verdict.UNPAIRED, detail=f"because {reason}")
+    path = tmp_path / "j.xml"
+    write_junit(str(path), [pair(0, "skipped"), pair(1, "did-not-finish"), pair(2, "expected-isolation-error")],
+                suite="s")
+    suite = ET.parse(path).getroot().find("testsuite")
+    outcome = {c.get("classname"): [e.tag for e in c] for c in suite.findall("testcase")}
+    assert outcome == {"m/c0 [legacy~native]": ["skipped"], "m/c1 [legacy~native]": ["failure"],
+                       "m/c2 [legacy~native]": ["skipped"]}
+    assert (suite.get("failures"), suite.get("skipped"), suite.get("errors")) == ("1", "2", "0")
+
+
 def test_summary_md_carries_no_raw_html_from_details():
     rows = [Record(cell="m/native/c0", fixture="m", path="native", check="grad", name="w|x",
                    verdict=Verdict.FAIL, detail="<script>alert(1)</script> a|b & c\nd", ratio=2.0, observed=2.0,

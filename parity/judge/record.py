@@ -39,6 +39,11 @@ class Unpaired(StrEnum):
     """The baseline's cell was not in the run (filtered out)."""
 
 
+#: UNPAIRED reasons a run passes with (it exits 0 with them): the model declares the isolation
+#: error, or the twin was skipped or filtered out. Every other reason stems from the twin's
+#: failure, whose own ERROR / TIMEOUT records fail the run. The pytest plugin and JUnit read it.
+NOT_ASKED = (Unpaired.EXPECTED_ISOLATION_ERROR, Unpaired.SKIPPED, Unpaired.BASELINE_NOT_RUN)
+
 VERDICTS = tuple(v.value for v in Verdict)
 #: TIMEOUT/ERROR > FAIL > INCONCLUSIVE > UNPAIRED > PASS > SKIP.
 SEVERITY = {Verdict.ERROR: 5, Verdict.TIMEOUT: 5, Verdict.FAIL: 4, Verdict.INCONCLUSIVE: 3, Verdict.UNPAIRED: 2,

@@ -2,7 +2,9 @@
 
 A case fails when any of its records is FAIL / INCONCLUSIVE / ERROR / TIMEOUT (the worst
 record's observed / allowed / ratio and detail are the message), is skipped when all are
-SKIP, and passes otherwise.
+SKIP, and passes otherwise. A pair left UNPAIRED is never a pass: skipped with its reason where
+the run passes with it (:data:`~parity.judge.record.NOT_ASKED`), a failure otherwise (its twin
+did not finish or was not judged).
 
 The file is well-formed whatever a detail holds (an exception message from a model): ANSI escape
 sequences are stripped and characters XML 1.0 cannot hold are written ``#xNN``, as pytest does;
@@ -15,7 +17,7 @@ import re
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 
-from parity.judge.record import BAD, SEVERITY, Record, Verdict
+from parity.judge.record import BAD, NOT_ASKED, SEVERITY, Record, Verdict
 
 #: ANSI escape sequences (colours, cursor moves): meaningless in a CI system's test report.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
@@ -41,15 +43,16 @@ def write_junit(path: str, records: list[Record], *, suite: str) -> None:
         worst = max(rows, key=lambda r: SEVERITY[r.verdict])
         message = xml_text(f"{worst.verdict} {worst.name}: observed {worst.observed}, allowed {worst.allowed}, "
                            f"ratio {worst.ratio}, dtype {worst.dtype}; {worst.detail}")
-        if worst.verdict in BAD:
+        unpaired = worst.verdict == Verdict.UNPAIRED
+        if worst.verdict in BAD or (unpaired and worst.name not in NOT_ASKED):
             kind = "error" if worst.verdict in (Verdict.ERROR, Verdict.TIMEOUT) else "failure"
             errors += kind == "error"
             failures += kind == "failure"
             el = ET.SubElement(case, kind, message=message[:1000], type=str(worst.verdict))
             el.text = xml_text("\n".join(f"{r.verdict} {r.name} step {r.step}: observed {r.observed}, "
                                          f"allowed {r.allowed}, ratio {r.ratio}; {r.detail}"
-                                         for r in rows if r.verdict in BAD))
-        elif all(r.verdict == Verdict.SKIP for r in rows):
+                                         for r in rows if r.verdict in BAD or r.verdict == Verdict.UNPAIRED))
+        elif unpaired or all(r.verdict == Verdict.SKIP for r in rows):
             skipped += 1
             ET.SubElement(case, "skipped", message=xml_text(worst.detail)[:1000])
     ts.set("failures", str(failures))
