@@ -146,3 +146,31 @@ def test_the_fork_server_builds_the_registry_and_refuses_cuda_meanwhile(monkeypa
     finally:
         monkeypatch.undo()
         registry.registered.cache_clear()
+
+
+AGREE = """
+import sys
+import torch.distributed as dist
+from parity.execute.torchrun import agreed
+dist.init_process_group("gloo")
+code = agreed(int(sys.argv[1]))
+dist.destroy_process_group()
+sys.exit(code)
+"""
+
+
+def test_every_torchrun_rank_exits_with_rank_0s_verdict():
+    """Each node of a multi-node torchrun job is its own CI step: a peer (which returns -1: it
+    judges nothing) must not exit 0 when rank 0's verdict is 1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, code in ((0, 1), (1, -1)):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, "-c", AGREE, str(code)], env=env, stderr=subprocess.PIPE))
+    codes = [p.wait(timeout=120) for p in procs]
+    assert codes == [1, 1], [p.stderr.read()[-500:] for p in procs]

@@ -93,19 +93,29 @@ def cmd_gate(args) -> int:
     opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
     _same_matrix(args.compare_to, baseline, opts["matrix"])
     matrix, cells = _select(opts)
+    from parity.execute.torchrun import agreed
+
     with Signals(enabled=not under_torchrun()) as signals:  # the run's cells and files, then the gate's
         code = _execute(args, opts, matrix, cells)
-        if code < 0:
-            return 0  # a torchrun peer: rank 0 decides
-        out = opts["out"]
-        manifest = outdir.read_manifest(out)
-        if manifest.get("status") != "complete":
-            return code  # interrupted: the run already said so
-        if opts["shard"]:  # one part decides nothing: the merged parts do
-            print(f"gate: part {opts['shard']} recorded in {out}; decide on every part: "
-                  f"python -m parity merge PART_DIRS... --out DIR --gate")
-            return code
-        return _decide(args, out, manifest, candidate, baseline, signals)
+        if code < 0:  # a torchrun peer: rank 0 decides, and every rank exits with its decision
+            return max(0, agreed(code))
+        return agreed(_after_run(args, opts, code, candidate, baseline, signals))
+
+
+def _after_run(args, opts: dict, code: int, candidate: str, baseline: dict | None, signals: Signals) -> int:
+    """The gate's exit code once its run (``code``) ended: the decision, unless the run was
+    interrupted or is one part of a split run."""
+    from parity.report import outdir
+
+    out = opts["out"]
+    manifest = outdir.read_manifest(out)
+    if manifest.get("status") != "complete":
+        return code  # interrupted: the run already said so
+    if opts["shard"]:  # one part decides nothing: the merged parts do
+        print(f"gate: part {opts['shard']} recorded in {out}; decide on every part: "
+              f"python -m parity merge PART_DIRS... --out DIR --gate")
+        return code
+    return _decide(args, out, manifest, candidate, baseline, signals)
 
 
 def _only_judging(args) -> None:

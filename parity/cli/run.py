@@ -193,7 +193,9 @@ def cmd_run(args) -> int:
             print(c.id + (f"  [SKIP: {reason}]" if reason else ""))
         print(f"{len(cells)} cells")
         return 0
-    return max(0, _execute(args, opts, matrix, cells))
+    from parity.execute.torchrun import agreed
+
+    return max(0, agreed(_execute(args, opts, matrix, cells)))  # under torchrun every rank exits with the verdict
 
 
 def _torch_version() -> str:

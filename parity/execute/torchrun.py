@@ -22,6 +22,17 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+def agreed(code: int) -> int:
+    """Under torchrun, rank 0's exit code on every rank (a peer passes anything; it receives rank
+    0's): each node's CI job reads its own process's code, and a peer's 0 would read as a pass of
+    a run that failed. Elsewhere, or before the process group exists, ``code``."""
+    if not (under_torchrun() and dist.is_initialized()):
+        return code
+    box = [code if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class TorchrunExecutor:
     def __init__(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh
