@@ -240,13 +240,37 @@ def _dishonest(row: dict) -> set[str]:
     return out
 
 
+#: Matrices expanded in this process, by file (path and contents), ``models`` and the registered
+#: models and paths: a
+#: gate expands its matrix again to judge its scope, and ``full`` takes seconds to expand.
+_EXPANDED: dict[tuple, Matrix] = {}
+
+
 def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
-    """Expand a matrix. ``models`` (``--model`` sources) replace its fixture axis."""
+    """Expand a matrix. ``models`` (``--model`` sources) replace its fixture axis. An unchanged
+    file is expanded once per process."""
     path = name_or_path
     if not os.path.isfile(path):  # a folder of that name where parity runs is not a matrix file
         path = os.path.join(_matrix_dir(), f"{name_or_path}.toml")
     if not os.path.exists(path):
         raise UsageError(f"unknown matrix {name_or_path!r}; valid: {', '.join(available())} or a .toml file path")
+    from parity.model.registry import registered
+    from parity.paths import path_names
+
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the matrix file ({exc.strerror or exc})") from None
+    # the file's bytes, and what the expansion reads besides them: the registered models and paths
+    key = (os.path.abspath(path), text, tuple(models), tuple(path_names()), tuple(registered()))
+    if key not in _EXPANDED:
+        _EXPANDED[key] = _expand(path, tuple(models))
+    return _EXPANDED[key]
+
+
+def _expand(path: str, models: tuple[str, ...]) -> Matrix:
+    """:func:`load`'s work: read, check and expand the matrix file at ``path``."""
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
