@@ -144,25 +144,20 @@ def _check_type(command: str, key: str, action, value) -> None:
 
 def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     from parity.cli import _command, _parser
+    from parity.errors import UsageError
 
     _refuse_in_bootstrap(command)
     if options.get("list"):  # would return ok with nothing run
-        from parity.errors import UsageError
-
         raise UsageError(f"parity.{command}(list=True) runs nothing; list the cells with parity.select(...)")
     argv = _argv(command, options)
     if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
         out = options["from_dir"]
     elif options.get("resume"):  # continues that directory, as the command line does
         if out and os.path.abspath(out) != os.path.abspath(options["resume"]):
-            from parity.errors import UsageError
-
             raise UsageError(f"resume={options['resume']!r} writes into that directory; drop out={out!r}")
         out = options["resume"]
     else:
         if out is not None and not isinstance(out, (str, os.PathLike)):
-            from parity.errors import UsageError
-
             raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
         out = os.fspath(out) if out else tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv += ["--out", out]

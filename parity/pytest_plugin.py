@@ -132,8 +132,6 @@ def _number(value) -> float:
     return number if number == number else 0.0
 
 
-
-
 class CellOutcome:
     """One cell's records (and its cross-path comparison's, for the compared path) after its pair
     group ran; :meth:`check` turns the verdict into the test's outcome."""

@@ -148,13 +148,13 @@ def add_bench_arguments(sub) -> None:
 
 def bench_command(args) -> int:
     from parity.arguments import MAX_STEPS, csv_list
-    from parity.model.registry import load_source, registered, registry
+    from parity.model.registry import distinct, load_source, registered
     from parity.paths import path_names
     from parity.runner import resolve_device
 
     if not 0 <= args.warmup <= MAX_STEPS:
         raise UsageError(f"--warmup must be from 0 to {MAX_STEPS}, got {args.warmup}")
-    registry(tuple(args.model))  # a source given twice is refused as run refuses it
+    distinct(tuple(args.model))  # as run refuses it
     sourced = [(f.name, src) for src in args.model for f in load_source(src)]
     known = dict(sourced) if sourced else {name: "" for name in registered()}
     names = csv_list(args.fixtures, "--fixtures", list(known)) or list(known)

@@ -163,7 +163,7 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
 def _warn_rule_disagreements(cells) -> None:
     """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
     the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
-    from parity.model.plan import fp32_disagreements, unmatched
+    from parity.model.plan import fp32_disagreements, unmatched, unmatched_note
     from parity.model.registry import built, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
@@ -173,9 +173,7 @@ def _warn_rule_disagreements(cells) -> None:
         except UsageError:
             continue  # no warning to give: its cells build it on their ranks and record the failure as ERROR
         for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
-            print(f"parity: warning: {name}: Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer "
-                  f"(rule {fixture.fp32_rule}); a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch it)",
-                  file=sys.stderr)
+            print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
             print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
                   f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "

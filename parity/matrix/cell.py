@@ -64,6 +64,12 @@ RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "i
                "compile": "cmp"}
 
 
+def pair_of(cell_id: str, path: str) -> str:
+    """The pair group id of the cell ``cell_id`` of path ``path``: its id without the path (cells
+    of different paths sharing it are compared)."""
+    return cell_id.replace(f"/{path}/", "/", 1)
+
+
 #: Cell fields that say how a cell runs, not which cell it is: not axes.
 _RUN_LEVEL = frozenset(("faults", "source", "baseline", "crossload", "trace", "trace_step", "op_log"))
 
@@ -359,7 +365,7 @@ class Cell:
     @property
     def pair_id(self) -> str:
         """The cell id without its path: cells of different paths sharing it are compared."""
-        return self.id.replace(f"/{self.path}/", "/", 1)
+        return pair_of(self.id, self.path)
 
     def precision(self) -> PrecisionConfig:
         return PrecisionConfig(

@@ -69,8 +69,9 @@ _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "para
 #: ``and`` / ``or`` / ``not``, with ``+ - / //`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.
 _FILTER_NODES = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.UAdd,
-                 ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Name, ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add,
-                 ast.Sub, ast.Div, ast.FloorDiv)
+                 ast.Compare, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.In, ast.NotIn, ast.Name,
+                 ast.Load, ast.Constant, ast.Tuple, ast.List, ast.Set, ast.BinOp, ast.Add, ast.Sub, ast.Div,
+                 ast.FloorDiv)
 #: The longest ``-k`` / ``skip.when`` expression accepted (characters).
 MAX_FILTER = 500
 _CELL_TYPES = typing.get_type_hints(Cell)
@@ -241,8 +242,8 @@ def _dishonest(row: dict) -> set[str]:
 
 
 #: Matrices expanded in this process, by file (path and contents), ``models`` and the registered
-#: models and paths: a
-#: gate expands its matrix again to judge its scope, and ``full`` takes seconds to expand.
+#: models and paths: a gate expands its matrix again to judge its scope, and ``full`` takes
+#: seconds to expand.
 _EXPANDED: dict[tuple, Matrix] = {}
 
 
@@ -265,15 +266,14 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     # the file's bytes, and what the expansion reads besides them: the registered models and paths
     key = (os.path.abspath(path), text, tuple(models), tuple(path_names()), tuple(registered()))
     if key not in _EXPANDED:
-        _EXPANDED[key] = _expand(path, tuple(models))
+        _EXPANDED[key] = _expand(path, text, tuple(models))
     return _EXPANDED[key]
 
 
-def _expand(path: str, models: tuple[str, ...]) -> Matrix:
-    """:func:`load`'s work: read, check and expand the matrix file at ``path``."""
+def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
+    """:func:`load`'s work: check and expand ``text``, the matrix file at ``path``."""
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        data = tomllib.loads(text.decode())  # as tomllib.load reads a binary file
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
     from parity.model.registry import registry
@@ -401,21 +401,22 @@ def _evaluates(cells: list[Cell], exprs: list[str], what: str) -> None:
         return
     codes = [(expr, compile(expr, "<filter>", "eval")) for expr in exprs]
     for cell in cells:
-        values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
         for expr, code in codes:
-            try:
-                eval(code, {"__builtins__": {}}, values)  # noqa: S307 - checked by check_filter
-            except Exception as exc:  # noqa: BLE001 - any evaluation error is bad input
-                raise UsageError(f"{what}: cannot evaluate {expr!r} on cell {cell.id} ({type(exc).__name__}: "
-                                 f"{exc})") from None
+            _evaluate(code, cell, f"{what}: cannot evaluate {expr!r} on cell {cell.id}")
+
+
+def _evaluate(code, cell: Cell, failed: str) -> bool:
+    """``code`` (a checked expression, compiled) on ``cell``'s axis values; any error is bad input,
+    a :class:`UsageError` beginning with ``failed``."""
+    values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
+    try:
+        return bool(eval(code, {"__builtins__": {}}, values))  # noqa: S307 - checked by check_filter
+    except Exception as exc:  # noqa: BLE001 - any evaluation error is bad input
+        raise UsageError(f"{failed} ({type(exc).__name__}: {exc})") from None
 
 
 def matches(cell: Cell, expr: str, what: str = "-k") -> bool:
-    values = {k: v for k, v in cell.axes().items() if k in FILTER_NAMES}
-    try:
-        return bool(eval(compile(expr, "<filter>", "eval"), {"__builtins__": {}}, values))  # noqa: S307 - checked
-    except Exception as exc:  # noqa: BLE001 - any evaluation error is bad input
-        raise UsageError(f"{what}: cannot evaluate {expr!r} ({type(exc).__name__}: {exc})") from None
+    return _evaluate(compile(expr, "<filter>", "eval"), cell, f"{what}: cannot evaluate {expr!r}")
 
 
 def select(cells, expr: str | None):

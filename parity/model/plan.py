@@ -218,6 +218,12 @@ def unmatched(model: nn.Module, patterns: tuple[str, ...], rule: str) -> list[st
     return [p for p in patterns if not any(matches(fqn, p, rule) for fqn in tensors)]
 
 
+def unmatched_note(pattern: str, rule: str) -> str:
+    """What ``plan`` notes and ``run`` warns about a ``keep_fp32`` pattern :func:`unmatched` found."""
+    return (f"Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer (rule {rule}); a typo keeps "
+            "nothing in FP32 (Fixture.expect_fp32 would catch it)")
+
+
 def fp32_disagreements(model: nn.Module, extra: tuple[str, ...] = ()) -> list[tuple[str, bool, bool]]:
     """(FQN, FP32 under ``transformers``, FP32 under ``tokens``) for every floating tensor the
     two rules resolve differently -- where parity's plan would mean something else than the

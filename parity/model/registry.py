@@ -127,12 +127,18 @@ def load_source(source: str, label: str = "--model") -> list[Fixture]:
     return _loaded_sources[source]
 
 
-def registry(sources: tuple[str, ...] = (), label: str = "--model") -> dict[str, Fixture]:
-    """Registered models plus those of ``sources`` (a source's model replaces a namesake; a
-    source given twice is bad input); ``label`` as in :func:`load_source`."""
+def distinct(sources: tuple[str, ...], label: str = "--model") -> None:
+    """A source given twice is bad input (``label`` as in :func:`load_source`), as ``--paths``
+    or ``--ranks`` given twice are."""
     twice = next((s for i, s in enumerate(sources) if s in sources[:i]), None)
     if twice is not None:
         raise UsageError(f"{label} {twice!r} is given twice; give each model source once")
+
+
+def registry(sources: tuple[str, ...] = (), label: str = "--model") -> dict[str, Fixture]:
+    """Registered models plus those of ``sources`` (a source's model replaces a namesake; a
+    source given twice is bad input: :func:`distinct`); ``label`` as in :func:`load_source`."""
+    distinct(sources, label)
     found = dict(registered())
     for source in sources:
         for spec in load_source(source, label):

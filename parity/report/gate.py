@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from parity.judge.record import BAD, Record, Unpaired, Verdict
+from parity.matrix.cell import pair_of
 from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
 
 GO, NO_GO, NOT_APPLICABLE, PARTIAL = "GO", "NO-GO", "NOT APPLICABLE", "PARTIAL"
@@ -112,7 +113,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                          f"results (a run whose --baseline is {candidate} compares nothing with it)")
     else:  # a run writes a pair row (compared or UNPAIRED) for every candidate cell: one without is missing evidence
         grouped = {r.cell for r in pairs}
-        alone = sorted(c for c in cand_cells if c.replace(f"/{candidate}/", "/", 1) not in grouped)
+        alone = sorted(c for c in cand_cells if pair_of(c, candidate) not in grouped)
         if alone:
             d.reasons.append(f"{len(alone)} {candidate} cells have no cross-path record in the results (e.g. "
                              f"{alone[0]}): their comparison with the baseline is missing")

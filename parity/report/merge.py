@@ -4,7 +4,8 @@ A part's ``run.json`` records ``shard``: its index and count, the digest of the 
 selection, the selection's cell ids (in the order a single run lists them) and its pair groups
 in the order a single run executes them. Merging refuses, with one line and exit code 2, parts
 that are not of one run: another selection or split, other options (``--baseline``, ``--fp64``,
-a knob), another torch, parity, device or model file, an unfinished part, a part given twice, a part missing, a cell held twice or by no part, or
+a knob), another torch, parity, device or model file, an unfinished part, a part given twice, a
+part missing, a cell held twice or by no part, or
 a part whose ``cells.csv`` is not what it recorded (cut, emptied or appended to: its length differs
 from its ``progress.jsonl``'s, or a cell it ran has no record).
 

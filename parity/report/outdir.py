@@ -291,6 +291,7 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
     and holding records of every cell ``run.json`` lists. Anything else is a :class:`UsageError` naming the first difference: a decision or a
     merge on part of the evidence would read as one on all of it."""
     from parity.report.records import read_records
+    from parity.report.summary import is_pair
 
     cells = os.path.join(out, CELLS)
     entries = _progress(os.path.join(out, PROGRESS), who, fix)
@@ -312,7 +313,7 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
     # a judged cell's records end with its coverage record, written with them: a cell that trained
     # (its outputs are judged) without one lost records after the run
     judged = {r.cell for r in records  # a cell's own outputs, judged (not a pair's comparison, not skipped)
-              if r.check == "output" and "~" not in r.path and r.verdict != "SKIP"}
+              if r.check == "output" and not is_pair(r) and r.verdict != "SKIP"}
     uncovered = sorted(judged - {r.cell for r in records if r.check == "coverage"})
     if uncovered:
         raise UsageError(f"{who}: {cells} holds judged records of {len(uncovered)} cells without their coverage "
