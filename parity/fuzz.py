@@ -49,6 +49,7 @@ class _Pools:
     """An executor for :func:`run_cells` that keeps one pool per rank count across runs."""
 
     rank = 0
+    lost = ""  # its pools never lose a group for good: a crashed pool restarts
 
     def __init__(self, device: str, tmp: str, stop_requested):
         self.device, self.tmp, self.pools, self.stop_requested = device, tmp, {}, stop_requested

@@ -12,8 +12,10 @@ Two modes, one rule (exit 130 for SIGINT, 143 for SIGTERM, one line on stderr):
 - anywhere else (loading a matrix, a plugin's import, ``plan``), :func:`raising` turns the
   signal into :class:`Interrupted` at once, which :func:`parity.cli.main` reports the same way.
 
-Under torchrun neither is installed: a rank that stopped alone would leave its peers waiting
-in a collective, and torchrun handles signals for the whole group.
+Under torchrun only rank 0, which judges and writes, installs them (so that torchrun's teardown
+after a rank's death, or a signal to the whole group, lets it finish its files); its peers keep
+the default handlers. Rank 0 stopping alone never leaves a peer waiting: the peers' next exchange
+fails once it exits (:mod:`parity.execute.torchrun`).
 """
 
 from __future__ import annotations

@@ -128,11 +128,12 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                 try:
                     executor.run(cell, options.timeout)
                 except CellFailure:
-                    pass
+                    if executor.lost:
+                        return 1  # no cell can run without the rank that left
         return 0
     out = options.out_dir
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
-    with outdir.locked(out, "--resume" if options.resume else "--out"), Signals(enabled=executor is None) as signals:
+    with outdir.locked(out, "--resume" if options.resume else "--out"), Signals() as signals:
         if options.resume:
             done_groups, held = outdir.resume_point(out)
             claimed = [c.id for c in cells if c.pair_id in done_groups and c.id not in held]
@@ -177,6 +178,11 @@ class _Run:
         """Index in ``todo`` of the cell being run."""
         self.skips: dict[str, str] = {}
 
+    @property
+    def lost(self) -> str:
+        """Why torchrun's group can no longer run a cell ('' while it can, and without torchrun)."""
+        return self.executor.lost if self.executor is not None else ""
+
     def _skip(self, cell: Cell) -> str:
         """Why ``cell`` is not run ('' when it is); asked once per cell."""
         if cell.id not in self.skips:
@@ -210,6 +216,8 @@ class _Run:
                     self.baseline_judged.pop(cell.pair_id, None)
                 verdict = cell_verdicts([r for r in new if r.cell == cell.id]).get(cell.id, "PASS")
                 progress.update(cell, verdict, time.perf_counter() - t0)
+                if self.lost:
+                    break
         finally:
             self.pools.close(kill=signals())
             self.writer.close()
@@ -338,7 +346,7 @@ class _Run:
         """Write summary, timings, report (and JUnit), then ``run.json`` last: ``complete`` only
         when no signal arrived, even one during this writing (which is let finish)."""
         out = self.options.out_dir
-        stopped = signals.received  # before every cell ran
+        stopped = signals.received or self.lost  # before every cell ran
         t = self.timings
         t["wall"] = time.perf_counter() - self.wall0
         # build, steps and checkpoint are rank 0's and overlap the parent's judging of the cell before
@@ -349,7 +357,7 @@ class _Run:
         records = read_records(os.path.join(out, outdir.CELLS))
         recorded = {r.cell for r in records}
         not_run = [c.id for c in self.cells if c.id not in recorded]
-        why = signals.name if stopped else ""
+        why = "a rank left the torchrun group" if self.lost else signals.name if stopped else ""
         path = os.path.join(out, "summary.md")
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
@@ -362,8 +370,13 @@ class _Run:
         if self.options.junit:
             with writing(self.options.junit):
                 write_junit(self.options.junit, records, suite=self.options.title)
-        outdir.write_manifest(out, {**manifest, "status": "interrupted" if signals() else "complete",
+        outdir.write_manifest(out, {**manifest, "status": "interrupted" if signals() or self.lost else "complete",
                                     "environment": environment(self.device)})
+        if self.lost:
+            print(f"parity: {why} during {self.todo[self.position].id}; that cell is an ERROR, the "
+                  f"{len(not_run)} cells after it were not run; finished rows kept in {out} (torchrun's log "
+                  "names the rank that left)", file=sys.stderr)
+            return 1
         if stopped:
             print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "
                   f"finished rows kept in {out} (continue: python -m parity run --resume {out})", file=sys.stderr)

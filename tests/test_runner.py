@@ -174,3 +174,25 @@ def test_every_torchrun_rank_exits_with_rank_0s_verdict():
         procs.append(subprocess.Popen([sys.executable, "-c", AGREE, str(code)], env=env, stderr=subprocess.PIPE))
     codes = [p.wait(timeout=120) for p in procs]
     assert codes == [1, 1], [p.stderr.read()[-500:] for p in procs]
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_rank_that_dies_under_torchrun_is_its_cells_error_and_the_results_are_written(tmp_path):
+    """torchrun tears the group down when a rank exits: rank 0 (whose next exchange fails) records
+    the cell in flight as an ERROR naming the loss, starts no further cell, and writes the summary
+    (marked interrupted, naming what was not run), the report and JUnit before it is stopped."""
+    out, junit = tmp_path / "run", tmp_path / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "parity", "run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 2",
+                           "--fault", "crash", "--out", str(out), "--junit", str(junit)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    with open(out / "cells.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "ERROR")], rows
+    assert rows[0]["detail"].startswith("a rank left the torchrun group during this cell"), rows[0]["detail"]
+    assert '"status": "interrupted"' in (out / "run.json").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "**Interrupted** (a rank left the torchrun group)" in summary and "## Not run" in summary
+    assert (out / "report.html").exists() and "errors=\"1\"" in junit.read_text()
+    assert "a rank left the torchrun group during kda/legacy/r2" in proc.stderr

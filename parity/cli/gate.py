@@ -66,7 +66,6 @@ def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> N
 
 def cmd_gate(args) -> int:
     """Run a matrix (or read ``--from DIR``) and decide GO / NO-GO / PARTIAL per model."""
-    from parity.execute.torchrun import under_torchrun
     from parity.paths import check_path
     from parity.report import outdir
 
@@ -95,7 +94,8 @@ def cmd_gate(args) -> int:
     matrix, cells = _select(opts)
     from parity.execute.torchrun import agreed
 
-    with Signals(enabled=not under_torchrun()) as signals:  # the run's cells and files, then the gate's
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes; its peers keep the defaults
+    with Signals(enabled=rank0) as signals:  # the run's cells and files, then the gate's
         code = _execute(args, opts, matrix, cells)
         if code < 0:  # a torchrun peer: rank 0 decides, and every rank exits with its decision
             return max(0, agreed(code))

@@ -4,6 +4,11 @@
 joins the process group torchrun set up (NCCL on GPUs, gloo on CPU). Cells whose rank count
 differs from the launched world size are reported as SKIP. Per-cell timeouts are left to
 torchrun's own watchdog here: an in-process hang cannot be interrupted safely.
+
+A rank that dies (a crash, a kill) takes the group with it: the next exchange of the survivors
+fails. The cell in flight is then an ERROR on rank 0 naming that loss, no further cell starts
+(no exchange could complete), and rank 0 writes what finished, the summary marked interrupted
+and the reports, before torchrun's teardown ends it; its peers stop with exit code 1.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from parity.interrupt import EXIT_SIGNAL
 from parity.matrix.cell import Cell
 from parity.execute.pool import CellFailure
 from parity.execute.wire import from_bytes, to_bytes
@@ -22,14 +28,25 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+_lost = ""
+"""Why this process's group can no longer exchange ('' while it can): set by the executor."""
+
+
 def agreed(code: int) -> int:
     """Under torchrun, rank 0's exit code on every rank (a peer passes anything; it receives rank
     0's): each node's CI job reads its own process's code, and a peer's 0 would read as a pass of
-    a run that failed. Elsewhere, or before the process group exists, ``code``."""
+    a run that failed. Elsewhere, or before the process group exists, ``code``. Once the group
+    is lost, or rank 0 stopped for a signal (its peers may be anywhere), nothing is exchanged:
+    each rank keeps its own code, a peer's being 1."""
     if not (under_torchrun() and dist.is_initialized()):
         return code
+    if _lost or (dist.get_rank() == 0 and code in EXIT_SIGNAL.values()):
+        return code if code >= 0 else 1
     box = [code if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except Exception:  # noqa: BLE001 - a rank left after the last cell: no verdict to share
+        return code if code >= 0 else 1
     return box[0]
 
 
@@ -47,6 +64,11 @@ class TorchrunExecutor:
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         self.mesh = init_device_mesh(device_type, (self.world,))
 
+    @property
+    def lost(self) -> str:
+        """Why the group can no longer exchange ('' while it can)."""
+        return _lost
+
     def skip_reason(self, cell: Cell) -> str:
         return "" if cell.ranks == self.world else f"needs {cell.ranks} ranks; torchrun launched {self.world}"
 
@@ -58,7 +80,14 @@ class TorchrunExecutor:
         except Exception as exc:  # noqa: BLE001
             payload = ("error", f"rank {self.rank} raised {type(exc).__name__}: {exc}")
         gathered = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(payload, gathered, dst=0)
+        try:
+            dist.gather_object(payload, gathered, dst=0)
+        except Exception as exc:  # noqa: BLE001 - a rank died: the group cannot exchange again
+            global _lost
+            seen = payload[1] if payload[0] == "error" else f"the gather of its observations failed: {type(exc).__name__}: {exc}"
+            _lost = (f"a rank left the torchrun group during this cell (torchrun's log names it and its exit code); "
+                     f"{seen.splitlines()[0][:240] if seen else ''}")
+            raise CellFailure("ERROR", _lost) from None
         if self.rank != 0:
             return None
         errors = [p[1] for p in gathered if p[0] == "error"]
