@@ -146,3 +146,20 @@ def test_a_sharded_gradient_is_judged_slice_by_slice_and_a_rank_without_one_fail
     assert missing.verdict == Verdict.FAIL and "rank 1" in missing.detail and "no shard recorded" in missing.detail
     tp_rows, _ = _owed(Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp"))
     assert any(c == "grad.shard" for c, _, _ in tp_rows)  # a tensor-parallel shard is a slice like any other
+
+
+def test_a_cell_in_which_no_parameter_trains_fails_coverage():
+    """A model whose every trainable parameter unfreezes at or after the cell's last step owes
+    no gradient, reduction or optimizer record: its cell must not pass on what is left."""
+    fixture = get_fixture("kda")
+    model = fixture.make(0)
+    model.requires_grad_(False)
+    tops = [name for name, _ in model.named_children()]
+    cell = Cell(fixture="kda", path="native", steps=2)
+    late = resolve_plan(model, PrecisionConfig(), unfreeze=dict.fromkeys(tops, 2))
+    bad = coverage.untrained_record(cell, late, BASE)
+    assert bad.verdict == Verdict.FAIL and "unfreezes at step 2" in bad.detail
+    assert coverage.untrained_record(cell, resolve_plan(model, PrecisionConfig(), unfreeze=dict.fromkeys(tops, 1)),
+                                     BASE) is None
+    frozen = coverage.untrained_record(cell, resolve_plan(model, PrecisionConfig()), BASE)
+    assert frozen.verdict == Verdict.FAIL and "every parameter is frozen" in frozen.detail

@@ -134,9 +134,12 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     if silent:
         records = [_as_finding(r, silent) for r in records] + [coverage.no_gradient_record(sorted(silent), base)]
     # owed by the parent's own plan of the model, not by the plan the ranks reported
-    owed = coverage.owed(cell, plan_check.fresh_plan(cell, plan), token_input=fixture.token_input,
-                         quantizable=fixture.quantizable, no_gradient=silent)
+    fresh = plan_check.fresh_plan(cell, plan)
+    owed = coverage.owed(cell, fresh, token_input=fixture.token_input, quantizable=fixture.quantizable,
+                         no_gradient=silent)
     records.append(coverage.record(owed, records, base))
+    untrained = coverage.untrained_record(cell, fresh, base)
+    records += [untrained] if untrained else []
     located = stages.first_stage(records, cell.steps, base)
     return Judged(records + ([located] if located else []), comps, run)
 

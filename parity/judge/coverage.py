@@ -28,7 +28,9 @@ the observations) it derives the records the cell owes:
 A ``coverage`` record FAILs, naming what is missing, when any owed record is absent or is a
 SKIP without a stated reason. A parameter that gets no gradient in the reference either (a
 property of the model, e.g. behind an ``argmax``) owes no ``grad``/``param``/``trajectory``
-records; it is reported as a ``no-gradient`` finding instead.
+records; it is reported as a ``no-gradient`` finding instead. A cell in which no parameter
+trains at all (each unfreezes at or after its last step) owes none of those, and FAILs on that
+(``coverage`` ``training``): what is left would pass on a path that breaks every gradient.
 """
 
 from __future__ import annotations
@@ -124,6 +126,23 @@ def record(owed_rows: list[tuple], records: list[Record], base: dict) -> Record:
     return Record(**base, check="coverage", name="records", observed=float(len(missing)), allowed=0.0,
                   ratio=float("inf"), verdict=Verdict.FAIL,
                   detail=f"missing {len(missing)} of {len(owed_rows)} owed records: " + "; ".join(missing[:NAMED]) + more)
+
+
+def untrained_record(cell: Cell, plan: PrecisionPlan, base: dict) -> Record | None:
+    """A FAIL when no parameter trains within the cell's steps (every trainable one unfreezes at
+    or after the last): its gradients, their reduction and the optimizer step were never
+    exercised, so the records it owes (none of those) could all be present on a path that
+    breaks every one of them. ``None`` when some parameter trains."""
+    later = [t for t in plan.params if t.requires_grad]
+    if any(t.trainable_from < cell.steps for t in later):
+        return None
+    first = min((t.trainable_from for t in later), default=None)
+    why = (f"the first unfreezes at step {first} (Fixture.unfreeze); lower it below {cell.steps} or run more steps"
+           if first is not None else "every parameter is frozen")
+    return Record(**base, check="coverage", name="training", observed=0.0, allowed=0.0, ratio=float("inf"),
+                  verdict=Verdict.FAIL,
+                  detail=f"no parameter trains within the cell's {cell.steps} steps, so no gradient, reduction or "
+                         f"optimizer step was exercised: {why}")
 
 
 def no_gradient_record(names: list[str], base: dict) -> Record:
