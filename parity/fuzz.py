@@ -51,6 +51,9 @@ class _Pools:
     rank = 0
     lost = ""  # its pools never lose a group for good: a crashed pool restarts
 
+    def release(self, owed: int) -> None:
+        """Nothing waits on a run's end here (torchrun's peers do)."""
+
     def __init__(self, device: str, tmp: str, stop_requested):
         self.device, self.tmp, self.pools, self.stop_requested = device, tmp, {}, stop_requested
 

@@ -126,6 +126,8 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
         for cell in cells:
             if not _skip_reason(cell, device, skip_reason):
                 try:
+                    if not executor.proceed():
+                        return 0  # rank 0 stopped the run; agreed() gives its code
                     executor.run(cell, options.timeout)
                 except CellFailure:
                     if executor.lost:
@@ -219,6 +221,8 @@ class _Run:
                 if self.lost:
                     break
         finally:
+            if self.executor is not None:  # torchrun peers waiting for a cell that will not run
+                self.executor.release(sum(1 for c in self.todo if not self._skip(c)))
             self.pools.close(kill=signals())
             self.writer.close()
 
@@ -231,11 +235,13 @@ class _Run:
         try:
             observations = self._observe(cell, signals)
         except CellFailure as exc:
-            if signals():  # a worker killed by the same signal is not this cell's fault
+            if signals() and not self.lost:  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
+            reason = exc.reason + (f"; {signals.name} also arrived (torchrun's teardown after a rank's exit, or a "
+                                   "stop of the whole job)" if signals() else "")
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH, f"{cell.path} did not finish ({exc.verdict})")
             self._submit_ahead(signals)
-            return [failure_record(cell, Verdict(exc.verdict), exc.reason)]
+            return [failure_record(cell, Verdict(exc.verdict), reason)]
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
         self._submit_ahead(signals)  # the pools work while this cell is judged
@@ -357,7 +363,10 @@ class _Run:
         records = read_records(os.path.join(out, outdir.CELLS))
         recorded = {r.cell for r in records}
         not_run = [c.id for c in self.cells if c.id not in recorded]
-        why = "a rank left the torchrun group" if self.lost else signals.name if stopped else ""
+        why = signals.name if stopped else ""
+        if self.lost:
+            why = "a rank left the torchrun group" + (f"; {signals.name} arrived too (torchrun's teardown, or a stop of "
+                                                      "the whole job)" if signals() else "")
         path = os.path.join(out, "summary.md")
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
@@ -369,7 +378,8 @@ class _Run:
             write_html(out, records)
         if self.options.junit:
             with writing(self.options.junit):
-                write_junit(self.options.junit, records, suite=self.options.title)
+                write_junit(self.options.junit, records, suite=self.options.title, interrupted=why,
+                            not_run=not_run if stopped else [])
         outdir.write_manifest(out, {**manifest, "status": "interrupted" if signals() or self.lost else "complete",
                                     "environment": environment(self.device)})
         if self.lost:

@@ -176,23 +176,76 @@ def test_every_torchrun_rank_exits_with_rank_0s_verdict():
     assert codes == [1, 1], [p.stderr.read()[-500:] for p in procs]
 
 
+def _torchrun(tmp_path, *args, script: str = ""):
+    """``parity run`` on smoke's 2-rank kda cells under a real torchrun (2 ranks, gloo); ``script``
+    (Python run on each rank before parity's CLI) patches in what a test needs to happen."""
+    entry = ["-m", "parity"]
+    if script:
+        (tmp_path / "entry.py").write_text(script + "\nfrom parity.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+        entry = [str(tmp_path / "entry.py")]
+    out, junit = tmp_path / "run", tmp_path / "junit.xml"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           *entry, "run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 2",
+                           "--out", str(out), "--junit", str(junit), *args],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    with open(out / "cells.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    return proc, out, rows, junit.read_text()
+
+
 @pytest.mark.xdist_group("runner")
 def test_a_rank_that_dies_under_torchrun_is_its_cells_error_and_the_results_are_written(tmp_path):
     """torchrun tears the group down when a rank exits: rank 0 (whose next exchange fails) records
     the cell in flight as an ERROR naming the loss, starts no further cell, and writes the summary
     (marked interrupted, naming what was not run), the report and JUnit before it is stopped."""
-    out, junit = tmp_path / "run", tmp_path / "junit.xml"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "parity", "run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 2",
-                           "--fault", "crash", "--out", str(out), "--junit", str(junit)],
-                          capture_output=True, text=True, timeout=300)
+    proc, out, rows, junit = _torchrun(tmp_path, "--fault", "crash")
     assert proc.returncode != 0
-    with open(out / "cells.csv") as fh:
-        rows = list(csv.DictReader(fh))
     assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "ERROR")], rows
     assert rows[0]["detail"].startswith("a rank left the torchrun group during this cell"), rows[0]["detail"]
     assert '"status": "interrupted"' in (out / "run.json").read_text()
     summary = (out / "summary.md").read_text()
     assert "**Interrupted** (a rank left the torchrun group)" in summary and "## Not run" in summary
-    assert (out / "report.html").exists() and "errors=\"1\"" in junit.read_text()
+    assert (out / "report.html").exists() and 'errors="2"' in junit and 'type="INTERRUPTED"' in junit
     assert "a rank left the torchrun group during kda/legacy/r2" in proc.stderr
+
+
+@pytest.mark.xdist_group("runner")
+def test_under_torchrun_a_rank_that_dies_at_a_cells_start_fails_that_cell_not_the_one_being_judged(tmp_path):
+    """The peers wait for rank 0's word before each cell: a rank dying as the second cell starts,
+    while rank 0 still judges the first, makes the second the ERROR (not a stop of the run)."""
+    script = """import os, sys, time
+import parity.runner as R, parity.execute.torchrun as T
+if os.environ["RANK"] == "0":
+    judge = R.judge_cell
+    R.judge_cell = lambda *a, **k: (judge(*a, **k), time.sleep(1.0))[0]
+else:
+    run, calls = T.TorchrunExecutor.run, []
+    def dying(self, cell, timeout):
+        calls.append(cell)
+        if len(calls) == 2:
+            os._exit(17)
+        return run(self, cell, timeout)
+    T.TorchrunExecutor.run = dying
+"""
+    proc, out, rows, junit = _torchrun(tmp_path, script=script)
+    errors = [(r["path"], r["check"]) for r in rows if r["verdict"] == "ERROR"]
+    assert errors == [("native", "run")], (errors, proc.stderr[-2000:])
+    assert all(r["verdict"] in ("PASS", "SKIP") for r in rows if r["path"] == "legacy")
+    assert "a rank left the torchrun group during kda/native/r2" in proc.stderr
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_torchrun_rank_0_stopped_by_a_signal_stops_its_peers_with_its_code(tmp_path):
+    """SIGTERM to rank 0 alone: it ends the cell, tells its peers no further cell runs, writes
+    the results as interrupted, and every rank exits 143 (torchrun's log shows each rank's code)."""
+    script = """import os, signal, sys
+import parity.runner as R
+if os.environ["RANK"] == "0":
+    judge = R.judge_cell
+    R.judge_cell = lambda *a, **k: (os.kill(os.getpid(), signal.SIGTERM), judge(*a, **k))[1]
+"""
+    proc, out, rows, junit = _torchrun(tmp_path, script=script)
+    assert {r["cell"] for r in rows} == {rows[0]["cell"]} and not [r for r in rows if r["verdict"] == "ERROR"]
+    assert '"status": "interrupted"' in (out / "run.json").read_text()
+    assert "**Interrupted** (SIGTERM)" in (out / "summary.md").read_text() and 'type="INTERRUPTED"' in junit
+    assert proc.stderr.count("exitcode  : 143") == 2, proc.stderr[-3000:]

@@ -94,7 +94,9 @@ def cmd_gate(args) -> int:
     matrix, cells = _select(opts)
     from parity.execute.torchrun import agreed
 
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes; its peers keep the defaults
+    from parity.execute.torchrun import under_torchrun
+
+    rank0 = not under_torchrun() or os.environ["RANK"] == "0"  # under torchrun rank 0 writes; peers keep the defaults
     with Signals(enabled=rank0) as signals:  # the run's cells and files, then the gate's
         code = _execute(args, opts, matrix, cells)
         if code < 0:  # a torchrun peer: rank 0 decides, and every rank exits with its decision

@@ -107,7 +107,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    if opts["junit"] is not None:
+    if opts["junit"] is not None and (not under_torchrun() or os.environ["RANK"] == "0"):  # rank 0 writes it
         from parity.report.outdir import writable_file
 
         writable_file(opts["junit"], "--junit")

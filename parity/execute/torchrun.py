@@ -2,13 +2,17 @@
 
 ``python -m parity run`` detects torchrun's environment and, instead of spawning workers,
 joins the process group torchrun set up (NCCL on GPUs, gloo on CPU). Cells whose rank count
-differs from the launched world size are reported as SKIP. Per-cell timeouts are left to
-torchrun's own watchdog here: an in-process hang cannot be interrupted safely.
+differs from the launched world size are reported as SKIP. ``--timeout`` does not apply here:
+an in-process hang cannot be interrupted safely, and a hung rank leaves the others waiting
+until the backend's own timeout.
 
-A rank that dies (a crash, a kill) takes the group with it: the next exchange of the survivors
-fails. The cell in flight is then an ERROR on rank 0 naming that loss, no further cell starts
-(no exchange could complete), and rank 0 writes what finished, the summary marked interrupted
-and the reports, before torchrun's teardown ends it; its peers stop with exit code 1.
+Before each cell rank 0 tells its peers whether it runs (:meth:`TorchrunExecutor.proceed`):
+they wait there while it judges the cell before, and a run rank 0 stops early (a signal) stops
+them too, so every rank exits with its code (:func:`agreed`). A rank that dies (a crash, a kill)
+takes the group with it: the survivors' next exchange fails. The cell in flight is then an
+ERROR on rank 0 naming that loss, no further cell starts, and rank 0 writes what finished, the
+summary marked interrupted and the reports before torchrun's teardown ends it; its peers stop
+with exit code 1.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from parity.interrupt import EXIT_SIGNAL
 from parity.matrix.cell import Cell
 from parity.execute.pool import CellFailure
 from parity.execute.wire import from_bytes, to_bytes
@@ -32,15 +35,23 @@ _lost = ""
 """Why this process's group can no longer exchange ('' while it can): set by the executor."""
 
 
+def _lose(when: str, exc: BaseException, own: str = "") -> str:
+    """Record that the group is lost (``when``: during / before a cell) and return why."""
+    global _lost
+    seen = own or f"the exchange failed: {type(exc).__name__}: {exc}"
+    _lost = (f"a rank left the torchrun group {when} (torchrun's log names it and its exit code); "
+             f"{seen.splitlines()[0][:240] if seen else ''}")
+    return _lost
+
+
 def agreed(code: int) -> int:
     """Under torchrun, rank 0's exit code on every rank (a peer passes anything; it receives rank
     0's): each node's CI job reads its own process's code, and a peer's 0 would read as a pass of
     a run that failed. Elsewhere, or before the process group exists, ``code``. Once the group
-    is lost, or rank 0 stopped for a signal (its peers may be anywhere), nothing is exchanged:
-    each rank keeps its own code, a peer's being 1."""
+    is lost nothing is exchanged: each rank keeps its own code, a peer's being 1."""
     if not (under_torchrun() and dist.is_initialized()):
         return code
-    if _lost or (dist.get_rank() == 0 and code in EXIT_SIGNAL.values()):
+    if _lost:
         return code if code >= 0 else 1
     box = [code if dist.get_rank() == 0 else None]
     try:
@@ -63,6 +74,8 @@ class TorchrunExecutor:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
         self.mesh = init_device_mesh(device_type, (self.world,))
+        self.told = 0
+        """Cells rank 0 has told its peers about (:meth:`proceed`)."""
 
     @property
     def lost(self) -> str:
@@ -72,9 +85,33 @@ class TorchrunExecutor:
     def skip_reason(self, cell: Cell) -> str:
         return "" if cell.ranks == self.world else f"needs {cell.ranks} ranks; torchrun launched {self.world}"
 
+    def proceed(self, go: bool = True) -> bool:
+        """Rank 0 tells every peer whether the next cell runs (``go``); a peer returns what it was
+        told. A failed exchange is the group's loss (:class:`CellFailure` ERROR)."""
+        box = [go if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except Exception as exc:  # noqa: BLE001 - a rank died between cells
+            raise CellFailure("ERROR", _lose("before this cell started", exc)) from None
+        self.told += 1
+        return bool(box[0])
+
+    def release(self, owed: int) -> None:
+        """Rank 0, ending the run after ``self.told`` of the ``owed`` cells its peers run: tell
+        them to stop instead of waiting for the next one (nothing to say once the group is lost)."""
+        if self.rank == 0 and self.told < owed and not _lost:
+            try:
+                dist.broadcast_object_list([False], src=0)
+            except Exception:  # noqa: BLE001 - they are gone (the same signal stopped them): nothing waits
+                pass
+
     def run(self, cell: Cell, timeout: float):
+        """``cell`` on this rank; rank 0 returns every rank's observations (a peer ``None``), or
+        raises :class:`CellFailure`. Rank 0 tells its peers to run it first; a peer has been told."""
         from parity.execute.worker import run_rank
 
+        if self.rank == 0:
+            self.proceed()
         try:
             payload = ("ok", to_bytes(run_rank(cell, rank=self.rank, world=self.world, mesh=self.mesh, device=self.device)))
         except Exception as exc:  # noqa: BLE001
@@ -83,11 +120,7 @@ class TorchrunExecutor:
         try:
             dist.gather_object(payload, gathered, dst=0)
         except Exception as exc:  # noqa: BLE001 - a rank died: the group cannot exchange again
-            global _lost
-            seen = payload[1] if payload[0] == "error" else f"the gather of its observations failed: {type(exc).__name__}: {exc}"
-            _lost = (f"a rank left the torchrun group during this cell (torchrun's log names it and its exit code); "
-                     f"{seen.splitlines()[0][:240] if seen else ''}")
-            raise CellFailure("ERROR", _lost) from None
+            raise CellFailure("ERROR", _lose("during this cell", exc, payload[1] if payload[0] == "error" else "")) from None
         if self.rank != 0:
             return None
         errors = [p[1] for p in gathered if p[0] == "error"]

@@ -4,7 +4,8 @@ A case fails when any of its records is FAIL / INCONCLUSIVE / ERROR / TIMEOUT (t
 record's observed / allowed / ratio and detail are the message), is skipped when all are
 SKIP, and passes otherwise. A pair left UNPAIRED is never a pass: skipped with its reason where
 the run passes with it (:data:`~parity.judge.record.NOT_ASKED`), a failure otherwise (its twin
-did not finish or was not judged).
+did not finish or was not judged). A run that stopped early carries one more error case, ``run``,
+saying why and which cells were not run.
 
 The file is well-formed whatever a detail holds (an exception message from a model): ANSI escape
 sequences are stripped and characters XML 1.0 cannot hold are written ``#xNN``, as pytest does;
@@ -31,7 +32,10 @@ def xml_text(text) -> str:
     return _ILLEGAL.sub(lambda m: f"#x{ord(m.group()):02X}", _ANSI.sub("", str(text)))
 
 
-def write_junit(path: str, records: list[Record], *, suite: str) -> None:
+def write_junit(path: str, records: list[Record], *, suite: str, interrupted: str = "",
+                not_run: list[str] = ()) -> None:
+    """Write ``records`` as JUnit to ``path``. A run that stopped early (``interrupted`` says why)
+    adds one error case naming it and the cells not run: its cases alone could all pass."""
     cases: dict[tuple[str, str, str], list[Record]] = defaultdict(list)
     for r in records:
         cases[(r.cell, r.path, r.check)].append(r)
@@ -55,6 +59,13 @@ def write_junit(path: str, records: list[Record], *, suite: str) -> None:
         elif unpaired or all(r.verdict == Verdict.SKIP for r in rows):
             skipped += 1
             ET.SubElement(case, "skipped", message=xml_text(worst.detail)[:1000])
+    if interrupted:
+        errors += 1
+        case = ET.SubElement(ts, "testcase", classname=xml_text(f"parity {suite}"), name="run")
+        shown = ", ".join(not_run[:3]) + (f" and {len(not_run) - 3} more" if len(not_run) > 3 else "")
+        ET.SubElement(case, "error", type="INTERRUPTED", message=xml_text(
+            f"the run stopped early ({interrupted}): {len(not_run)} cells not run" + (f" ({shown})" if shown else ""))[:1000])
+    ts.set("tests", str(len(cases) + bool(interrupted)))
     ts.set("failures", str(failures))
     ts.set("errors", str(errors))
     ts.set("skipped", str(skipped))
