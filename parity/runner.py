@@ -364,9 +364,9 @@ class _Run:
         recorded = {r.cell for r in records}
         not_run = [c.id for c in self.cells if c.id not in recorded]
         why = signals.name if stopped else ""
+        also = f"; {signals.name} arrived too (torchrun's teardown, or a stop of the whole job)" if signals() else ""
         if self.lost:
-            why = "a rank left the torchrun group" + (f"; {signals.name} arrived too (torchrun's teardown, or a stop of "
-                                                      "the whole job)" if signals() else "")
+            why = "a rank left the torchrun group" + also
         path = os.path.join(out, "summary.md")
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
@@ -383,7 +383,7 @@ class _Run:
         outdir.write_manifest(out, {**manifest, "status": "interrupted" if signals() or self.lost else "complete",
                                     "environment": environment(self.device)})
         if self.lost:
-            print(f"parity: {why} during {self.todo[self.position].id}; that cell is an ERROR, the "
+            print(f"parity: a rank left the torchrun group during {self.todo[self.position].id}{also}; that cell is an ERROR, the "
                   f"{len(not_run)} cells after it were not run; finished rows kept in {out} (torchrun's log "
                   "names the rank that left)", file=sys.stderr)
             return 1

@@ -204,7 +204,7 @@ def test_a_rank_that_dies_under_torchrun_is_its_cells_error_and_the_results_are_
     assert rows[0]["detail"].startswith("a rank left the torchrun group during this cell"), rows[0]["detail"]
     assert '"status": "interrupted"' in (out / "run.json").read_text()
     summary = (out / "summary.md").read_text()
-    assert "**Interrupted** (a rank left the torchrun group)" in summary and "## Not run" in summary
+    assert "**Interrupted** (a rank left the torchrun group" in summary and "## Not run" in summary
     assert (out / "report.html").exists() and 'errors="2"' in junit and 'type="INTERRUPTED"' in junit
     assert "a rank left the torchrun group during kda/legacy/r2" in proc.stderr
 
