@@ -5,6 +5,12 @@ from __future__ import annotations
 import contextlib
 
 
+def plugin_fix(ep) -> str:
+    """How to remove the installed package declaring entry point ``ep``: ``pip uninstall NAME``."""
+    dist = getattr(ep, "dist", None)
+    return "pip uninstall " + (getattr(dist, "name", None) or ep.value.split(":")[0].split(".")[0])
+
+
 class UsageError(ValueError):
     """Bad input from the user (unknown fixture, path, dtype, matrix...). The CLI exits 2."""
 

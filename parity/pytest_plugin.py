@@ -238,7 +238,10 @@ def _selection(options: dict) -> tuple:
     if key not in _SELECTIONS:
         from parity import api
 
+        from parity.cli.run import check_models
+
         _SELECTIONS[key] = api.select(**options)
+        check_models(_SELECTIONS[key][1], warn=False)  # a model every cell would fail on: a usage error now
     return _SELECTIONS[key]
 
 
@@ -271,8 +274,9 @@ def pytest_collection_modifyitems(config, items):
     cell and pass: a usage error instead."""
     for item in items:
         if item.get_closest_marker("parity") is not None and "parity_cell" not in getattr(item, "fixturenames", ()):
-            raise pytest.UsageError(f"@pytest.mark.parity on {item.nodeid}: only plain pytest test functions (and "
-                                    "their classes) become one test per cell; not a unittest.TestCase method")
+            raise pytest.UsageError(f"@pytest.mark.parity on {item.nodeid}: the test must take the parity_cell "
+                                    "argument (def test_...(parity_cell): ...), which makes it one test per cell; a "
+                                    "unittest.TestCase method cannot")
 
 
 @pytest.fixture

@@ -33,6 +33,11 @@ KEEP_AS_TEXT = ("import dataclasses\n\nfrom parity.model.registry import registe
                 "def model():\n    return dataclasses.replace(registered()['kda'], name='{name}', keep_fp32={keep!r})\n")
 TWICE_FACTORY = ("from parity.model.registry import registered\n\n\ndef model():\n"
                  "    return [registered()['kda'], registered()['kda']]\n")
+#: ``kda`` with one thing changed: ``build`` from ``{code}``'s ``_build``, or other ``{fields}``.
+ADJUSTED = ("import dataclasses\n\nimport torch\nfrom torch import nn\n\nfrom parity.model.registry import registered\n\n"
+            "{code}\n\ndef model():\n    return dataclasses.replace(registered()['kda'], name='{name}', {fields})\n")
+PATCHED_FORWARD = ("def _build():\n    m = registered()['kda'].build()\n    f = m.forward\n    m.forward = {forward}\n"
+                   "    return m\n")
 #: A small selection of the smoke matrix (its cells are never run here).
 FILTER = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
@@ -111,6 +116,17 @@ def _files(t) -> dict[str, str]:
          "keep_text": _write(t / "keep_text.py", KEEP_AS_TEXT.format(name="keeptext", keep="A_log")) + ":model",
          "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
          "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
+         "model_class": _write(t / "model_class.py", "from torch import nn\n\n\nclass MyModel(nn.Module):\n    pass\n")
+         + ":MyModel",
+         "factory_factory": _write(t / "factory_factory.py", "def model():\n    return model\n") + ":model",
+         **{key: _write(t / f"{key}.py", ADJUSTED.format(name=key, code=code, fields=fields)) + ":model"
+            for key, code, fields in (
+                ("tuple_out", PATCHED_FORWARD.format(forward="lambda *a: (f(*a), 1)"), "build=_build"),
+                ("ignores_input", PATCHED_FORWARD.format(forward="lambda x, *a: f(torch.zeros_like(x), *a)"),
+                 "build=_build"),
+                ("frozen", PATCHED_FORWARD.format(forward="f\n    m.requires_grad_(False)"), "build=_build"),
+                ("loss_shape", "", "loss=lambda out, target: (out - target) ** 2"),
+                ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"))},
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty")}
@@ -221,6 +237,15 @@ CASES = [
     (["run", "-k", FILTER, "--junit", "/proc/parity.xml", "--out", "{out}"], "--junit /proc/parity.xml: cannot write"),
     (["run", "-k", FILTER, "--junit", "{afile}/j.xml", "--out", "{out}"], "no folder"),
     (["run", "--model", "{exit}", "--out", "{out}"], "called sys.exit(0)"),
+    # a model every cell would fail on, or whose cells would judge nothing: found by building it once
+    (["run", "--model", "{tuple_out}", "--out", "{out}"], "its forward returns tuple, not a tensor; set Fixture.output"),
+    (["plan", "--model", "{tuple_out}"], "plan: model 'tuple_out': its forward returns tuple"),
+    (["run", "--model", "{ignores_input}", "--out", "{out}"], "does not differentiate Batch.inputs[0]"),
+    (["gate", "--model", "{loss_shape}", "--matrix", "smoke", "--out", "{out}"], "Fixture.loss returns (2, 8, 32), not one number"),
+    (["plan", "--model", "{frozen}"], "no parameter of the model is trainable"),
+    (["plan", "--model", "{compute_typo}"], "Fixture.compute_dtypes names 'nope.weight', which is not a parameter"),
+    (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),
+    (["plan", "--model", "{factory_factory}"], "returned function, not parity.model.Fixture"),
     (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),
     (["run", "--model", "{empty_factory}", "--out", "{out}"], "describes no model (an empty list or mapping)"),
     (["plan", "--model", "{empty_factory}"], "describes no model"),

@@ -194,3 +194,20 @@ def test_a_path_plugin_named_like_a_built_in_path_is_refused(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     assert "parity.paths:shadow (shadow_path:Shadow) names its path 'native', as a built-in path does" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plugin_that_fails_at_import_names_its_package_to_fix_or_uninstall(tmp_path):
+    """An installed path plugin whose module raises at import: exit 2, one line naming the entry
+    point, the failure and the package to fix or uninstall."""
+    (tmp_path / "broken_path.py").write_text("raise ImportError('plugin broken at import')\n")
+    info = tmp_path / "broken_path-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-path\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[parity.paths]\nbroken = broken_path:Path\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    done = subprocess.run([sys.executable, "-m", "parity", "fixtures"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "parity.paths:broken (broken_path:Path) cannot be loaded" in done.stderr
+    assert "ImportError: plugin broken at import; fix that plugin's package or uninstall it (pip uninstall broken-path)" \
+        in done.stderr

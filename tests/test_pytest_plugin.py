@@ -182,7 +182,9 @@ def test_an_interrupted_group_stops_the_session(monkeypatch, tmp_path_factory):
     ("@pytest.mark.parity(matrix='smoke', junit='x.xml')\ndef test_junit(parity_cell):\n    pass\n",
      "junit= does not apply in a marker"),
     ("import unittest\nclass T(unittest.TestCase):\n    @pytest.mark.parity(matrix='smoke')\n"
-     "    def test_ut(self):\n        pass\n", "not a unittest.TestCase method"),
+     "    def test_ut(self):\n        pass\n", "must take the parity_cell argument"),
+    ("@pytest.mark.parity(matrix='smoke', filter=\"fixture == 'kda' and ranks == 1\")\ndef test_no_arg():\n    pass\n",
+     "must take the parity_cell argument (def test_...(parity_cell)"),
 ])
 def test_a_marker_parity_cannot_honour_is_a_usage_error(pytester, source, message):
     pytester.makepyfile(test_marker="import pytest\n" + source)

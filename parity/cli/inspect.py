@@ -37,8 +37,9 @@ def _describe_plan(fixture, config) -> str:
     from parity.model.plan import fp32_disagreements, unmatched, unmatched_note
     from parity.paths import path_names, plan_sharding
 
-    from parity.model.registry import built
+    from parity.model.registry import built, exercised
 
+    exercised(fixture, built(fixture, "plan")[0], "plan")  # on its own build: the plan reads a model never run
     model, ignored = built(fixture, "plan")
     plan = fixture.resolve(model, config, ignored)
     out = [f"fixture {fixture.name}: {fixture.description}", "", plan.table(), ""]

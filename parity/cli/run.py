@@ -136,7 +136,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         if changed:
             raise UsageError(f"--resume {args.resume}: {changed}; resume with the parity, model and matrix files "
                              "it ran with, or start a new run with --overwrite")
-    _warn_rule_disagreements(cells)
+    check_models(cells)
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"], junit=opts["junit"] or "", op_log=bool(opts["op_log"]))
@@ -160,18 +160,24 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
     return part, {"shard": record}
 
 
-def _warn_rule_disagreements(cells) -> None:
-    """A warning per tensor the two FP32 name rules resolve differently, per model of the run:
-    the plan follows the model's ``fp32_rule``; the other reading is one a user may expect."""
+def check_models(cells, warn: bool = True) -> None:
+    """Each model of the run, built once here before any cell: one forward and backward
+    (:func:`~parity.model.registry.exercised`, a :class:`UsageError` for a model every cell would
+    fail on), then (``warn``) a warning per ``keep_fp32`` pattern that matches nothing and per
+    tensor the two FP32 name rules resolve differently (the plan follows the model's
+    ``fp32_rule``; the other reading is one a user may expect)."""
     from parity.model.plan import fp32_disagreements, unmatched, unmatched_note
-    from parity.model.registry import built, get_fixture
+    from parity.model.registry import built, exercised, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
         try:
             model, _ = built(fixture, "run")
         except UsageError:
-            continue  # no warning to give: its cells build it on their ranks and record the failure as ERROR
+            continue  # its cells build it on their ranks and record the failure as ERROR
+        exercised(fixture, model, "run")
+        if not warn:
+            continue
         for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
             print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):

@@ -18,10 +18,12 @@ import importlib.util
 import os
 import sys
 from collections.abc import Mapping
+
+import torch
 from dataclasses import replace
 from importlib.metadata import entry_points
 
-from parity.errors import UsageError
+from parity.errors import UsageError, plugin_fix
 from parity.model.spec import Fixture, validate
 
 GROUP = "parity.models"
@@ -48,19 +50,57 @@ def built(fixture: Fixture, where: str):
                          "build (it built on meta, not here)") from None
 
 
-def _specs(obj, where: str) -> list[Fixture]:
+def exercised(fixture: Fixture, model, where: str) -> None:
+    """One forward and backward of ``model`` (a fresh build) on the first batch, as the reference
+    runs it: a forward whose result is not a tensor, a loss that is not one number, or a first
+    input the forward never differentiates would fail every cell (or judge nothing), so it is a
+    :class:`UsageError` naming the field and the fix now. A forward or loss that raises is left
+    to the cells, which record it with the rank."""
+    batch = fixture.batch(0, 0, 0, 0)
+    inputs = tuple(x.detach().requires_grad_() if not fixture.token_input and x.is_floating_point() else x
+                   for x in batch.inputs)
+    try:
+        raw = model(*inputs)
+        out = fixture.output(raw)
+        loss = fixture.loss(out, batch.target) if isinstance(out, torch.Tensor) else None
+    except _USER_FAILURES:
+        return
+    name = f"{where}: model {fixture.name!r}"
+    if not isinstance(out, torch.Tensor):
+        what = "its forward" if out is raw else "Fixture.output"
+        raise UsageError(f"{name}: {what} returns {type(out).__name__}, not a tensor; set Fixture.output to pick the "
+                         "tensor the loss reads (e.g. output=lambda out: out[0], or lambda out: out.logits)")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise UsageError(f"{name}: Fixture.loss returns {shape}, not one number; return a scalar loss (e.g. .mean())")
+    if fixture.token_input or not loss.requires_grad:
+        return  # integer input; or nothing differentiable: the cells report which parameters get no gradient
+    loss.backward()
+    if inputs[0].grad is None:
+        raise UsageError(f"{name}: its forward does not differentiate Batch.inputs[0] (no gradient reaches it), and "
+                         "parity judges input gradients; make the forward read it (integer token ids: set "
+                         "Fixture.token_input=True)")
+
+
+def _specs(obj, where: str, called: bool = False) -> list[Fixture]:
+    """The fixtures ``obj`` describes: a Fixture, a list or mapping of them, or a factory returning
+    those (called once: what it returns is not called again)."""
     if isinstance(obj, Fixture):
         return [validate(obj, where)]
     if isinstance(obj, Mapping):
-        return [s for v in obj.values() for s in _specs(v, where)]
+        return [s for v in obj.values() for s in _specs(v, where, called)]
     if isinstance(obj, (list, tuple)):
-        return [s for v in obj for s in _specs(v, where)]
-    if callable(obj):
+        return [s for v in obj for s in _specs(v, where, called)]
+    if isinstance(obj, torch.nn.Module) or (isinstance(obj, type) and issubclass(obj, torch.nn.Module)):
+        name = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        raise UsageError(f"{where}: names the model {name}, not a parity model description; point at a factory "
+                         f"returning parity.model.Fixture(name=..., build={name}, ...) (see examples/own_model)")
+    if callable(obj) and not called:
         try:
             made = obj()
         except _USER_FAILURES as exc:  # user code: name it, exit 2
             raise UsageError(f"{where}: the factory failed: {_failed(exc)}") from None
-        return _specs(made, where)
+        return _specs(made, where, called=True)
     return [validate(obj, where)]
 
 
@@ -74,7 +114,8 @@ def registered() -> dict[str, Fixture]:
         try:
             obj = ep.load()
         except _USER_FAILURES as exc:
-            raise UsageError(f"{where} cannot be loaded: {_failed(exc)}") from None
+            raise UsageError(f"{where} cannot be loaded: {_failed(exc)}; fix that plugin's package or uninstall it "
+                             f"({plugin_fix(ep)})") from None
         for spec in _specs(obj, where):
             found.setdefault(spec.name, spec)
     return found
@@ -117,8 +158,8 @@ def load_source(source: str, label: str = "--model") -> list[Fixture]:
     if source not in _loaded_sources:
         specs = _specs(_import_source(source, label), f"{label} {source}")
         if not specs:  # an empty list or mapping: the built-in models would run in their place
-            raise UsageError(f"{label} {source}: describes no model (an empty list or mapping); return a Fixture, "
-                             "a model, or a list of them")
+            raise UsageError(f"{label} {source}: describes no model (an empty list or mapping); return a "
+                             "parity.model.Fixture or a list of them")
         names = [s.name for s in specs]
         twice = next((n for n in names if names.count(n) > 1), None)
         if twice:  # one would silently replace the other

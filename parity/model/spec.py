@@ -157,6 +157,9 @@ class Fixture:
                 model = self.build()
         params = dict(model.named_parameters(remove_duplicate=False))
         for fqn, dtype in self.compute_dtypes.items():
+            if fqn not in params:
+                raise UsageError(f"{self.name}: Fixture.compute_dtypes names {fqn!r}, which is not a parameter of the "
+                                 "model; list parameter FQNs (python -m parity plan --model ... lists them)")
             set_compute_dtype(params[fqn], parse_dtype(dtype, what=f"{self.name}: compute_dtypes[{fqn!r}]"))
         if torch.device(device).type != "meta":
             model = model.to(device)
@@ -206,6 +209,8 @@ def validate(spec: object, where: str) -> Fixture:
                              "fallback:TEXT (TEXT: part of the reason)")
     try:
         model = spec.make(0, "meta")
+    except UsageError as exc:  # a field make() applies names itself
+        raise UsageError(f"{where}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - any failure of user code is named
         raise UsageError(f"{where}: building the model failed: {type(exc).__name__}: {exc}") from None
     modules = {n for n, _ in model.named_modules()}
@@ -248,6 +253,9 @@ def validate(spec: object, where: str) -> Fixture:
     for pattern, dtype in spec.grad_dtypes.items():
         if not any(unfreeze_step(n, {pattern: 0}) is not None for n in params):
             raise UsageError(f"{where}: Fixture.grad_dtypes names {pattern!r}, which selects no parameter of the model")
+    if not any(p.requires_grad for p in params.values()) and not spec.unfreeze:
+        raise UsageError(f"{where}: no parameter of the model is trainable (all are frozen and Fixture.unfreeze is "
+                         "empty); parity judges training: leave some parameters trainable")
     for pattern, step in spec.unfreeze.items():
         hits = [n for n in params if unfreeze_step(n, {pattern: 0}) is not None]
         if not hits or not isinstance(step, int) or step < 1:

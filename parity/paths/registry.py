@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from importlib.metadata import entry_points
 
-from parity.errors import UsageError
+from parity.errors import UsageError, plugin_fix
 from parity.paths.base import CONTRACTS, ShardingPath
 from parity.paths.legacy import LegacyPath
 from parity.paths.native import NativePath
@@ -40,7 +40,8 @@ def _entry_point_paths() -> dict[str, ShardingPath]:
         try:
             obj = ep.load()
         except Exception as exc:  # noqa: BLE001
-            raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}") from None
+            raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}; fix that plugin's package "
+                             f"or uninstall it ({plugin_fix(ep)})") from None
         path = _check(obj, where)
         clash = "a built-in path" if path.name in ("legacy", "native") else found.get(path.name) and "another plugin"
         if clash:  # one of the two would be judged in the other's place, silently
