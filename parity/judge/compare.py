@@ -319,8 +319,6 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int,
             other = grads[step].get(c.name, torch.zeros(0)) if step < len(grads) else torch.zeros(0)
         elif c.check == "grad.clipped":
             other = second.grads[step].get(c.name, torch.zeros(0))
-        elif c.check == "param":
-            other = second.params[step][c.name]
         elif c.check == "eval":
             r, label = c.name.split("/")
             got = second.evals.get((step, label), [])
