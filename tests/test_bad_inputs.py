@@ -592,3 +592,22 @@ def test_a_keep_fp32_pattern_that_selects_nothing_is_warned_about_by_run(tmp_pat
     assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1 and path == 'native'",
                  "--out", str(tmp_path / "run")]) in (0, 1)
     assert "typo: Fixture.keep_fp32 pattern 'A_lgo' selects no parameter or buffer" in capsys.readouterr().err
+
+
+CLASS_TYPO = ("import dataclasses\n\nfrom parity.model.registry import registered\n\n\n"
+              "def model():\n    base = registered()['kda']\n    built = base.build()\n\n"
+              "    class Typo(type(built)):\n        _keep_in_fp32_modules_strict = ['A_lgo']\n\n"
+              "    def build():\n        m = base.build()\n        m.__class__ = Typo\n        return m\n\n"
+              "    return dataclasses.replace(base, name='classtypo', build=build)\n")
+
+
+def test_a_class_declared_fp32_pattern_that_selects_nothing_is_noted_by_plan_and_warned_by_run(tmp_path, capsys):
+    """A model class's ``_keep_in_fp32_modules_strict`` with a typo keeps nothing in FP32, silently
+    in the framework: ``plan`` notes it and ``run`` warns, naming the class."""
+    source = _write(tmp_path / "class_typo.py", CLASS_TYPO) + ":model"
+    assert main(["plan", "--model", source]) == 0
+    note = "Typo._keep_in_fp32_modules_strict pattern 'A_lgo' selects no parameter or buffer"
+    assert f"note: {note}" in capsys.readouterr().out
+    assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1 and path == 'native'",
+                 "--out", str(tmp_path / "run")]) in (0, 1)
+    assert f"classtypo: {note}" in capsys.readouterr().err

@@ -166,7 +166,7 @@ def check_models(cells, warn: bool = True) -> None:
     fail on), then (``warn``) a warning per ``keep_fp32`` pattern that matches nothing and per
     tensor the two FP32 name rules resolve differently (the plan follows the model's
     ``fp32_rule``; the other reading is one a user may expect)."""
-    from parity.model.plan import fp32_disagreements, unmatched, unmatched_note
+    from parity.model.plan import fp32_disagreements, unmatched, unmatched_declared, unmatched_note
     from parity.model.registry import built, exercised, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
@@ -180,6 +180,8 @@ def check_models(cells, warn: bool = True) -> None:
             continue
         for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
             print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule)}", file=sys.stderr)
+        for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
+            print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule, owner)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
             print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
                   f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "

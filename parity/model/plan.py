@@ -218,9 +218,25 @@ def unmatched(model: nn.Module, patterns: tuple[str, ...], rule: str) -> list[st
     return [p for p in patterns if not any(matches(fqn, p, rule) for fqn in tensors)]
 
 
-def unmatched_note(pattern: str, rule: str) -> str:
-    """What ``plan`` notes and ``run`` warns about a ``keep_fp32`` pattern :func:`unmatched` found."""
-    return (f"Fixture.keep_fp32 pattern {pattern!r} selects no parameter or buffer (rule {rule}); a typo keeps "
+def unmatched_declared(model: nn.Module, rule: str) -> list[tuple[str, str]]:
+    """(class name, pattern) for every ``_keep_in_fp32_modules_strict`` pattern a module class
+    declares that selects no parameter or buffer of ``model`` under ``rule`` (as the plan reads
+    it: prefixed with the module's FQN under ``tokens``)."""
+    tensors = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
+    found: dict[tuple[str, str], None] = {}
+    for prefix, sub in model.named_modules():
+        for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
+            full = f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
+            if not any(matches(fqn, full, rule) for fqn in tensors):
+                found[(type(sub).__name__, pat)] = None
+    return list(found)
+
+
+def unmatched_note(pattern: str, rule: str, owner: str = "") -> str:
+    """What ``plan`` notes and ``run`` warns about a ``keep_fp32`` pattern :func:`unmatched` found
+    (or, with ``owner``, a class's declared pattern :func:`unmatched_declared` found)."""
+    where = f"{owner}._keep_in_fp32_modules_strict" if owner else "Fixture.keep_fp32"
+    return (f"{where} pattern {pattern!r} selects no parameter or buffer (rule {rule}); a typo keeps "
             "nothing in FP32 (Fixture.expect_fp32 would catch it)")
 
 
