@@ -180,14 +180,18 @@ def _torchrun(tmp_path, *args, script: str = ""):
     """``parity run`` on smoke's 2-rank kda cells under a real torchrun (2 ranks, gloo); ``script``
     (Python run on each rank before parity's CLI) patches in what a test needs to happen."""
     entry = ["-m", "parity"]
-    if script:
-        (tmp_path / "entry.py").write_text(script + "\nfrom parity.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    if script:  # each rank also leaves its exit code in a file: torchrun may SIGTERM a rank that is exiting
+        (tmp_path / "entry.py").write_text(
+            "import os, sys\n" + script + "\nfrom parity.cli import main\ncode = main(sys.argv[1:])\n"
+            "open(os.path.join(os.environ['PARITY_TEST_CODES'], os.environ['RANK']), 'w').write(str(code))\n"
+            "sys.exit(code)\n")
         entry = [str(tmp_path / "entry.py")]
     out, junit = tmp_path / "run", tmp_path / "junit.xml"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            *entry, "run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 2",
                            "--out", str(out), "--junit", str(junit), *args],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd(), "PARITY_TEST_CODES": str(tmp_path)})
     with open(out / "cells.csv") as fh:
         rows = list(csv.DictReader(fh))
     return proc, out, rows, junit.read_text()
@@ -237,7 +241,7 @@ else:
 @pytest.mark.xdist_group("runner")
 def test_a_torchrun_rank_0_stopped_by_a_signal_stops_its_peers_with_its_code(tmp_path):
     """SIGTERM to rank 0 alone: it ends the cell, tells its peers no further cell runs, writes
-    the results as interrupted, and every rank exits 143 (torchrun's log shows each rank's code)."""
+    the results as interrupted, and every rank exits 143."""
     script = """import os, signal, sys
 import parity.runner as R
 if os.environ["RANK"] == "0":
@@ -248,4 +252,5 @@ if os.environ["RANK"] == "0":
     assert {r["cell"] for r in rows} == {rows[0]["cell"]} and not [r for r in rows if r["verdict"] == "ERROR"]
     assert '"status": "interrupted"' in (out / "run.json").read_text()
     assert "**Interrupted** (SIGTERM)" in (out / "summary.md").read_text() and 'type="INTERRUPTED"' in junit
-    assert proc.stderr.count("exitcode  : 143") == 2, proc.stderr[-3000:]
+    codes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
+    assert codes == ["143", "143"], proc.stderr[-3000:]
