@@ -237,8 +237,7 @@ class _Run:
         except CellFailure as exc:
             if signals() and not self.lost:  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
-            reason = exc.reason + (f"; {signals.name} also arrived (torchrun's teardown after a rank's exit, or a "
-                                   "stop of the whole job)" if signals() else "")
+            reason = exc.reason + _arrived_too(signals)
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH, f"{cell.path} did not finish ({exc.verdict})")
             self._submit_ahead(signals)
             return [failure_record(cell, Verdict(exc.verdict), reason)]
@@ -364,7 +363,7 @@ class _Run:
         recorded = {r.cell for r in records}
         not_run = [c.id for c in self.cells if c.id not in recorded]
         why = signals.name if stopped else ""
-        also = f"; {signals.name} arrived too (torchrun's teardown, or a stop of the whole job)" if signals() else ""
+        also = _arrived_too(signals)
         if self.lost:
             why = "a rank left the torchrun group" + also
         path = os.path.join(out, "summary.md")
@@ -398,6 +397,11 @@ class _Run:
         print(terminal_table(records))
         print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
         return verdict_code(records)
+
+
+def _arrived_too(signals: Signals) -> str:
+    """Beside a lost torchrun rank: the signal that arrived too, if one did ('' otherwise)."""
+    return f"; {signals.name} arrived too (torchrun's teardown, or a stop of the whole job)" if signals() else ""
 
 
 def verdict_code(records: list[Record]) -> int:

@@ -92,12 +92,10 @@ def cmd_gate(args) -> int:
     opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
     _same_matrix(args.compare_to, baseline, opts["matrix"])
     matrix, cells = _select(opts)
-    from parity.execute.torchrun import agreed
+    from parity.execute.torchrun import agreed, writes_results
 
-    from parity.execute.torchrun import under_torchrun
-
-    rank0 = not under_torchrun() or os.environ["RANK"] == "0"  # under torchrun rank 0 writes; peers keep the defaults
-    with Signals(enabled=rank0) as signals:  # the run's cells and files, then the gate's
+    # the run's cells and files, then the gate's; under torchrun its peers keep the default handlers
+    with Signals(enabled=writes_results()) as signals:
         code = _execute(args, opts, matrix, cells)
         if code < 0:  # a torchrun peer: rank 0 decides, and every rank exits with its decision
             return max(0, agreed(code))

@@ -102,12 +102,12 @@ def _select(opts: dict):
 
 
 def _execute(args, opts: dict, matrix, cells) -> int:
-    from parity.execute.torchrun import TorchrunExecutor, under_torchrun
+    from parity.execute.torchrun import TorchrunExecutor, under_torchrun, writes_results
     from parity.runner import RunOptions, resolve_device, run_cells
 
     if not cells:
         raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
-    if opts["junit"] is not None and (not under_torchrun() or os.environ["RANK"] == "0"):  # rank 0 writes it
+    if opts["junit"] is not None and writes_results():
         from parity.report.outdir import writable_file
 
         writable_file(opts["junit"], "--junit")

@@ -31,6 +31,11 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
+def writes_results() -> bool:
+    """Whether this process judges and writes a run's files: always, except a torchrun peer."""
+    return not under_torchrun() or os.environ["RANK"] == "0"
+
+
 _lost = ""
 """Why this process's group can no longer exchange ('' while it can): set by the executor."""
 

@@ -196,11 +196,15 @@ FP32_RULES = ("transformers", "tokens")
 def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = (), rule: str = "transformers") -> set[str]:
     """Declared strict-FP32 name patterns plus marked tensors and the recipe's ``extra``
     patterns; under ``tokens`` a class's patterns are prefixed with its module's FQN."""
-    patterns = set(fp32_marked(model)) | set(extra)
+    return set(fp32_marked(model)) | set(extra) | {full for _, _, full in _declared_strict(model, rule)}
+
+
+def _declared_strict(model: nn.Module, rule: str):
+    """(class name, pattern, pattern as ``rule`` reads it) for every ``_keep_in_fp32_modules_strict``
+    entry of every module's class; under ``tokens`` prefixed with the module's FQN."""
     for prefix, sub in model.named_modules():
         for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
-            patterns.add(f"{prefix}.{pat}" if prefix and rule == "tokens" else pat)
-    return patterns
+            yield type(sub).__name__, pat, f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
 
 
 def matches(fqn: str, pattern: str, rule: str = "transformers") -> bool:
@@ -222,14 +226,9 @@ def unmatched_declared(model: nn.Module, rule: str) -> list[tuple[str, str]]:
     """(class name, pattern) for every ``_keep_in_fp32_modules_strict`` pattern a module class
     declares that selects no parameter or buffer of ``model`` under ``rule`` (as the plan reads
     it: prefixed with the module's FQN under ``tokens``)."""
-    tensors = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
-    found: dict[tuple[str, str], None] = {}
-    for prefix, sub in model.named_modules():
-        for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
-            full = f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
-            if not any(matches(fqn, full, rule) for fqn in tensors):
-                found[(type(sub).__name__, pat)] = None
-    return list(found)
+    declared = list(_declared_strict(model, rule))
+    missing = set(unmatched(model, tuple(full for _, _, full in declared), rule))
+    return list(dict.fromkeys((owner, pat) for owner, pat, full in declared if full in missing))
 
 
 def unmatched_note(pattern: str, rule: str, owner: str = "") -> str:

@@ -18,10 +18,10 @@ import importlib.util
 import os
 import sys
 from collections.abc import Mapping
-
-import torch
 from dataclasses import replace
 from importlib.metadata import entry_points
+
+import torch
 
 from parity.errors import UsageError, plugin_fix
 from parity.model.spec import Fixture, validate
@@ -54,8 +54,8 @@ def exercised(fixture: Fixture, model, where: str) -> None:
     """One forward and backward of ``model`` (a fresh build) on the first batch, as the reference
     runs it: a forward whose result is not a tensor, a loss that is not one number, or a first
     input the forward never differentiates would fail every cell (or judge nothing), so it is a
-    :class:`UsageError` naming the field and the fix now. A forward or loss that raises is left
-    to the cells, which record it with the rank."""
+    :class:`UsageError` naming the field and the fix now. A forward, loss or backward that
+    raises is left to the cells, which record it with the rank."""
     batch = fixture.batch(0, 0, 0, 0)
     inputs = tuple(x.detach().requires_grad_() if not fixture.token_input and x.is_floating_point() else x
                    for x in batch.inputs)
@@ -75,7 +75,10 @@ def exercised(fixture: Fixture, model, where: str) -> None:
         raise UsageError(f"{name}: Fixture.loss returns {shape}, not one number; return a scalar loss (e.g. .mean())")
     if fixture.token_input or not loss.requires_grad:
         return  # integer input; or nothing differentiable: the cells report which parameters get no gradient
-    loss.backward()
+    try:
+        loss.backward()
+    except _USER_FAILURES:
+        return
     if inputs[0].grad is None:
         raise UsageError(f"{name}: its forward does not differentiate Batch.inputs[0] (no gradient reaches it), and "
                          "parity judges input gradients; make the forward read it (integer token ids: set "
