@@ -265,7 +265,8 @@ def fuzz_command(args) -> int:
     if shard and args.examples < shard.count:
         raise UsageError(f"fuzz --shard {shard}: {args.examples} examples cannot fill {shard.count} parts; "
                          "ask for at least as many examples as parts")
+    device = resolve_device(args.device)
     usable(args.out)  # before the campaign: its results must have somewhere to go
     return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
-                    device=resolve_device(args.device), timeout=args.timeout,
+                    device=device, timeout=args.timeout,
                     shard=(shard.index, shard.count) if shard else (1, 1))

@@ -239,8 +239,10 @@ def _selection(options: dict) -> tuple:
         from parity import api
 
         from parity.cli.run import check_models
+        from parity.runner import resolve_device
 
         _SELECTIONS[key] = api.select(**options)
+        resolve_device(_SELECTIONS[key][2]["device"])  # device='cuda' on a machine without one: a usage error now
         check_models(_SELECTIONS[key][1], warn=False)  # a model every cell would fail on: a usage error now
     return _SELECTIONS[key]
 

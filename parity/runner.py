@@ -86,8 +86,16 @@ LOOKAHEAD = 64
 
 
 def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` where torch sees a GPU, else ``cpu``. ``cuda`` on a machine without one is
+    bad input (:class:`UsageError`): every cell would fail the same way, as an ERROR that is not the
+    model's."""
+    available = torch.cuda.is_available()
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if available else "cpu"
+    if device == "cuda" and not available:
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU-only build"
+        raise UsageError(f"--device cuda: torch {torch.__version__} ({build}) sees no GPU on this machine; "
+                         "run on a GPU machine or use --device cpu")
     return device
 
 

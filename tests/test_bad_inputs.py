@@ -330,6 +330,9 @@ CASES = [
     (["fuzz", "--examples", "0", "--out", "{out}"], "--examples: must be a positive integer"),
     # fixtures
     (["fixtures", "extra"], "unrecognized arguments: extra"),
+    # a GPU asked for where torch sees none: every cell would be the same ERROR
+    *([([cmd, "--device", "cuda", "--out", "{out}"], "--device cuda: torch ") for cmd in ("run", "gate", "fuzz", "bench")]
+      if not torch.cuda.is_available() else []),
 ]
 
 

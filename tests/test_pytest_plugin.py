@@ -1,6 +1,7 @@
 """The pytest plugin: a team's own test file uses ``parity_run`` / ``parity_gate`` (pytester)."""
 
 import pytest
+import torch
 
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.xdist_group("pytest-plugin")
@@ -204,3 +205,12 @@ def test_none(parity_cell):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.INTERRUPTED, result.ret  # a collection error: nothing ran
     assert "@pytest.mark.parity on test_empty.py::test_none: no cells selected" in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_marker_asking_for_a_gpu_where_there_is_none_is_refused_at_collection():
+    from parity.errors import UsageError
+    from parity.pytest_plugin import _selection
+
+    with pytest.raises(UsageError, match="--device cuda: torch .* sees no GPU"):
+        _selection({"matrix": "smoke", "device": "cuda", "filter": "fixture == 'kda' and ranks == 1"})
