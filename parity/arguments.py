@@ -14,6 +14,9 @@ MAX_STEPS = 1000
 #: The most micro-batches a step accumulates (matrix files' ``accumulation``): the per-cell
 #: timeout counts seconds without progress, and each micro-batch is progress.
 MAX_MICROBATCHES = 64
+#: Rank counts a cell (``--ranks``, a matrix's ``ranks`` axis) or a bench (``--ranks``) may ask for:
+#: the meshes parity builds; anything else is a typo that would start that many processes.
+RANK_COUNTS = (1, 2, 4, 8)
 #: Seeds ``torch.manual_seed`` takes (a cell's seed, ``--seed``, a matrix's seed axis).
 SEEDS = range(-(2**63), 2**64)
 
@@ -84,6 +87,14 @@ def csv_list(value: str | None, what: str, valid: list, conv=str) -> list | None
             raise UsageError(f"{what}: {raw.strip()!r} is given twice; give each value once")
         items.append(item)
     return items
+
+
+def path(value: str) -> str:
+    """A file or directory argument: an empty one is refused, not read as "not given" (``--from ''``
+    would otherwise run a new gate, ``--compare-to ''`` compare with nothing)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"must name a file or directory, got {value!r}")
+    return value
 
 
 def shard(value: str) -> str:

@@ -104,6 +104,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     verdicts, judged, caught, inconclusive = Counter(), [], [], []
     last_failure: list[tuple] = []  # (spec, values, failing cell, its bad records): the smallest so far
     ran, tries = [0], [0]
+    written: list[str] = []  # this campaign's reproducer files (fuzz.json lists these, no others)
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
@@ -147,19 +148,19 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             example()
     except Interrupted:
         if last_failure:  # interrupted while shrinking: the smallest failure found so far
-            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
     except OutputError:  # a full disk is not a generated model's failure: exit 74
         raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
-            _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
         print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     if fault and last_failure:  # the fault's first failing example, in the same format
-        _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+        written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
@@ -180,12 +181,25 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     write_manifest(out_dir, {
         **campaign_of, "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
         "interrupted": signals.name if signals() else "", "verdicts": dict(sorted(verdicts.items())),
-        "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "text": text})
+        "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "text": text,
+        "reproducers": sorted(set(written))})
     if signals():
         print(f"parity: interrupted by {signals.name} after {ran[0]} fuzz runs; what finished is in {path}",
               file=sys.stderr)
         return signals.code
     return code
+
+
+def _not_a_run(out: str) -> None:
+    """A campaign's files beside a run's results would make ``merge`` and ``report`` read the folder
+    as either: refused (one line, exit 2). A previous campaign's files are replaced, as ``fuzz.md`` is."""
+    from parity.errors import UsageError
+    from parity.report.outdir import RUN_FILES
+
+    present = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if present:
+        raise UsageError(f"--out {out} holds a run's results ({', '.join(present)}); give the campaign its own "
+                         "--out")
 
 
 #: What a campaign (or one part of it) leaves beside ``fuzz.md``, for ``parity merge``.
@@ -201,10 +215,9 @@ def write_manifest(out_dir: str, fields: dict) -> None:
 
     from parity.report.identity import parity_version
 
-    reproducers = sorted(f for f in os.listdir(out_dir) if f.startswith(("repro_", "reproducer_")))
     path = os.path.join(out_dir, MANIFEST)
     with writing(path), open(path, "w") as fh:
-        json.dump({"kind": "parity-fuzz/1", **fields, "reproducers": reproducers, "torch": torch.__version__,
+        json.dump({"kind": "parity-fuzz/1", "reproducers": [], **fields, "torch": torch.__version__,
                    "parity": parity_version()}, fh, indent=1)
 
 
@@ -220,7 +233,8 @@ def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
 def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: list, reproducer, replay_matrix,
                       origin: str) -> None:
     """The failing example as a model file (``parity run --model FILE:parity_model``), a matrix
-    replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell."""
+    replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell.
+    Returns the three files' names."""
     from parity.report.repro import render
 
     with writing(os.path.join(out_dir, f"repro_{spec['name']}.py")):
@@ -233,16 +247,17 @@ def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: l
         fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
     print(f"fuzz: a generated model failed; reproducer: python {os.path.join(out_dir, 'repro_' + spec['name'])}.py "
           f"(model: {stem}.py; replay both paths: python -m parity run --matrix {stem}.toml)")
+    return [f"repro_{spec['name']}.py", *(os.path.basename(stem) + ext for ext in (".py", ".toml"))]
 
 
 def add_fuzz_arguments(sub) -> None:
-    from parity.arguments import count, integer, positive, shard
+    from parity.arguments import count, integer, path, positive, shard
 
     fz = sub.add_parser("fuzz", help="hypothesis-generated models on both paths (needs hypothesis)")
     fz.add_argument("--examples", type=count, default=25, help="generated examples (25)")
     fz.add_argument("--seed", type=integer, default=0, help="hypothesis seed (0)")
     fz.add_argument("--fault", help="inject this fault into every example and count the catches")
-    fz.add_argument("--out", default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
+    fz.add_argument("--out", type=path, default="results/fuzz", help="where reproducers and fuzz.md go (results/fuzz)")
     fz.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     fz.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
     fz.add_argument("--shard", type=shard, metavar="I/N", help="run part I of N of the campaign (CI fan-out)")
@@ -267,6 +282,7 @@ def fuzz_command(args) -> int:
                          "ask for at least as many examples as parts")
     device = resolve_device(args.device)
     usable(args.out)  # before the campaign: its results must have somewhere to go
+    _not_a_run(args.out)
     return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
                     device=device, timeout=args.timeout,
                     shard=(shard.index, shard.count) if shard else (1, 1))

@@ -129,7 +129,7 @@ def _files(t) -> dict[str, str]:
                 ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"))},
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
-         "empty": str(t / "empty")}
+         "empty": str(t / "empty"), "empty_toml": _write(t / "empty.toml", "# nothing else\n")}
     os.makedirs(f["empty"])
     matrices = {"axes": "axes = 3", "ranks": "[axes]\nranks = [true]", "reshard": "[axes]\nreshard = [1]",
                 "seed": "[axes]\nseed = [1.5]", "seed_huge": "[axes]\nseed = [18446744073709551616]",
@@ -289,7 +289,6 @@ CASES = [
     (["run", "--matrix", "{matrix_skip_some}", "--out", "{out}"], "skip_some.toml: skip.when: cannot evaluate "
      "'ranks / (ranks - 2) == 1' on cell kda/legacy/r2"),
     (["run", "-k", "ranks is 2", "--out", "{out}"], "-k: write == / != instead of is / is not in 'ranks is 2'"),
-    (["run", "--junit", "", "--out", "{out}"], "--junit '': give a file path"),
     (["gate", "--compare-to", "{interrupted}", "--out", "{out}"], "that run is interrupted, not complete"),
     (["gate", "--compare-to", "{empty}/nope", "--out", "{out}"], "--compare-to {empty}/nope: no such directory"),
     (["gate", "--compare-to", "{complete}", "--matrix", "default", "--out", "{out}"],
@@ -328,6 +327,20 @@ CASES = [
     (["fuzz", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
     (["fuzz", "--fault", "gremlin", "--out", "{out}"], "--fault: unknown value 'gremlin'"),
     (["fuzz", "--examples", "0", "--out", "{out}"], "--examples: must be a positive integer"),
+    (["bench", "--fixtures", "lm", "--paths", "legacy", "--harness", "fp8", "--out", "{out}"],
+     "--harness fp8: no cell of that matrix has these models and paths"),
+    (["run", "--list", "-k", "ranks == '2'"], "no cells selected from matrix 'smoke'"),
+    (["fuzz", "--out", "{complete}"], "--out {complete} holds a run's results (cells.csv"),
+    # an empty path is refused, not read as an option not given
+    (["gate", "--from", ""], "argument --from: must name a file or directory, got ''"),
+    (["gate", "--from", "{complete}", "--compare-to", " "], "argument --compare-to: must name a file or directory"),
+    (["run", "--resume", "", "--out", "{out}"], "argument --resume: must name a file or directory"),
+    (["run", "--junit", "", "--out", "{out}"], "argument --junit: must name a file or directory"),
+    (["compare", "{complete}", "{complete}", "--write-digest", ""], "argument --write-digest: must name"),
+    (["repro", "x", "--from", "{complete}", "--out", ""], "argument --out: must name a file or directory"),
+    (["merge", "", "--out", "{out}"], "argument DIR: must name a file or directory"),
+    (["bench", "--ranks", "2000", "--out", "{out}"], "argument --ranks: invalid choice: 2000 (choose from 1, 2, 4, 8)"),
+    (["run", "--matrix", "{empty_toml}", "--out", "{out}"], "the matrix names no [axes] table and no models"),
     # fixtures
     (["fixtures", "extra"], "unrecognized arguments: extra"),
     # a GPU asked for where torch sees none: every cell would be the same ERROR

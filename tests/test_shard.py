@@ -250,8 +250,10 @@ def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:
 
     d = root / f"fuzz-part-{index}"
     d.mkdir()
+    (d / "repro_old_1.py").write_text("# an earlier campaign's, in the same --out: not this part's\n")
     if changes.pop("reproducer", False):
         (d / "repro_gen_7.py").write_text("# a reproducer\n")
+        changes["reproducers"] = ["repro_gen_7.py"]
     fields = dict(seed=2026, examples=5, fault="", device="cpu", timeout=120.0, index=index, count=count, asked=3 if index == 1 else 2,
                   ran=3 if index == 1 else 2, code=0, interrupted="", verdicts={"PASS": 100 * index},
                   inconclusive=[], caught=None, text="")
@@ -275,6 +277,8 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
     failing = [_fuzz_part(bad, 1), _fuzz_part(bad, 2, code=1, ran=1, reproducer=True)]
     assert main(["merge", *failing, "--out", str(bad / "m")]) == 1
     assert (bad / "m" / "part-2" / "repro_gen_7.py").is_file()
+    assert not list((bad / "m").glob("part-*/repro_old_1.py"))  # only what the campaign wrote is its evidence
+    assert "reproducers in part-1" not in (bad / "m" / "fuzz.md").read_text()
     assert "NOT every part finished clean" in (bad / "m" / "fuzz.md").read_text()
 
     capsys.readouterr()

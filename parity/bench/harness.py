@@ -24,16 +24,9 @@ PHASES = ("spawn", "waiting for ranks", "build", "steps", "checkpoint", "referen
 def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *, device: str, out_dir: str,
                  timeout: float) -> tuple[int, dict]:
     """(the run's exit code, ``{"matrix", "cells", phase: seconds...}``)."""
-    from parity.matrix import load
     from parity.runner import RunOptions, run_cells
 
-    sources = tuple(dict.fromkeys(s for _, s in models if s))
-    m = load(matrix, sources)
-    names = {n for n, _ in models}
-    cells = [c for c in m.cells if c.fixture in names and c.path in paths]
-    if not cells:
-        raise UsageError(f"--harness {matrix}: no cell of that matrix has these models and paths; "
-                         "choose a matrix with them or --harness none")
+    m, cells = harness_cells(matrix, models, paths)
     out = os.path.join(out_dir, "harness")
     options = RunOptions(out_dir=out, device=device, timeout=timeout, progress=False, title=f"harness {m.name}",
                          overwrite=True)
@@ -42,6 +35,20 @@ def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *
     with open(os.path.join(out, "timings.json")) as fh:
         timings = json.load(fh)
     return code, {"matrix": m.name, "cells": len(cells), **{k: timings.get(k, 0.0) for k in PHASES}}
+
+
+def harness_cells(matrix: str, models: list[tuple[str, str]], paths: list[str]) -> tuple:
+    """(the matrix, its cells of these models and paths); none is a usage error, which ``bench``
+    raises before it measures anything."""
+    from parity.matrix import load
+
+    m = load(matrix, tuple(dict.fromkeys(s for _, s in models if s)))
+    names = {n for n, _ in models}
+    cells = [c for c in m.cells if c.fixture in names and c.path in paths]
+    if not cells:
+        raise UsageError(f"--harness {matrix}: no cell of that matrix has these models and paths; "
+                         "choose a matrix with them or --harness none")
+    return m, cells
 
 
 def markdown(cost: dict) -> list[str]:

@@ -128,17 +128,17 @@ def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, 
 
 
 def add_bench_arguments(sub) -> None:
-    from parity.arguments import count, integer, positive, steps
+    from parity.arguments import RANK_COUNTS, integer, path, positive, steps
 
     bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
     bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
     bench.add_argument("--model", action="append", default=[], help="plugin models: pkg.module:factory (repeatable)")
     bench.add_argument("--paths", default="legacy,native", help="comma list of paths (legacy,native)")
-    bench.add_argument("--ranks", type=count, default=2, help="rank count (2)")
+    bench.add_argument("--ranks", type=integer, choices=RANK_COUNTS, default=2, help="rank count (2)")
     bench.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     bench.add_argument("--warmup", type=integer, default=2, help="unmeasured steps first (2)")
     bench.add_argument("--steps", type=steps, default=10, help="measured steps (10, at most 1000)")
-    bench.add_argument("--out", default="results/bench", help="output directory (results/bench)")
+    bench.add_argument("--out", type=path, default="results/bench", help="output directory (results/bench)")
     bench.add_argument("--plot", action="store_true", help="also write PNG plots (needs parity[plot])")
     bench.add_argument("--timeout", type=positive, default=120.0, help="seconds without progress (120)")
     bench.add_argument("--harness", default="none", metavar="MATRIX",
@@ -159,10 +159,11 @@ def bench_command(args) -> int:
     known = dict(sourced) if sourced else {name: "" for name in registered()}
     names = csv_list(args.fixtures, "--fixtures", list(known)) or list(known)
     paths = csv_list(args.paths, "--paths", path_names())
-    if args.harness != "none":  # a wrong matrix is refused now, not after the measurements
-        from parity.matrix import load
+    models = [(n, known[n]) for n in names]
+    if args.harness != "none":  # a wrong matrix, or one without these models, is refused before measuring
+        from parity.bench.harness import harness_cells
 
-        load(args.harness, tuple(src for src in args.model))
-    return run_bench(models=[(n, known[n]) for n in names], paths=paths, ranks=args.ranks,
+        harness_cells(args.harness, models, paths)
+    return run_bench(models=models, paths=paths, ranks=args.ranks,
                      device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
                      plots=args.plot, timeout=args.timeout, harness=args.harness)

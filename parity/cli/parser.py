@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from parity.arguments import max_norm as _max_norm
+from parity.arguments import path as _path
 from parity.arguments import positive as _positive
 from parity.arguments import seed as _seed
 from parity.arguments import shard as _shard
@@ -67,9 +68,9 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--baseline", help="path every other path is compared with (default: legacy)")
     p.add_argument("--ranks", help="comma list of rank counts, e.g. 1,2")
     p.add_argument("-k", dest="filter", help="expression over axis values, e.g. \"fixture == 'kda' and ranks == 2\"")
-    p.add_argument("--out", help=f"output directory (default: {out})")
+    p.add_argument("--out", type=_path, help=f"output directory (default: {out})")
     p.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
-    p.add_argument("--resume", metavar="DIR", help="continue the interrupted run recorded in DIR")
+    p.add_argument("--resume", type=_path, metavar="DIR", help="continue the interrupted run recorded in DIR")
     p.add_argument("--seed", type=_seed, help="run every cell with this seed instead of the matrix's")
     p.add_argument("--steps", type=_steps, help="optimizer steps per cell instead of the matrix's (at most 1000)")
     p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
@@ -89,7 +90,7 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--timeout", type=_positive, help="seconds without progress before a cell is a TIMEOUT (60)")
     p.add_argument("--fp64", action="store_true", default=None, help="also record errors against an FP64 reference")
     p.add_argument("--fault", action="append", help="inject a deliberate fault (testing the checks)")
-    p.add_argument("--junit", metavar="FILE", help="also write JUnit XML (one test case per cell x check)")
+    p.add_argument("--junit", type=_path, metavar="FILE", help="also write JUnit XML (one test case per cell x check)")
     p.add_argument("--op-log", action="store_true", default=None,
                    help="failing cells' traced re-runs also write rank 0's operator log in DebugMode's format")
     p.add_argument("--require-native", action="store_true", default=None,
@@ -114,29 +115,29 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--list", action="store_true", help="print the selected cells and exit")
     gate = sub.add_parser("gate", help="GO / NO-GO per model for enabling the native path")
     _run_arguments(gate, "default", "results/gate")
-    gate.add_argument("--from", dest="from_dir", metavar="DIR", help="judge an existing results directory instead")
+    gate.add_argument("--from", dest="from_dir", type=_path, metavar="DIR", help="judge an existing results directory instead")
     gate.add_argument("--candidate", default="native", help="the path whose enabling is decided (native)")
-    gate.add_argument("--compare-to", metavar="DIR", help="also NO-GO on a regression against these results "
+    gate.add_argument("--compare-to", type=_path, metavar="DIR", help="also NO-GO on a regression against these results "
                       "(parity compare; --baseline names the baseline *path*)")
     mrg = sub.add_parser("merge", help="join the parts of a sharded run or fuzz campaign (--shard I/N) into one "
                          "results directory")
-    mrg.add_argument("parts", nargs="+", metavar="DIR", help="every part's --out directory")
-    mrg.add_argument("--out", required=True, help="the merged results directory")
+    mrg.add_argument("parts", nargs="+", type=_path, metavar="DIR", help="every part's --out directory")
+    mrg.add_argument("--out", required=True, type=_path, help="the merged results directory")
     mrg.add_argument("--overwrite", action="store_true", help="replace another run's results in --out")
-    mrg.add_argument("--junit", metavar="FILE", help="also write JUnit XML")
+    mrg.add_argument("--junit", type=_path, metavar="FILE", help="also write JUnit XML")
     mrg.add_argument("--gate", action="store_true", help="also decide GO / NO-GO (gate.json, gate.md) as gate --from does")
     mrg.add_argument("--candidate", default="native", help="with --gate: the path whose enabling is decided (native)")
     add_fuzz_arguments(sub)
     rpr = sub.add_parser("repro", help="write a self-contained script re-running one cell of a results directory")
     rpr.add_argument("cell", metavar="CELL_ID", help="a cell id as cells.csv names it")
-    rpr.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="the run's --out directory")
-    rpr.add_argument("--out", metavar="FILE", help="where to write the script (default: print it)")
+    rpr.add_argument("--from", dest="from_dir", required=True, type=_path, metavar="DIR", help="the run's --out directory")
+    rpr.add_argument("--out", type=_path, metavar="FILE", help="where to write the script (default: print it)")
     rep = sub.add_parser("report", help="(re)write DIR/report.html from a results directory")
-    rep.add_argument("dir", help="a parity results directory (cells.csv; gate.json and bench.md if present)")
+    rep.add_argument("dir", type=_path, help="a parity results directory (cells.csv; gate.json and bench.md if present)")
     cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
-    cmp.add_argument("old", help="baseline results directory (cells.csv / bench.csv, or a digest.json)")
-    cmp.add_argument("new", help="results directory to judge")
+    cmp.add_argument("old", type=_path, help="baseline results directory (cells.csv / bench.csv, or a digest.json)")
+    cmp.add_argument("new", type=_path, help="results directory to judge")
     cmp.add_argument("--factor", type=_positive, default=2.0, help="a check's worst ratio may grow this much (2)")
-    cmp.add_argument("--write-digest", metavar="DIR", help="also write NEW's digest.json into DIR (a baseline)")
+    cmp.add_argument("--write-digest", type=_path, metavar="DIR", help="also write NEW's digest.json into DIR (a baseline)")
     add_bench_arguments(sub)
     return p

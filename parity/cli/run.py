@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 
+from parity.arguments import RANK_COUNTS
 from parity.arguments import csv_list as _csv
 from parity.cli.parser import AXIS_OPTIONS, RUN_DEFAULTS, RUN_IDENTITY, _run_arguments
 from parity.errors import UsageError
@@ -79,7 +80,7 @@ def _select(opts: dict):
     matrix = load(opts["matrix"], tuple(opts["model"]))
     cells = list(matrix.cells)
     paths = _csv(opts["paths"], "--paths", path_names())
-    ranks = _csv(opts["ranks"], "--ranks", [1, 2, 4, 8], int)
+    ranks = _csv(opts["ranks"], "--ranks", list(RANK_COUNTS), int)
     faults = check_faults(opts["fault"])
     baseline = check_path(opts["baseline"])
     if paths:  # the path axis becomes exactly these paths, for every pair group of the matrix
@@ -101,12 +102,17 @@ def _select(opts: dict):
     return matrix, select(cells, opts["filter"])
 
 
+def _nonempty(matrix, cells) -> None:
+    """Listed or run, an empty selection is a typo in ``-k`` (or a narrowing option), not a result."""
+    if not cells:
+        raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
+
+
 def _execute(args, opts: dict, matrix, cells) -> int:
     from parity.execute.torchrun import TorchrunExecutor, under_torchrun, writes_results
     from parity.runner import RunOptions, resolve_device, run_cells
 
-    if not cells:
-        raise UsageError(f"no cells selected from matrix {matrix.name!r}; loosen -k/--paths/--ranks")
+    _nonempty(matrix, cells)
     if opts["junit"] is not None and writes_results():
         from parity.report.outdir import writable_file
 
@@ -191,6 +197,8 @@ def check_models(cells, warn: bool = True) -> None:
 def cmd_run(args) -> int:
     opts = _run_settings(args, RUN_DEFAULTS)
     matrix, cells = _select(opts)
+    if args.list:
+        _nonempty(matrix, cells)
     if args.list and opts["shard"]:
         cells = _part_of(cells, opts["shard"], matrix.name)[0]
     if args.list:

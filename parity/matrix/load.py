@@ -47,7 +47,7 @@ import tomllib
 import typing
 from dataclasses import dataclass
 
-from parity.arguments import MAX_MICROBATCHES, MAX_STEPS, SEEDS
+from parity.arguments import MAX_MICROBATCHES, MAX_STEPS, RANK_COUNTS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, OUTPUT_DTYPES,
                                 PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
@@ -304,7 +304,7 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     axes = {a: axes_in.get(a, defaults[a]) for a in AXES}
     _validate(path, "fixture", axes["fixture"], list(models))
     _validate(path, "path", axes["path"], path_names())
-    _validate(path, "ranks", axes["ranks"], [1, 2, 4, 8])
+    _validate(path, "ranks", axes["ranks"], list(RANK_COUNTS))
     _validate(path, "reshard", axes["reshard"], [True, False])
     for axis, choices in _CHOICES.items():
         _validate(path, axis, axes[axis], list(choices))
@@ -364,6 +364,9 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         check_filter(_typed(path, "skip.when", entry["when"], str), f"{path}: skip.when")
         skips.append((entry["when"], _typed(path, "skip.reason", entry["reason"], str)))
     _evaluates(cells, [when for when, _ in skips], f"{path}: skip.when")
+    if "axes" not in data and "models" not in data:  # an empty or truncated file is no request for every default
+        raise UsageError(f"{path}: the matrix names no [axes] table and no models; give it an [axes] table "
+                         "(docs/matrices.md)")
     name = os.path.basename(path).removesuffix(".toml")
     return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
                   path=os.path.abspath(path))
