@@ -70,6 +70,8 @@ def sharded(tmp_path_factory):
     for i, part in enumerate(parts, 1):
         assert main(["run", *SLICE, "--shard", f"{i}/4", "--out", part]) == 0
     merged = str(root / "merged")
+    assert main(["merge", *parts, "--out", str(root / "plain")]) == 0  # no gate: the report as a run's
+    shutil.copy(os.path.join(whole, "report.html"), root / "whole.html")  # before a gate --from rewrites it
     code = main(["merge", *reversed(parts), "--out", merged, "--gate", "--junit", str(root / "merged.xml")])
     return root, whole, parts, merged, code
 
@@ -93,6 +95,9 @@ def test_merged_parts_are_the_single_run(sharded):
     assert run["status"] == "complete" and "shard" not in run and run["merged"]["parts"] == 4
     assert run["cells"] == json.loads(_read(os.path.join(whole, "run.json")))["cells"]
     assert "Gate: enable" in _read(os.path.join(merged, "report.html"))
+    here = lambda path, d: _read(path).replace(os.path.abspath(d), "DIR")  # noqa: E731 - the report names its folder
+    assert here(root / "plain" / "report.html", root / "plain") == here(root / "whole.html", whole)
+    assert "<td>status</td><td>complete</td>" in _read(root / "whole.html")
 
 
 def test_a_gate_on_the_merged_parts_is_the_gate_on_one_run(sharded):
@@ -185,6 +190,16 @@ def test_a_part_whose_results_were_edited_after_it_ran_is_refused(sharded, tmp_p
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "p2/cells.csv holds" in err and "rerun part 2/4" in err, err
     assert not os.path.exists(tmp_path / "m" / "cells.csv")
+
+
+def test_a_part_whose_run_json_is_torn_is_refused_with_the_parts_fix(sharded, tmp_path, capsys):
+    root, whole, parts, merged, code = sharded
+    copy = shutil.copytree(parts[2], tmp_path / "p3")
+    os.truncate(os.path.join(copy, "run.json"), 200)
+    assert main(["merge", *parts[:2], str(copy), parts[3], "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "p3/run.json is unreadable" in err and err.endswith(
+        "rerun that part (run --shard I/N)"), err
 
 
 def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp_path, capsys):

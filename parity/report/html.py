@@ -97,8 +97,10 @@ def _read_gate(path: str) -> dict:
     return gate
 
 
-def write_html(out_dir: str, records: list[Record]) -> str:
-    """Write ``report.html`` into ``out_dir`` from its records and whatever else is there."""
+def write_html(out_dir: str, records: list[Record], manifest: dict | None = None) -> str:
+    """Write ``report.html`` into ``out_dir`` from its records and whatever else is there.
+    ``manifest``: the ``run.json`` a finishing run or merge is about to write (it writes that last,
+    so that a folder marked complete has every file); otherwise the one in ``out_dir``."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>parity report</title><style>{_STYLE}</style>"
              "</head><body>", f"<h1>parity report: {_esc(os.path.abspath(out_dir))}</h1>"]
     gate_path = os.path.join(out_dir, "gate.json")
@@ -126,8 +128,8 @@ def write_html(out_dir: str, records: list[Record]) -> str:
     if os.path.isfile(bench_md):
         with open(bench_md, encoding="utf-8", errors="replace") as fh:
             parts += ["<h2 id='bench'>Bench</h2>", f"<pre>{_esc(fh.read())}</pre>"]
-    if os.path.isfile(os.path.join(out_dir, MANIFEST)):
-        run = read_manifest(out_dir)
+    if manifest is not None or os.path.isfile(os.path.join(out_dir, MANIFEST)):
+        run = manifest if manifest is not None else read_manifest(out_dir)
         env = {"torch": run.get("torch"), "device": run.get("device"), "status": run.get("status"),
                "options": json.dumps(run.get("options", {}))}
         environment = run.get("environment")

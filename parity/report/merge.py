@@ -38,7 +38,7 @@ SAME = ("torch", "device", "parity", "sources")
 
 
 def _part(directory: str) -> dict:
-    manifest = outdir.read_manifest(directory)
+    manifest = outdir.read_manifest(directory, "rerun that part (run --shard I/N)")
     shard = manifest.get("shard")
     if not isinstance(shard, dict) or not {"index", "count", "digest", "selection", "groups", "cell_groups"} <= set(shard):
         raise UsageError(f"merge: {directory} is not a part of a sharded run (no shard in its run.json); "
@@ -188,7 +188,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
         with writing(os.path.join(out, "timings.json")), open(os.path.join(out, "timings.json"), "w") as fh:
             json.dump(dict(timings), fh, indent=2)
         with writing(os.path.join(out, "report.html")):
-            write_html(out, records)
+            write_html(out, records, {**manifest, "status": "complete"})
         if junit:
             with writing(junit):
                 write_junit(junit, records, suite=title)

@@ -202,13 +202,12 @@ def read_json(path: str, fix: str) -> dict:
     return data
 
 
-def read_manifest(out: str) -> dict:
+def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> dict:
     """``out``'s ``run.json``: an object whose ``options`` and ``environment`` (if any) are objects,
-    ``cells`` a list and ``status`` a string."""
+    ``cells`` a list and ``status`` a string; ``fix`` ends the error when it is not."""
     path = os.path.join(out, MANIFEST)
     if not os.path.isfile(path):
         raise UsageError(f"{out}: no {MANIFEST} there; give the --out directory of an earlier parity run")
-    fix = "start a new run with --overwrite"
     manifest = read_json(path, fix)
     for key, kind in (("options", dict), ("environment", dict), ("cells", list), ("status", str)):
         if key in manifest and not isinstance(manifest[key], kind):
