@@ -1,5 +1,6 @@
 """The gate's rules, each with a case that breaks it, and the records it reads."""
 
+import json
 import math
 
 import pytest
@@ -154,6 +155,10 @@ def test_a_run_where_every_cell_is_skipped_exits_nonzero(tmp_path, capsys):
                       'reason = "needs 2 GPUs"\n')
     assert main(["run", "--matrix", str(matrix), "--out", str(tmp_path / "x")]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("parity: every cell was skipped (needs 2 GPUs")
+    assert main(["gate", "--from", str(tmp_path / "x")]) == 1  # nothing checked: no GO
+    scope = json.loads((tmp_path / "x" / "gate.json").read_text())["scope"]
+    assert scope["cells_run"] == scope["cells_skipped"] == 2
+    assert "2 of 2 cells (2 of them skipped)" in (tmp_path / "x" / "gate.md").read_text()
 
 
 def test_trajectory_allows_twice_the_emulations_distance_to_fp64_and_no_more():

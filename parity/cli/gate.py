@@ -48,6 +48,15 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
             "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
 
 
+def _skipped(records: list) -> int:
+    """How many of the run's cells recorded nothing but SKIP (counted among ``cells_run``: they
+    were selected and decided on, not checked)."""
+    verdicts: dict[str, set] = {}
+    for r in records:
+        verdicts.setdefault(r.cell, set()).add(str(r.verdict))
+    return sum(v == {"SKIP"} for v in verdicts.values())
+
+
 def _gate_baseline(directory: str | None) -> dict | None:
     """The digest ``gate --compare-to`` compares with (a complete run's), or ``None``."""
     if not directory:
@@ -147,6 +156,7 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
                 d.decision = gate.NO_GO
                 d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
     scope = _scope(manifest.get("options"), list(manifest.get("cells") or []))
+    scope["cells_skipped"] = _skipped(records)
     gate.apply_scope(decisions, scope)
     env = manifest.get("environment") or {}
     meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,

@@ -200,7 +200,9 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
 def _scope_lines(scope: dict, meta: dict) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items() if v)
     lines = [f"- matrix `{scope.get('matrix', '?')}` (digest `{scope.get('matrix_digest', '?')}`), "
-             f"{scope.get('cells_run', '?')} of {scope.get('cells_expected', '?')} cells, {scope.get('steps', '?')} steps",
+             f"{scope.get('cells_run', '?')} of {scope.get('cells_expected', '?')} cells"
+             + (f" ({scope['cells_skipped']} of them skipped)" if scope.get("cells_skipped") else "")
+             + f", {scope.get('steps', '?')} steps",
              f"- options: {', '.join(f'`{k} {v}`' for k, v in scope.get('options', {}).items()) or 'none'}; "
              f"faults: {', '.join(scope.get('faults', [])) or 'none'}",
              f"- device {meta.get('device', '?')}; {versions or 'versions not recorded'}",
