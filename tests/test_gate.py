@@ -85,6 +85,25 @@ def test_a_declared_fallback_or_isolation_error_with_a_skipped_cell_is_not_not_a
         assert d.decision == NO_GO and "1 pairs not compared: native was skipped" in d.reasons, (one, d.reasons)
 
 
+def test_not_applicable_is_no_go_when_the_evidence_beside_it_fails():
+    """A declared fallback or isolation error makes enabling the candidate change nothing, but a
+    failing comparison, baseline cell or candidate record beside it is still a failure (exit 1)."""
+    fell_back = [rec("m", "native", 0, taken="legacy", fallback_reason="unit x mixes trainable storage dtypes"),
+                 rec("m", "native", 0, check="fallback", name="declared", taken="legacy",
+                     fallback_reason="unit x mixes trainable storage dtypes")]
+    raised = [rec("m", "native", 0, check="expected_error", name="isolation")]
+    for one in (fell_back, raised):
+        rows = one + [rec("m", "legacy", 0), rec("m", "legacy~native", 0, taken="")]
+        assert decide(rows, "m", "native").decision == NOT_APPLICABLE
+        for bad in (rec("m", "legacy~native", 0, check="output", verdict="FAIL", taken=""),
+                    rec("m", "legacy", 0, check="param", verdict="FAIL"),
+                    rec("m", "native", 0, check="output", verdict="ERROR", taken=one[0].path_taken)):
+            d = decide(rows + [bad], "m", "native")
+            assert d.decision == NO_GO and d.reasons, (one, bad, d)
+        d = decide(rows + [rec("m", "legacy~native", 0, check="output", verdict="FAIL", taken="")], "m", "native")
+        assert d.notes[-1].startswith("would be NOT APPLICABLE") and d.reasons[0].startswith("cross-path: output")
+
+
 def test_a_candidate_cell_without_its_pair_row_is_no_go():
     """Every candidate cell gets a pair row (compared or UNPAIRED); rows of a pair that are gone
     from the results are missing evidence, not a pair that needed no comparison."""

@@ -92,16 +92,22 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     # NOT APPLICABLE speaks for every cell: one that was skipped showed nothing, and the
     # decision below counts its unpaired pair as it does on a GO
     every = ran == cand_cells
+    raised = {r.cell for r in expected_errors if r.path_taken == candidate and r.verdict == Verdict.PASS}
+    na = ""
     if every and not_taken and not_taken <= declared and all(verdicts[c] == Verdict.PASS for c in ran) \
             and not_taken == ran:
-        d.decision = NOT_APPLICABLE
-        d.notes.append(f"{candidate} falls back in all {len(ran)} cells, as the model declares: "
-                       + next(r.detail for r in fallbacks if r.cell in declared))
-        return d
-    raised = {r.cell for r in expected_errors if r.path_taken == candidate and r.verdict == Verdict.PASS}
-    if every and raised == ran:
-        d.decision = NOT_APPLICABLE
-        d.notes.append(f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells")
+        na = (f"{candidate} falls back in all {len(ran)} cells, as the model declares: "
+              + next(r.detail for r in fallbacks if r.cell in declared))
+    elif every and raised == ran:
+        na = f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells"
+    if na:  # enabling the candidate changes nothing, unless what did run beside it failed
+        _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
+        if d.reasons:
+            d.decision = NO_GO
+            d.notes.append(f"would be {NOT_APPLICABLE} ({na}), but evidence beside it failed")
+        else:
+            d.decision = NOT_APPLICABLE
+            d.notes.append(na)
         return d
     undeclared = not_taken - declared
     if undeclared:
@@ -117,14 +123,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
         if alone:
             d.reasons.append(f"{len(alone)} {candidate} cells have no cross-path record in the results (e.g. "
                              f"{alone[0]}): their comparison with the baseline is missing")
-    d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
-    failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
-    if failed_base:
-        first = next(r for r in own if r.cell == failed_base[0] and r.verdict in BAD)
-        d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}: {first.check} "
-                         f"{first.verdict}: {clip(first.detail.split(' | ')[0], 240)}); {candidate} cannot be "
-                         "compared with it there")
-    d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
+    _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
     unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
     accepted = [r for r in unpaired if r.name == Unpaired.EXPECTED_ISOLATION_ERROR]
     others = [r for r in unpaired if r not in accepted]
@@ -133,10 +132,24 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if accepted:
         d.notes.append(f"the baseline cannot shard this model (declared isolation error) in {len(accepted)} cells: "
                        f"{candidate} was judged against the reference alone there")
-    _other_paths(d, rows, own, candidate, baselines)
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str], pairs: list[Record],
+              base_cells: set[str], candidate: str, baselines: set[str]) -> None:
+    """The reasons every decision weighs, NOT APPLICABLE included: the candidate's failing records,
+    the baseline's, the cross-path comparisons' and other paths' that ran beside them."""
+    d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
+    failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
+    if failed_base:
+        first = next(r for r in own if r.cell == failed_base[0] and r.verdict in BAD)
+        d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}: {first.check} "
+                         f"{first.verdict}: {clip(first.detail.split(' | ')[0], 240)}); {candidate} cannot be "
+                         "compared with it there")
+    d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
+    _other_paths(d, rows, own, candidate, baselines)
 
 
 def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: str, baselines: set[str]) -> None:
