@@ -560,6 +560,11 @@ def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
     assert main(["gate", "--from", run_dir("new", rows), "--compare-to", old]) == 1
     out = capsys.readouterr().out
     assert "NO-GO" in out and f"regressed against {old}: cell {rows[1].cell}: PASS -> UNPAIRED" in out
+    # a model OLD had and NEW lacks: its regression concerns the decisions made without it
+    both = run_dir("both", healthy() + healthy("gone"))
+    assert main(["gate", "--from", run_dir("mine", healthy()), "--compare-to", both]) == 1
+    out = capsys.readouterr().out
+    assert "NO-GO" in out and f"regressed against {both}: cell gone/" in out
 
 
 def test_gate_md_carries_no_raw_html_from_details(tmp_path):

@@ -150,8 +150,10 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
         from parity.report.compare import compare, concerns, digest_of
 
         bad, _ = compare(baseline, digest_of(out, "gate"))
+        # a regression of a model the new run lacks (its cells gone) concerns every decision made without it
+        orphans = [b for b in bad if not any(concerns(b, d.model) for d in decisions)]
         for d in decisions:
-            mine = [b for b in bad if concerns(b, d.model)]
+            mine = [b for b in bad if concerns(b, d.model)] + orphans
             if mine:
                 d.decision = gate.NO_GO
                 d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
