@@ -151,6 +151,9 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         raise UsageError(f"parity.{command}(list=True) runs nothing; list the cells with parity.select(...)")
     argv = _argv(command, options)
     if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
+        if out and os.path.abspath(out) != os.path.abspath(options["from_dir"]):
+            raise UsageError(f"from_dir={options['from_dir']!r} is judged in place (its gate files go there); "
+                             f"drop out={out!r}")
         out = options["from_dir"]
     elif options.get("resume"):  # continues that directory, as the command line does
         if out and os.path.abspath(out) != os.path.abspath(options["resume"]):
@@ -192,17 +195,36 @@ def select(*, matrix: str = "smoke", **options):
     return found, cells, opts
 
 
-def run(*, matrix: str = "smoke", out: str | None = None, quiet: bool = False, **options) -> Result:
-    """Run a matrix (``python -m parity run``). ``out``: the results directory (default: a new
-    temporary one); ``options``: the command's options as keywords (``model``, ``paths``,
-    ``ranks``, ``filter`` for ``-k``, ``seed``, ``steps``, ``fault``, ``fp64``, ``shard`` ...;
-    ``resume=DIR`` continues that run in DIR, with its recorded options, as ``--resume`` does);
-    ``quiet`` drops the table the command prints."""
-    return _call("run", out, quiet, {"matrix": None if options.get("resume") else matrix, **options})
+def run(*, matrix: str | None = None, out: str | None = None, quiet: bool = False, **options) -> Result:
+    """Run a matrix (``python -m parity run``; ``smoke`` unless ``matrix`` names another).
+    ``out``: the results directory (default: a new temporary one); ``options``: the command's
+    options as keywords (``model``, ``paths``, ``ranks``, ``filter`` for ``-k``, ``seed``,
+    ``steps``, ``fault``, ``fp64``, ``shard`` ...; ``resume=DIR`` continues that run in DIR, with
+    its recorded options and matrix, as ``--resume`` does); ``quiet`` drops the table the command
+    prints."""
+    _recorded_matrix("run", "resume", matrix, options)
+    return _call("run", out, quiet, {"matrix": None if options.get("resume") else matrix or "smoke", **options})
 
 
-def gate(*, matrix: str = "default", out: str | None = None, quiet: bool = False, **options) -> Result:
-    """GO / NO-GO per model (``python -m parity gate``): runs ``matrix`` (or judges ``from_dir``)
-    and decides; :attr:`Result.decisions` holds the decisions, :attr:`Result.ok` whether every
-    model is GO."""
-    return _call("gate", out, quiet, {"matrix": None if options.get("from_dir") else matrix, **options})
+def gate(*, matrix: str | None = None, out: str | None = None, quiet: bool = False, **options) -> Result:
+    """GO / NO-GO per model (``python -m parity gate``): runs ``matrix`` (``default`` unless named;
+    or judges ``from_dir``, as it ran) and decides; :attr:`Result.decisions` holds the decisions,
+    :attr:`Result.ok` whether every model is GO. One part of a split run (``shard``) decides
+    nothing and is refused here: run the parts with :func:`run` and decide on their merge."""
+    from parity.errors import UsageError
+
+    _recorded_matrix("gate", "from_dir", matrix, options)
+    if options.get("shard"):
+        raise UsageError(f"parity.gate(shard={options['shard']!r}) decides nothing (one part); run each part with "
+                         "parity.run(shard=...) and decide on all of them: python -m parity merge PARTS... --out DIR "
+                         "--gate")
+    return _call("gate", out, quiet, {"matrix": None if options.get("from_dir") else matrix or "default", **options})
+
+
+def _recorded_matrix(command: str, key: str, matrix, options: dict) -> None:
+    """``resume`` / ``from_dir`` take the directory's recorded matrix: another named beside it would
+    be ignored, so it is refused (as the command line refuses ``--matrix`` there)."""
+    if options.get(key) and matrix is not None:
+        from parity.errors import UsageError
+
+        raise UsageError(f"parity.{command}({key}=...) uses the matrix that run recorded; drop matrix={matrix!r}")

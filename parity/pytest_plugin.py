@@ -47,8 +47,9 @@ def _fixture(command: str, tmp_path):
     from parity import api
 
     def call(**options):
-        result = getattr(api, command)(out=options.pop("out", str(tmp_path / f"parity-{command}")), quiet=True,
-                                       **options)
+        in_place = options.get("from_dir") or options.get("resume")  # that directory is the results'
+        default = None if in_place else str(tmp_path / f"parity-{command}")
+        result = getattr(api, command)(out=options.pop("out", default), quiet=True, **options)
         if not result.ok:
             pytest.fail(explain(result), pytrace=False)
         return result

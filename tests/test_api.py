@@ -60,6 +60,19 @@ def test_a_keyword_of_the_wrong_type_is_named(kwargs, message):
         parity.run(matrix="smoke", **kwargs)
 
 
+@pytest.mark.parametrize("call, kwargs, message", [
+    ("gate", {"from_dir": "d", "matrix": "knobs"}, r"parity.gate\(from_dir=...\) uses the matrix that run recorded; "
+                                                   "drop matrix='knobs'"),
+    ("run", {"resume": "d", "matrix": "knobs"}, r"parity.run\(resume=...\) uses the matrix that run recorded"),
+    ("gate", {"from_dir": "d", "out": "elsewhere"}, r"from_dir='d' is judged in place .*; drop out='elsewhere'"),
+    ("gate", {"shard": "1/2"}, r"parity.gate\(shard='1/2'\) decides nothing \(one part\)"),
+])
+def test_an_option_the_call_would_ignore_is_refused(call, kwargs, message):
+    """What the command line refuses (``gate --from D --matrix M``) the API does not drop silently."""
+    with pytest.raises(UsageError, match=message):
+        getattr(parity, call)(**kwargs)
+
+
 def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line(monkeypatch):
     """Ranks start as processes that import the caller's main script: a call without an
     ``if __name__ == "__main__":`` guard would start runs inside ranks."""

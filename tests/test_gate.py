@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -274,4 +275,7 @@ def test_a_candidate_compared_with_no_other_path_is_no_go(tmp_path, capsys):
     assert main(["gate", "--from", out]) == 1
     assert "kda" in capsys.readouterr().out
     assert main(["gate", "--baseline", "native", "-k", "ranks == 1", "--out", str(tmp_path / "g")]) == 2
-    assert "--baseline native is the candidate" in capsys.readouterr().err
+    assert "the baseline path native is the candidate" in capsys.readouterr().err
+    assert main(["gate", "--candidate", "legacy", "-k", "ranks == 1", "--out", str(tmp_path / "g")]) == 2  # legacy:
+    assert "the baseline path legacy is the candidate" in capsys.readouterr().err  # the default baseline
+    assert not os.path.exists(tmp_path / "g")

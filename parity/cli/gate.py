@@ -82,9 +82,10 @@ def cmd_gate(args) -> int:
     if args.fault:
         raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
                          "test the checks with python -m parity run --fault NAME")
-    if getattr(args, "baseline", None) == candidate:
-        raise UsageError(f"gate: --baseline {candidate} is the candidate: a gate compares the candidate with "
-                         "another path; drop --baseline or name that path")
+    baseline_path = getattr(args, "baseline", None) or (None if args.from_dir else RUN_DEFAULTS["baseline"])
+    if baseline_path == candidate:
+        raise UsageError(f"gate: the baseline path {candidate} is the candidate: a gate compares the candidate with "
+                         "another path; name another with --baseline (or another --candidate)")
     baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
         _only_judging(args)
