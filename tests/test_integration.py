@@ -101,7 +101,7 @@ def test_crash_hang_and_raise_become_verdicts_and_the_run_goes_on(run_matrix):
     assert by_seed == {1: "PASS", 2: "ERROR", 3: "PASS", 4: "TIMEOUT", 5: "ERROR", 6: "PASS"}
     detail = {r["cell"]: r["detail"] for r in records if r["check"] == "run"}
     assert "rank 1 died with exit code 17" in detail[cells[1].id]
-    assert f"rank(s) [0, 1] made no progress for {timeout:.0f} s" in detail[cells[3].id]
+    assert f"rank(s) [0, 1] made no progress for {timeout:g} s" in detail[cells[3].id]
     assert "rank 0 raised RuntimeError: deliberate fault" in detail[cells[4].id]
     assert code == 1
 

@@ -254,3 +254,23 @@ if os.environ["RANK"] == "0":
     assert "**Interrupted** (SIGTERM)" in (out / "summary.md").read_text() and 'type="INTERRUPTED"' in junit
     codes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
     assert codes == ["143", "143"], proc.stderr[-3000:]
+
+
+def test_a_rank_sends_only_messages_one_atomic_pipe_write_carries(tmp_path):
+    """A rank killed while sending must leave a whole message or none: a half-written one held the
+    parent in a read no timeout or signal ended (review, 2026-12-06). Payloads over INLINE bytes
+    go through a file; every pickled message fits PIPE_BUF, which the kernel writes atomically."""
+    import pickle
+    import queue
+    import select
+
+    from parity.execute.pool import INLINE, _received, _send
+
+    q = queue.SimpleQueue()
+    big, small = os.urandom(4 * 2**20), b"heartbeat"
+    for payload in (big, small, os.urandom(INLINE)):
+        _send(q, str(tmp_path), ("ok", 1, payload))
+        message = q.get()
+        assert len(pickle.dumps(message)) <= select.PIPE_BUF
+        assert _received(message) == ("ok", 1, payload)
+    assert not os.listdir(tmp_path)  # every file read and removed

@@ -49,6 +49,39 @@ class CellFailure(Exception):
         super().__init__(f"{verdict}: {reason}")
 
 
+#: The most payload bytes a message carries on the results queue itself. A larger payload (an
+#: observation, a long traceback) goes through a file and the message names it: every message
+#: then fits one pipe write of at most ``PIPE_BUF`` bytes, which the kernel makes atomic, so a
+#: rank killed while sending leaves a whole message or none -- never a half-written one the
+#: parent would wait on for the rest, beyond any timeout or signal.
+INLINE = 1024
+
+
+def _send(results, tmp: str, item: tuple) -> None:
+    """Put ``(status, rank, payload)`` on ``results``; a payload over :data:`INLINE` bytes is
+    written to a file under ``tmp`` first (renamed into place once whole) and sent as its path."""
+    status, rank, payload = item
+    if len(payload) > INLINE:
+        fd, part = tempfile.mkstemp(prefix=f"result-r{rank}-", suffix=".part", dir=tmp)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+        path = part.removesuffix(".part")
+        os.replace(part, path)
+        item = (status, rank, b"", path)
+    results.put(item)
+
+
+def _received(message: tuple) -> tuple[str, int, bytes]:
+    """``(status, rank, payload)`` of a message :func:`_send` put, reading (and removing) its file."""
+    if len(message) == 3:
+        return message
+    status, rank, _, path = message
+    with open(path, "rb") as fh:
+        payload = fh.read()
+    os.remove(path)
+    return status, rank, payload
+
+
 def _next_task(tasks, parent: int):
     """The next cell, or None to stop; also None once the parent is gone (killed runs leave
     no orphans: every rank holds the queue's write end too, so no EOF ever arrives)."""
@@ -76,7 +109,7 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
 
     def put(item) -> None:
         if os.getppid() == parent:
-            results.put(item)
+            _send(results, tmp, item)
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -168,7 +201,7 @@ class RankPool:
             if now > deadline or (grace is not None and now > grace):
                 break
             try:
-                status, rank, payload = self.results.get(timeout=0.05)
+                status, rank, payload = _received(self.results.get(timeout=0.05))
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead and grace is None:
@@ -190,7 +223,7 @@ class RankPool:
         if causes:
             raise CellFailure("ERROR", "; ".join(causes))
         missing = [r for r in range(self.world) if r not in got]
-        raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:.0f} s")
+        raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:g} s")
 
     def run(self, cell, timeout: float) -> list:
         """Run one cell (or a task with ``run_on_rank``, e.g. a benchmark) on every rank;
