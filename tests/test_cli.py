@@ -101,6 +101,8 @@ def test_resume_refuses_changed_options_naming_them(capsys, tmp_path):
                                    "device": "cpu"})
     assert main(["run", "--resume", str(d), "--seed", "3"]) == 2
     assert "seed differs from the interrupted run's (None recorded, 3 given)" in capsys.readouterr().err
+    assert main(["run", "--resume", str(d), "--timeout", "30"]) == 2  # TIMEOUT verdicts are the timeout's
+    assert "timeout differs from the interrupted run's (60.0 recorded, 30.0 given)" in capsys.readouterr().err
     assert main(["run", "--resume", str(d), "--overwrite"]) == 2
     assert "give only one of them" in capsys.readouterr().err
     assert main(["run", "--resume", str(d)]) == 2
