@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
 
     start_early(sys.argv[1:] if argv is None else argv)  # the rank fork server imports torch beside us
     try:
-        from parity.cli import main as cli_main
-
+        try:
+            from parity.cli import main as cli_main  # seconds: torch
+        except KeyboardInterrupt:  # a Ctrl-C before any handler is installed: one line, as after
+            print("parity: interrupted by SIGINT while starting; nothing was run", file=sys.stderr)
+            return 130
         return cli_main(argv)
     finally:
         stop_server()

@@ -414,6 +414,25 @@ def test_user_code_raising_keyboard_interrupt_is_one_line_and_130(tmp_path, caps
     assert capsys.readouterr().err == "parity: interrupted by KeyboardInterrupt\n"
 
 
+def test_a_ctrl_c_while_torch_is_imported_is_one_line_and_130(monkeypatch, capsys):
+    """The CLI (and torch) is imported in seconds before parity's handlers exist: a Ctrl-C there
+    is one line too, not a traceback from inside torch's import."""
+    import importlib.abc
+
+    import parity
+
+    class CtrlC(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "parity.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "parity.cli")
+    monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
+    assert parity.main(["fixtures"]) == 130
+    assert capsys.readouterr().err == "parity: interrupted by SIGINT while starting; nothing was run\n"
+
+
 def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys):
     d = results(tmp_path / "r", {A: "PASS"})
     os.makedirs(os.path.join(d, "report.html"))
