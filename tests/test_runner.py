@@ -267,10 +267,12 @@ def test_a_rank_sends_only_messages_one_atomic_pipe_write_carries(tmp_path):
     from parity.execute.pool import INLINE, _received, _send
 
     q = queue.SimpleQueue()
+    deep = tmp_path / ("d" * 200) / ("e" * 200) / ("f" * 200)  # the message names the file, not its folder
+    deep.mkdir(parents=True)
     big, small = os.urandom(4 * 2**20), b"heartbeat"
     for payload in (big, small, os.urandom(INLINE)):
-        _send(q, str(tmp_path), ("ok", 1, payload))
+        _send(q, str(deep), ("error", 1, payload))
         message = q.get()
         assert len(pickle.dumps(message)) <= select.PIPE_BUF
-        assert _received(message) == ("ok", 1, payload)
-    assert not os.listdir(tmp_path)  # every file read and removed
+        assert _received(message, str(deep)) == ("error", 1, payload)
+    assert not os.listdir(deep)  # every file read and removed

@@ -67,15 +67,17 @@ def _send(results, tmp: str, item: tuple) -> None:
             fh.write(payload)
         path = part.removesuffix(".part")
         os.replace(part, path)
-        item = (status, rank, b"", path)
+        item = (status, rank, b"", os.path.basename(path))  # the name alone: a deep ``tmp`` stays out
     results.put(item)
 
 
-def _received(message: tuple) -> tuple[str, int, bytes]:
-    """``(status, rank, payload)`` of a message :func:`_send` put, reading (and removing) its file."""
+def _received(message: tuple, tmp: str) -> tuple[str, int, bytes]:
+    """``(status, rank, payload)`` of a message :func:`_send` put, reading (and removing) its file
+    under ``tmp``."""
     if len(message) == 3:
         return message
-    status, rank, _, path = message
+    status, rank, _, name = message
+    path = os.path.join(tmp, name)
     with open(path, "rb") as fh:
         payload = fh.read()
     os.remove(path)
@@ -201,7 +203,7 @@ class RankPool:
             if now > deadline or (grace is not None and now > grace):
                 break
             try:
-                status, rank, payload = _received(self.results.get(timeout=0.05))
+                status, rank, payload = _received(self.results.get(timeout=0.05), self.tmp)
             except queue.Empty:
                 dead = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
                 if dead and grace is None:
