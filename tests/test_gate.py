@@ -279,3 +279,13 @@ def test_a_candidate_compared_with_no_other_path_is_no_go(tmp_path, capsys):
     assert main(["gate", "--candidate", "legacy", "-k", "ranks == 1", "--out", str(tmp_path / "g")]) == 2  # legacy:
     assert "the baseline path legacy is the candidate" in capsys.readouterr().err  # the default baseline
     assert not os.path.exists(tmp_path / "g")
+    from parity.cli import RUN_DEFAULTS, RUN_IDENTITY
+    from parity.report import outdir
+
+    resumed = tmp_path / "resumed"  # a gate whose run recorded --baseline native, resumed for legacy
+    resumed.mkdir()
+    outdir.write_manifest(str(resumed), {"options": {**{k: RUN_DEFAULTS[k] for k in RUN_IDENTITY}, "baseline": "native"},
+                                         "cells": [], "status": "interrupted", "torch": "0", "device": "cpu"})
+    assert main(["gate", "--resume", str(resumed), "--candidate", "legacy"]) == 2
+    err = capsys.readouterr().err
+    assert "is the candidate" not in err and "the interrupted run used torch '0'" in err, err
