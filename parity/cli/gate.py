@@ -49,12 +49,12 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
 
 
 def _skipped(records: list) -> int:
-    """How many of the run's cells recorded nothing but SKIP (counted among ``cells_run``: they
-    were selected and decided on, not checked)."""
-    verdicts: dict[str, set] = {}
-    for r in records:
-        verdicts.setdefault(r.cell, set()).add(str(r.verdict))
-    return sum(v == {"SKIP"} for v in verdicts.values())
+    """How many of the run's cells recorded nothing but SKIP, the least severe verdict (counted
+    among ``cells_run``: they were selected and decided on, not checked)."""
+    from parity.judge.record import Verdict
+    from parity.report.summary import cell_verdicts
+
+    return sum(v == Verdict.SKIP for v in cell_verdicts(records).values())
 
 
 def _gate_baseline(directory: str | None) -> dict | None:
