@@ -82,13 +82,9 @@ def cmd_gate(args) -> int:
     if args.fault:
         raise UsageError("gate refuses --fault: a decision must rest on an unmodified torch; "
                          "test the checks with python -m parity run --fault NAME")
-    if args.from_dir:  # a run option beside --from is refused below; its own baseline is judged as it ran
-        _not_the_candidate(getattr(args, "baseline", None), candidate)
-    else:  # the baseline the run will use: given, recorded (--resume) or the default
-        _not_the_candidate(_run_settings(args, RUN_DEFAULTS)["baseline"], candidate)
     baseline = _gate_baseline(args.compare_to)  # before any work: a missing baseline fails now, not after the run
     if args.from_dir:
-        _only_judging(args)
+        _only_judging(args)  # --baseline included: that run's baseline is judged as it ran
         out = args.from_dir
         if not os.path.isfile(os.path.join(out, outdir.CELLS)):
             raise UsageError(f"--from {out}: no {outdir.CELLS} there; give the --out directory of a parity run")
@@ -100,6 +96,9 @@ def cmd_gate(args) -> int:
         with Signals() as signals:
             return _decide(args, out, manifest, candidate, baseline, signals)
     opts = _run_settings(args, {**RUN_DEFAULTS, "matrix": "default", "out": "results/gate"})
+    if opts["baseline"] == candidate:  # the baseline the run will use: given, recorded (--resume) or the default
+        raise UsageError(f"gate: the baseline path {candidate} is the candidate: a gate compares the candidate with "
+                         "another path; name another with --baseline (or another --candidate)")
     _same_matrix(args.compare_to, baseline, opts["matrix"])
     matrix, cells = _select(opts)
     from parity.execute.torchrun import agreed, writes_results
@@ -126,12 +125,6 @@ def _after_run(args, opts: dict, code: int, candidate: str, baseline: dict | Non
               f"python -m parity merge PART_DIRS... --out DIR --gate")
         return code
     return _decide(args, out, manifest, candidate, baseline, signals)
-
-
-def _not_the_candidate(baseline_path: str | None, candidate: str) -> None:
-    if baseline_path == candidate:
-        raise UsageError(f"gate: the baseline path {candidate} is the candidate: a gate compares the candidate with "
-                         "another path; name another with --baseline (or another --candidate)")
 
 
 def _only_judging(args) -> None:
