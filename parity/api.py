@@ -142,6 +142,10 @@ def _check_type(command: str, key: str, action, value) -> None:
         raise UsageError(f"parity.{command}({key}=...): got {type(value).__name__} {value!r:.60}; give {want}")
 
 
+#: Options naming the directory a call works in, and what the call does there.
+_IN_PLACE = {"from_dir": "is judged in place (its gate files go there)", "resume": "writes into that directory"}
+
+
 def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     from parity.cli import _command, _parser
     from parity.errors import UsageError
@@ -150,15 +154,12 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     if options.get("list"):  # would return ok with nothing run
         raise UsageError(f"parity.{command}(list=True) runs nothing; list the cells with parity.select(...)")
     argv = _argv(command, options)
-    if command == "gate" and options.get("from_dir"):  # judges that directory, writes the gate there
-        if out and os.path.abspath(out) != os.path.abspath(options["from_dir"]):
-            raise UsageError(f"from_dir={options['from_dir']!r} is judged in place (its gate files go there); "
-                             f"drop out={out!r}")
-        out = options["from_dir"]
-    elif options.get("resume"):  # continues that directory, as the command line does
-        if out and os.path.abspath(out) != os.path.abspath(options["resume"]):
-            raise UsageError(f"resume={options['resume']!r} writes into that directory; drop out={out!r}")
-        out = options["resume"]
+    # a directory the command works in, as the command line does (_argv refused an option the command lacks)
+    key = next((k for k in _IN_PLACE if options.get(k)), None)
+    if key:
+        if out and os.path.abspath(out) != os.path.abspath(options[key]):
+            raise UsageError(f"{key}={options[key]!r} {_IN_PLACE[key]}; drop out={out!r}")
+        out = options[key]
     else:
         if out is not None and not isinstance(out, (str, os.PathLike)):
             raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")

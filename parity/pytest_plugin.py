@@ -47,7 +47,7 @@ def _fixture(command: str, tmp_path):
     from parity import api
 
     def call(**options):
-        in_place = options.get("from_dir") or options.get("resume")  # that directory is the results'
+        in_place = any(options.get(k) for k in api._IN_PLACE)  # that directory is the results'
         default = None if in_place else str(tmp_path / f"parity-{command}")
         result = getattr(api, command)(out=options.pop("out", default), quiet=True, **options)
         if not result.ok:
