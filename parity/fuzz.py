@@ -194,9 +194,9 @@ def _not_a_run(out: str) -> None:
     """A campaign's files beside a run's results would make ``merge`` and ``report`` read the folder
     as either: refused (one line, exit 2). A previous campaign's files are replaced, as ``fuzz.md`` is."""
     from parity.errors import UsageError
-    from parity.report.outdir import RUN_FILES
+    from parity.report.outdir import run_files_in
 
-    present = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    present = run_files_in(out)
     if present:
         raise UsageError(f"--out {out} holds a run's results ({', '.join(present)}); give the campaign its own "
                          "--out")

@@ -119,11 +119,16 @@ def locked(out: str, what: str = "--out"):
         os.close(fd)
 
 
+def run_files_in(out: str) -> list[str]:
+    """The files of a run's results (:data:`RUN_FILES`) present in ``out``."""
+    return [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+
+
 def prepare(out: str, manifest: dict, *, overwrite: bool, resumable: bool = True) -> None:
     """Make ``out`` ready for a new run and write its manifest (status ``running``). ``resumable``:
     whether the command writing it has ``--resume`` to suggest (``merge`` has not)."""
     usable(out)
-    present = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    present = run_files_in(out)
     if present and not overwrite:
         resume = f", --resume {out} to continue that run" if resumable else ""
         raise UsageError(f"--out {out} holds another run's results ({', '.join(present)}); pass --overwrite to "
