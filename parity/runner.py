@@ -381,15 +381,18 @@ class _Run:
         path = os.path.join(out, "timings.json")
         with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
-        final = {**manifest, "status": "interrupted" if signals() or self.lost else "complete",
-                 "environment": environment(self.device)}
+        def final() -> dict:  # read again for run.json: a signal during this writing counts
+            return {**manifest, "status": "interrupted" if signals() or self.lost else "complete",
+                    "environment": env}
+
+        env = environment(self.device)
         with writing(os.path.join(out, "report.html")):
-            write_html(out, records, final)
+            write_html(out, records, final())
         if self.options.junit:
             with writing(self.options.junit):
                 write_junit(self.options.junit, records, suite=self.options.title, interrupted=why,
                             not_run=not_run if stopped else [])
-        outdir.write_manifest(out, {**final, "status": "interrupted" if signals() or self.lost else "complete"})
+        outdir.write_manifest(out, final())
         if self.lost:
             print(f"parity: a rank left the torchrun group during {self.todo[self.position].id}{also}; that cell is an ERROR, the "
                   f"{len(not_run)} cells after it were not run; finished rows kept in {out} (torchrun's log "
