@@ -114,6 +114,7 @@ def _files(t) -> dict[str, str]:
          "exiting_factory": _write(t / "exiting_factory.py", EXITING_FACTORY) + ":model",
          "cpu_failing": _write(t / "cpu_failing.py", CPU_FAILING) + ":model",
          "keep_text": _write(t / "keep_text.py", KEEP_AS_TEXT.format(name="keeptext", keep="A_log")) + ":model",
+         "keep_typo": _write(t / "keep_typo.py", KEEP_AS_TEXT.format(name="keeptypo", keep=("A_log", "A_lgo"))) + ":model",
          "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
          "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
          "model_class": _write(t / "model_class.py", "from torch import nn\n\n\nclass MyModel(nn.Module):\n    pass\n")
@@ -250,6 +251,10 @@ CASES = [
     (["run", "--model", "{empty_factory}", "--out", "{out}"], "describes no model (an empty list or mapping)"),
     (["plan", "--model", "{empty_factory}"], "describes no model"),
     (["run", "--model", "{keep_text}", "--out", "{out}"], "Fixture.keep_fp32 = 'A_log'; it is a tuple of strings, e.g. ('A_log',)"),
+    # a typo keeps nothing in FP32: both paths would agree on that, and the run would be green
+    (["gate", "--model", "{keep_typo}", "--out", "{out}"],
+     "Fixture.keep_fp32 pattern 'A_lgo' selects no parameter or buffer of the model (rule transformers); correct it or drop it"),
+    (["plan", "--model", "{keep_typo}"], "Fixture.keep_fp32 pattern 'A_lgo' selects no parameter"),
     (["plan", "--model", "{cpu_failing}"], "plan: building model 'cpufails' failed: RuntimeError: needs a weights file"),
     (["run", "--model", "{twice_factory}", "--out", "{out}"], "two models are named 'kda'"),
     # run --resume: malformed files
@@ -623,15 +628,6 @@ def test_a_model_that_fails_to_build_on_the_ranks_is_an_error_per_cell_not_a_tra
     rows = [r for r in read_records(os.path.join(out, "cells.csv")) if r.check == "run"]
     assert rows and {r.verdict for r in rows} == {"ERROR"} and all("needs a weights file" in r.detail for r in rows)
     assert "Traceback" not in capsys.readouterr().err
-
-
-def test_a_keep_fp32_pattern_that_selects_nothing_is_warned_about_by_run(tmp_path, capsys):
-    """Generic patterns may select nothing (generated models share one list), so it is not an error;
-    but ``run`` says so, as ``plan`` does: a typo keeps nothing in FP32."""
-    source = _write(tmp_path / "typo.py", KEEP_AS_TEXT.format(name="typo", keep=("A_lgo",))) + ":model"
-    assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1 and path == 'native'",
-                 "--out", str(tmp_path / "run")]) in (0, 1)
-    assert "typo: Fixture.keep_fp32 pattern 'A_lgo' selects no parameter or buffer" in capsys.readouterr().err
 
 
 CLASS_TYPO = ("import dataclasses\n\nfrom parity.model.registry import registered\n\n\n"

@@ -174,17 +174,3 @@ def test_resume_refuses_a_changed_model_file_or_parity_version(capsys, tmp_path)
     assert main(["run", "--resume", str(d)]) == 2
     assert f"it was written by parity 0.0.1, this is parity {parity_version()['version']}" in capsys.readouterr().err
 
-
-def test_plan_notes_a_keep_fp32_pattern_that_selects_nothing():
-    """A generic pattern may legitimately select nothing (so no error), but a typo always does:
-    `parity plan` says so beside the FP32 it resolved."""
-    from dataclasses import replace
-
-    from parity.cli import _describe_plan
-    from parity.model.plan import PrecisionConfig
-    from parity.model.registry import get_fixture
-
-    kda = get_fixture("kda")
-    text = _describe_plan(replace(kda, keep_fp32=(*kda.keep_fp32, "A_lgo")), PrecisionConfig())
-    assert "note: Fixture.keep_fp32 pattern 'A_lgo' selects no parameter or buffer" in text
-    assert "selects no parameter" not in _describe_plan(kda, PrecisionConfig())

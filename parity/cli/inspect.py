@@ -34,7 +34,7 @@ def _describe_plan(fixture, config) -> str:
     """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
     FP32 name rules resolve differently, and every path's units."""
     from parity.judge.plan import declared_fp32
-    from parity.model.plan import fp32_disagreements, unmatched, unmatched_declared, unmatched_note
+    from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
     from parity.paths import path_names, plan_sharding
 
     from parity.model.registry import built, exercised
@@ -52,8 +52,6 @@ def _describe_plan(fixture, config) -> str:
         differ = sorted(resolved ^ declared)
         out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; declared "
                    + ("the same" if not differ else f"differently for {', '.join(differ)} (the plan check fails)"))
-    for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
-        out.append(f"note: {unmatched_note(pattern, fixture.fp32_rule)}")
     for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
         out.append(f"note: {unmatched_note(pattern, fixture.fp32_rule, owner)}")
     for fqn, by_framework, by_tokens in fp32_disagreements(model, fixture.keep_fp32):

@@ -169,10 +169,11 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
 def check_models(cells, warn: bool = True) -> None:
     """Each model of the run, built once here before any cell: one forward and backward
     (:func:`~parity.model.registry.exercised`, a :class:`UsageError` for a model every cell would
-    fail on), then (``warn``) a warning per ``keep_fp32`` pattern that matches nothing and per
+    fail on), then (``warn``) a warning per pattern a model class declares strict FP32 that
+    matches nothing (``Fixture.keep_fp32`` is checked when the model loads) and per
     tensor the two FP32 name rules resolve differently (the plan follows the model's
     ``fp32_rule``; the other reading is one a user may expect)."""
-    from parity.model.plan import fp32_disagreements, unmatched, unmatched_declared, unmatched_note
+    from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
     from parity.model.registry import built, exercised, get_fixture
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
@@ -184,8 +185,6 @@ def check_models(cells, warn: bool = True) -> None:
         exercised(fixture, model, "run")
         if not warn:
             continue
-        for pattern in unmatched(model, fixture.keep_fp32, fixture.fp32_rule):
-            print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule)}", file=sys.stderr)
         for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
             print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule, owner)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):

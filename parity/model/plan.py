@@ -231,12 +231,13 @@ def unmatched_declared(model: nn.Module, rule: str) -> list[tuple[str, str]]:
     return list(dict.fromkeys((owner, pat) for owner, pat, full in declared if full in missing))
 
 
-def unmatched_note(pattern: str, rule: str, owner: str = "") -> str:
-    """What ``plan`` notes and ``run`` warns about a ``keep_fp32`` pattern :func:`unmatched` found
-    (or, with ``owner``, a class's declared pattern :func:`unmatched_declared` found)."""
-    where = f"{owner}._keep_in_fp32_modules_strict" if owner else "Fixture.keep_fp32"
-    return (f"{where} pattern {pattern!r} selects no parameter or buffer (rule {rule}); a typo keeps "
-            "nothing in FP32 (Fixture.expect_fp32 would catch it)")
+def unmatched_note(pattern: str, rule: str, owner: str) -> str:
+    """What ``plan`` notes and ``run`` warns about a pattern class ``owner`` declares that
+    :func:`unmatched_declared` found. A warning, not an error: a class's list is generic (one
+    class, many configs), as transformers reads it; ``Fixture.keep_fp32`` is the model's own
+    list, and one of its patterns selecting nothing is refused when the model loads."""
+    return (f"{owner}._keep_in_fp32_modules_strict pattern {pattern!r} selects no parameter or buffer (rule {rule}); "
+            "a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch it)")
 
 
 def fp32_disagreements(model: nn.Module, extra: tuple[str, ...] = ()) -> list[tuple[str, bool, bool]]:

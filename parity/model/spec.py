@@ -18,7 +18,7 @@ from parity.errors import UsageError
 from parity.model.dtypes import parse_dtype
 from parity.model.formats import BLOCK
 from parity.model.markers import set_compute_dtype
-from parity.model.plan import FP32_RULES, resolve_plan, unfreeze_step
+from parity.model.plan import FP32_RULES, resolve_plan, unfreeze_step, unmatched
 
 #: Outcomes a fixture may declare per path name or per path contract.
 OUTCOMES = ("isolation-error", "fallback")
@@ -75,7 +75,8 @@ class Fixture:
     op, FP32 modules upcasting), so it trains with every unit's ``cast_forward_inputs=False``
     (the ``cast_inputs = "model"`` knob runs only on such models)."""
     keep_fp32: tuple[str, ...] = ()
-    """Strict-FP32 name patterns besides the class's ``_keep_in_fp32_modules_strict``."""
+    """Strict-FP32 name patterns besides the class's ``_keep_in_fp32_modules_strict``; each
+    must select a parameter or buffer (a typo would keep nothing in FP32 and pass)."""
     compute_dtypes: Mapping[str, str] = field(default_factory=dict)
     """FQN -> compute dtype recorded on the parameter at load time (plan rule 2)."""
     grad_dtypes: Mapping[str, str] = field(default_factory=dict)
@@ -239,6 +240,10 @@ def validate(spec: object, where: str) -> Fixture:
         params[n] = p
     if spec.fp32_rule not in FP32_RULES:
         raise UsageError(f"{where}: Fixture.fp32_rule {spec.fp32_rule!r}; valid: {', '.join(FP32_RULES)}")
+    typo = unmatched(model, spec.keep_fp32, spec.fp32_rule)
+    if typo:  # it would keep nothing in FP32, and both paths would agree on that
+        raise UsageError(f"{where}: Fixture.keep_fp32 pattern {typo[0]!r} selects no parameter or buffer of the model "
+                         f"(rule {spec.fp32_rule}); correct it or drop it (see python -m parity plan)")
     tensors = set(params) | {n for n, _ in model.named_buffers()}
     unknown = [f for f in spec.expect_fp32 or () if f not in tensors]
     if unknown:
