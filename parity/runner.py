@@ -138,8 +138,9 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
                         return 0  # rank 0 stopped the run; agreed() gives its code
                     executor.run(cell, options.timeout)
                 except CellFailure:
-                    if executor.lost:
-                        return 1  # no cell can run without the rank that left
+                    pass
+                if executor.lost:
+                    return 1  # no cell can run without the rank that left (or in a group that timed out)
         return 0
     out = options.out_dir
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}

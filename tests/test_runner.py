@@ -239,6 +239,23 @@ else:
 
 
 @pytest.mark.xdist_group("runner")
+def test_under_torchrun_a_hung_rank_makes_its_cell_a_timeout_after_timeout_seconds(tmp_path):
+    """--timeout is the group's timeout: rank 1 hanging in the first cell leaves rank 0 waiting
+    for its observations that long, not the backend's 30 minutes (the test's 300 s would expire);
+    the cell is TIMEOUT, no further cell starts, and the results are written."""
+    script = """import os, time
+import parity.execute.torchrun as T
+if os.environ["RANK"] == "1":
+    T.TorchrunExecutor.run = lambda self, cell, timeout: time.sleep(10**6)
+"""
+    proc, out, rows, junit = _torchrun(tmp_path, "--timeout", "5", script=script)
+    assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "TIMEOUT")], \
+        (rows, proc.stderr[-2000:])
+    assert rows[0]["detail"].startswith("a rank did not answer within --timeout 5 s during this cell"), rows[0]["detail"]
+    assert '"status": "interrupted"' in (out / "run.json").read_text() and (tmp_path / "0").read_text() == "1"
+
+
+@pytest.mark.xdist_group("runner")
 def test_a_torchrun_rank_0_stopped_by_a_signal_stops_its_peers_with_its_code(tmp_path):
     """SIGTERM to rank 0 alone: it ends the cell, tells its peers no further cell runs, writes
     the results as interrupted, and every rank exits 143."""

@@ -147,7 +147,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"], junit=opts["junit"] or "", op_log=bool(opts["op_log"]))
     if under_torchrun():
-        executor = TorchrunExecutor(device)
+        executor = TorchrunExecutor(device, opts["timeout"])
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731
         code = run_cells(cells, options, skip_reason=skip, executor=executor)
         return code if executor.rank == 0 else -1

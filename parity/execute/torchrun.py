@@ -2,9 +2,14 @@
 
 ``python -m parity run`` detects torchrun's environment and, instead of spawning workers,
 joins the process group torchrun set up (NCCL on GPUs, gloo on CPU). Cells whose rank count
-differs from the launched world size are reported as SKIP. ``--timeout`` does not apply here:
-an in-process hang cannot be interrupted safely, and a hung rank leaves the others waiting
-until the backend's own timeout.
+differs from the launched world size are reported as SKIP.
+
+``--timeout`` is the process group's timeout here (when parity starts the group): an in-process
+hang cannot be interrupted, but a rank that stops answering makes its peers' next exchange of
+the cell fail after that many seconds. That cell is then TIMEOUT, and, the group being in doubt,
+no further cell starts (rank 0 writes what finished, as for a rank that dies). Rank 0's word
+before each cell travels on a second group with the backend's default timeout: its peers wait
+there while it judges.
 
 Before each cell rank 0 tells its peers whether it runs (:meth:`TorchrunExecutor.proceed`):
 they wait there while it judges the cell before, and a run rank 0 stops early (a signal) stops
@@ -18,6 +23,8 @@ with exit code 1.
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,15 +45,25 @@ def writes_results() -> bool:
 
 _lost = ""
 """Why this process's group can no longer exchange ('' while it can): set by the executor."""
+_control = None
+"""The group rank 0's word travels on (:class:`TorchrunExecutor`; ``None``: the default group)."""
 
 
-def _lose(when: str, exc: BaseException, own: str = "") -> str:
-    """Record that the group is lost (``when``: during / before a cell) and return why."""
+def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 0.0) -> str:
+    """Record that the group is lost (``when``: during / before a cell) and return why; with
+    ``timeout``, because an exchange waited that long for a rank that did not answer."""
     global _lost
     seen = own or f"the exchange failed: {type(exc).__name__}: {exc}"
-    _lost = (f"a rank left the torchrun group {when} (torchrun's log names it and its exit code); "
-             f"{seen.splitlines()[0][:240] if seen else ''}")
+    head = (f"a rank did not answer within --timeout {timeout:g} s {when} (a hang; the group's exchange timed out)"
+            if timeout else f"a rank left the torchrun group {when} (torchrun's log names it and its exit code)")
+    _lost = f"{head}; {seen.splitlines()[0][:240] if seen else ''}"
     return _lost
+
+
+def _timed_out(text: str) -> bool:
+    """Whether a collective's error says it timed out (gloo: "Timed out waiting", NCCL's watchdog:
+    "timeout")."""
+    return "timed out" in text.lower() or "timeout" in text.lower()
 
 
 def agreed(code: int) -> int:
@@ -60,14 +77,15 @@ def agreed(code: int) -> int:
         return code if code >= 0 else 1
     box = [code if dist.get_rank() == 0 else None]
     try:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=_control)
     except Exception:  # noqa: BLE001 - a rank left after the last cell: no verdict to share
         return code if code >= 0 else 1
     return box[0]
 
 
 class TorchrunExecutor:
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, timeout: float):
+        global _control
         from torch.distributed.device_mesh import init_device_mesh
 
         self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -76,8 +94,12 @@ class TorchrunExecutor:
             self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         else:
             self.device = torch.device("cpu")
+        self.timeout = 0.0
+        """The group's timeout when parity set it (0: a group the caller started keeps its own)."""
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
+            self.timeout = timeout
+            _control = dist.new_group(timeout=dist.default_pg_timeout)
         self.mesh = init_device_mesh(device_type, (self.world,))
         self.told = 0
         """Cells rank 0 has told its peers about (:meth:`proceed`)."""
@@ -95,7 +117,7 @@ class TorchrunExecutor:
         told. A failed exchange is the group's loss (:class:`CellFailure` ERROR)."""
         box = [go if self.rank == 0 else None]
         try:
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=_control)
         except Exception as exc:  # noqa: BLE001 - a rank died between cells
             raise CellFailure("ERROR", _lose("before this cell started", exc)) from None
         self.told += 1
@@ -106,7 +128,7 @@ class TorchrunExecutor:
         them to stop instead of waiting for the next one (nothing to say once the group is lost)."""
         if self.rank == 0 and self.told < owed and not _lost:
             try:
-                dist.broadcast_object_list([False], src=0)
+                dist.broadcast_object_list([False], src=0, group=_control)
             except Exception:  # noqa: BLE001 - they are gone (the same signal stopped them): nothing waits
                 pass
 
@@ -122,13 +144,22 @@ class TorchrunExecutor:
         except Exception as exc:  # noqa: BLE001
             payload = ("error", f"rank {self.rank} raised {type(exc).__name__}: {exc}")
         gathered = [None] * self.world if self.rank == 0 else None
+        own = payload[1] if payload[0] == "error" else ""
+        t0 = time.monotonic()
         try:
             dist.gather_object(payload, gathered, dst=0)
-        except Exception as exc:  # noqa: BLE001 - a rank died: the group cannot exchange again
-            raise CellFailure("ERROR", _lose("during this cell", exc, payload[1] if payload[0] == "error" else "")) from None
+        except Exception as exc:  # noqa: BLE001 - a rank died or hangs: the group cannot exchange again
+            hung = self.timeout and (time.monotonic() - t0 >= 0.9 * self.timeout or _timed_out(str(exc)))
+            raise CellFailure("TIMEOUT" if hung else "ERROR",
+                              _lose("during this cell", exc, own, self.timeout if hung else 0.0)) from None
+        if own and self.timeout and _timed_out(own):  # in doubt after a timed-out collective: no further cell
+            _lose("during this cell", None, own, self.timeout)
         if self.rank != 0:
             return None
         errors = [p[1] for p in gathered if p[0] == "error"]
         if errors:
-            raise CellFailure("ERROR", errors[0])
+            hung = self.timeout and any(_timed_out(e) for e in errors)
+            if hung:
+                _lose("during this cell", None, next(e for e in errors if _timed_out(e)), self.timeout)
+            raise CellFailure("TIMEOUT" if hung else "ERROR", errors[0])
         return [from_bytes(p[1]) for p in gathered]
