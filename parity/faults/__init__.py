@@ -238,7 +238,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"sync": "every"}, patch=rp.window_replays_accumulation),
     _fault("unfrozen_stays_frozen", "FSDP keeps requires_grad from the first all-gather: unfrozen parameters get no gradient",
            {"optim.moments", "grad.accum", "grad", "grad_norm", "dtype.reduce", "dtype.grad", "optim.state", "checkpoint.same", "checkpoint.cross",
-            "collectives", "checkpoint.collectives", "grad.shard"}, {"fixture": "staged", "path": "native", "ranks": 2},
+            "collectives", "checkpoint.collectives", "grad.shard", "param"}, {"fixture": "staged", "path": "native", "ranks": 2},
            quiet={"fixture": "frozen"},
            patch=rp.unfrozen_stays_frozen),
     _fault("scaler_skips_dtensor", "the gradient scaler leaves sharded gradients scaled (ShardedGradScaler._unscale_grads_)",
@@ -308,7 +308,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("finalize_skips_pending", "finalize_backward forgets the parameter groups left to it (FSDPState."
            "finalize_backward): units whose forward inputs need no gradient (behind token ids) are never reduced",
            {"optim.moments", "grad.accum", "collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
-            "trajectory.emulation", "checkpoint.same", "grad.shard"},
+            "trajectory.emulation", "checkpoint.same", "grad.shard", "param"},
            {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
            patch=kp.finalize_skips_pending),
     _fault("offload_policy_dropped", "fully_shard drops its offload_policy: the recipe's shards stay on the device",

@@ -144,6 +144,8 @@ class Comparison:
     truth: torch.Tensor | float | None = None
     signal: float | None = None
     """The size of what is judged; None: max |expected|."""
+    missing: str = ""
+    """Why ``actual`` is absent (an empty tensor) when the generic reason would mislead."""
 
     def _observed(self) -> tuple[float, float]:
         """(observed, allowed): the worst element's for element-wise allowances."""
@@ -169,7 +171,7 @@ class Comparison:
             amax(self.expected) if isinstance(self.expected, torch.Tensor) else abs(self.expected))
         verdict = conclusive(verdict, self.allowance.allowed, signal)
         if _missing(self.actual, self.expected):
-            detail = "missing: the run produced nothing to compare"
+            detail = self.missing or "missing: the run produced nothing to compare"
         detail = explained(verdict, self.allowance.allowed, signal,
                            "; ".join(x for x in (detail, self.allowance.basis) if x))
         fp64 = ""
@@ -244,8 +246,11 @@ def plan_comparisons(
             update = expected - before[f]
             allow = tolerance.parameter(plan[f].storage, expected, update, optimizer)
             t = truth.params[step][f] if truth else None
-            actual = run.params[step].get(f, torch.zeros(0))
-            out.append(Comparison(step, "param", f, actual, expected, allow, t, signal=amax(update)))
+            actual, missing = run.params[step].get(f, torch.zeros(0)), ""
+            if f in grads and f not in run.grads[step]:  # replayed without a gradient, an unmoved one would match
+                actual, missing = torch.zeros(0), ("missing: the run observed no gradient of it at this step, so the "
+                                                   "update it took cannot be replayed")
+            out.append(Comparison(step, "param", f, actual, expected, allow, t, signal=amax(update), missing=missing))
     return out
 
 
