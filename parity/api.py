@@ -42,6 +42,10 @@ class Result:
         """Exit code 0: complete evidence, nothing wrong (for a gate: every model GO)."""
         return self.code == 0
 
+    def __bool__(self) -> bool:
+        """:attr:`ok`: ``if parity.gate(...)`` and ``assert parity.run(...)`` read the verdict."""
+        return self.ok
+
     @property
     def cells(self):
         """Every record as a pandas DataFrame (the rows and columns of ``cells.csv``)."""

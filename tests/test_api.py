@@ -15,7 +15,7 @@ FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
 def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path):
     first = parity.run(matrix="smoke", filter=FEW, quiet=True)
-    assert first.ok and first.code == 0
+    assert first.ok and first.code == 0 and first
     with open(os.path.join(first.out, "cells.csv")) as fh:
         rows = list(csv.DictReader(fh))
     assert len(first.cells) == len(rows) and set(first.cells["verdict"]) <= {"PASS", "SKIP"}
@@ -23,6 +23,7 @@ def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path):
     # a second call in the same process, with a fault: failures come worst first
     faulty = parity.run(matrix="smoke", filter=FEW, fault="drop_override", out=str(tmp_path / "f"), quiet=True)
     assert faulty.code == 1 and faulty.out == str(tmp_path / "f")
+    assert not faulty  # `if parity.run(...)` / `assert parity.gate(...)` read the verdict, not the object
     bad = faulty.failures()
     assert len(bad) and bad.iloc[0]["verdict"] in ("ERROR", "TIMEOUT", "FAIL")
     assert list(bad["ratio"].dropna()) == sorted(bad["ratio"].dropna(), reverse=True) or \

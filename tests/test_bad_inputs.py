@@ -114,6 +114,8 @@ def _files(t) -> dict[str, str]:
          "exiting_factory": _write(t / "exiting_factory.py", EXITING_FACTORY) + ":model",
          "cpu_failing": _write(t / "cpu_failing.py", CPU_FAILING) + ":model",
          "keep_text": _write(t / "keep_text.py", KEEP_AS_TEXT.format(name="keeptext", keep="A_log")) + ":model",
+         **{f"same_{x}": _write(t / f"same_{x}.py", KEEP_AS_TEXT.format(name="samename", keep=())) + ":model"
+            for x in "ab"},
          "keep_typo": _write(t / "keep_typo.py", KEEP_AS_TEXT.format(name="keeptypo", keep=("A_log", "A_lgo"))) + ":model",
          "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
          "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
@@ -217,6 +219,9 @@ CASES = [
     (["run", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
     (["bench", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
     # run: options
+    # the first would silently not run (the second replaced it) and its gate read GO
+    (["gate", "--model", "{same_a}", "--model", "{same_b}", "--out", "{out}"],
+     "and '{same_b}' both describe a model named 'samename'; give each model its own Fixture.name"),
     (["run", "--paths", "legacy,legacy", "--out", "{out}"], "--paths: 'legacy' is given twice"),
     (["run", "--ranks", "1,2,1", "--out", "{out}"], "--ranks: '1' is given twice"),
     (["run", "--timeout", "inf", "--out", "{out}"], "--timeout: must be a positive number of seconds, got 'inf'"),

@@ -180,13 +180,17 @@ def distinct(sources: tuple[str, ...], label: str = "--model") -> None:
 
 
 def registry(sources: tuple[str, ...] = (), label: str = "--model") -> dict[str, Fixture]:
-    """Registered models plus those of ``sources`` (a source's model replaces a namesake; a
-    source given twice is bad input: :func:`distinct`); ``label`` as in :func:`load_source`."""
+    """Registered models plus those of ``sources`` (a source's model replaces a registered
+    namesake; a source given twice, or two sources naming a model alike, is bad input: the
+    first would silently not run); ``label`` as in :func:`load_source`."""
     distinct(sources, label)
-    found = dict(registered())
+    found, given = dict(registered()), {}
     for source in sources:
         for spec in load_source(source, label):
-            found[spec.name] = spec
+            if spec.name in given:
+                raise UsageError(f"{label} {given[spec.name]!r} and {source!r} both describe a model named "
+                                 f"{spec.name!r}; give each model its own Fixture.name")
+            found[spec.name] = given[spec.name] = spec
     if not found:
         raise UsageError("no models registered: install parity (pip install -e .) or pass --model pkg.module:factory")
     return found
