@@ -273,3 +273,20 @@ def test_the_findings_python_reproducers_show_what_they_say(tmp_path):
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "0.5000" in done.stdout and "1.0000" not in done.stdout, done.stdout
+
+
+def test_the_readme_field_tables_callable_examples_run_as_written():
+    """The Fixture field table's ``lambda`` examples are what users paste: each evaluates with
+    the names a model file imports (a positional ``Batch(...)`` once failed: it is keyword-only)."""
+    import torch
+    import torch.nn.functional as F
+
+    from parity.model import Batch
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    rows = dict(re.findall(r"^\| `(make_batch|loss)` \|[^|]*\| `([^`]+)` \|$", text, re.M))
+    assert set(rows) == {"make_batch", "loss"}, rows
+    scope = {"torch": torch, "F": F, "Batch": Batch}
+    batch = eval(rows["make_batch"], scope)(torch.Generator().manual_seed(0))
+    assert isinstance(batch, Batch)
+    assert eval(rows["loss"], scope)(batch.inputs[0], batch.target).ndim == 0

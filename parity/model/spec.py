@@ -221,7 +221,8 @@ def validate(spec: object, where: str) -> Fixture:
                              "e.g. ('blocks.0', 'blocks.1', '')")
         missing = [n for n in names if n not in modules]
         if missing:
-            raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model")
+            raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model; "
+                             "give module FQNs as model.named_modules() spells them")
     for what in ("keep_fp32", "backward_free", "quantizable", "expert_parallel"):  # a bare string iterates as letters
         names = getattr(spec, what)
         if isinstance(names, str) or not all(isinstance(n, str) for n in names):
