@@ -181,3 +181,19 @@ def test_a_holder_parameter_read_by_its_parent_is_an_isolation_error_naming_the_
     assert "0.holder.A_log is read by 0's forward, outside the forward of the unit holding it" in str(err.value)
     # the declared roots are the user's units: nothing to check when the path made none of its own
     check_reads(model, (torch.randn(2, 8),), plan_sharding(model, ("0", ""), plan, "native"), ("0", ""))
+
+
+def test_a_path_whose_apply_shards_less_than_its_plan_reports_is_named():
+    """A plugin's apply() that returns without calling fully_shard on a reported unit: one error
+    naming the path and the unit, not an AttributeError deep in the probes (review, 2026-12-06)."""
+    from parity.model.plan import PrecisionConfig
+    from parity.model.registry import get_fixture
+    from parity.paths.apply import check_applied, plan_sharding
+
+    fixture = get_fixture("kda")
+    model = fixture.make(0)
+    report = plan_sharding(model, fixture.unit_roots, fixture.resolve(model, PrecisionConfig(), set()), "legacy")
+    first = report.units[0].modules[0]
+    with pytest.raises(RuntimeError, match=f"path 'legacy': apply\\(\\) did not call fully_shard on '{first}', a unit "
+                                           "its plan\\(\\) reports"):
+        check_applied(model, report)

@@ -16,7 +16,7 @@ from parity.errors import IsolationError, RankMismatchError, UsageError
 from parity.model.plan import PrecisionPlan
 from parity.paths.base import Ineligible, ShardReport
 from parity.paths.registry import get_path
-from parity.paths.units import resolve_roots
+from parity.paths.units import module_index, resolve_roots
 
 
 def _check_output_dtype(roots: tuple[str, ...], plan: PrecisionPlan) -> None:
@@ -145,7 +145,23 @@ def apply_sharding(
     take them (:func:`parity.execute.knobs.unsupported` skips a cell whose path does not)."""
     check_rank_consistency(plan, group)
     get_path(report.taken).apply(model, report, mesh, reshard_after_forward, set(ignored or ()), **options)
+    check_applied(model, report)
     check_resolved_consistency(model, group)
+
+
+def check_applied(model: nn.Module, report: ShardReport) -> None:
+    """Every module a unit of the report names is an FSDP module once the path's ``apply``
+    returned: a path (a plugin) that shards less than it reports would otherwise be judged
+    against units that do not exist, and fail somewhere far from the cause."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = module_index(model)
+    for unit in report.units:
+        missed = next((m for m in unit.modules if not isinstance(modules.get(m), FSDPModule)), None)
+        if missed is not None:
+            raise RuntimeError(f"path {report.taken!r}: apply() did not call fully_shard on "
+                               f"{repr(missed) if missed else 'the root module'}, a unit its plan() reports; shard "
+                               "every unit the report lists, or report only the units apply() shards")
 
 
 def shard(
