@@ -517,7 +517,8 @@ def test_compare_passes_equal_runs_and_new_passing_cells(capsys, tmp_path):
 def test_a_digest_of_an_interrupted_run_is_no_baseline(capsys, tmp_path):
     new = results(tmp_path / "new", {A: "PASS"}, status="interrupted")
     assert main(["compare", results(tmp_path / "old", {A: "PASS"}), new,
-                 "--write-digest", str(tmp_path / "digest")]) == 0
+                 "--write-digest", str(tmp_path / "digest")]) == 1  # partial evidence is not green either
+    assert "the new run is interrupted, not complete" in capsys.readouterr().out
     assert main(["compare", str(tmp_path / "digest"), new]) == 2
     assert "that run is interrupted, not complete" in capsys.readouterr().err
 

@@ -120,8 +120,13 @@ def _worse(old: str | None, new: str) -> bool:
 
 
 def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:
-    """(regressions, other changes), each a line."""
+    """(regressions, other changes), each a line. A NEW run that is not complete is a regression
+    in itself: what it did not run is no evidence, even where OLD has nothing to hold it to."""
     bad, info = [], []
+    status = new.get("status", "complete")
+    if status != "complete":
+        bad.append(f"the new run is {status or 'of unknown status'}, not complete: its evidence is partial "
+                   "(finish it with parity run --resume DIR)")
     for cell, was in sorted(old.get("cells", {}).items()):
         now = new.get("cells", {}).get(cell)
         if now is None:
