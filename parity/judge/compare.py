@@ -236,11 +236,13 @@ def plan_comparisons(
             out.append(Comparison(step, "grad", f, run.grads[step][f], torch.zeros(0), allow))
         largest = max((g.numel() for g in grads.values()), default=1)
         gdtype = max((g.dtype for g in grads.values()), key=tolerance.unit_roundoff, default=torch.float32)
-        allow = tolerance.grad_norm(gdtype, largest, len(grads), world, ref.grad_norms[step], math.sqrt(spread))
+        share = _coarse_share(grads)
+        allow = tolerance.grad_norm(gdtype, largest, len(grads), world, ref.grad_norms[step], math.sqrt(spread), share)
         t = truth.grad_norms[step] if truth else None
         out.append(Comparison(step, "grad_norm", "global", run.grad_norms[step], ref.grad_norms[step], allow, t))
         if step < len(ref.clipped_norms):
-            out.append(_clip_comparison(run, ref, step, gdtype, largest, len(grads), world, math.sqrt(clipped_spread)))
+            out.append(_clip_comparison(run, ref, step, gdtype, largest, len(grads), world, math.sqrt(clipped_spread),
+                                        share))
         before, after = replayed[step]
         for f, expected in after.items():
             update = expected - before[f]
@@ -268,15 +270,26 @@ def _eval_comparisons(run: Assembled, ref: ReferenceRun, world: int, data_ranks:
     return out
 
 
+def _coarse_share(grads: dict[str, torch.Tensor]) -> float:
+    """The share of the squared global norm carried by gradients stored coarser than FP32 (the
+    reference's, in their kept dtypes): only their per-tensor norms are rounded coarsely
+    (:func:`tolerance.grad_norm`)."""
+    squares = {f: float(g.double().pow(2).sum()) for f, g in grads.items()}
+    total = sum(squares.values())
+    fine = tolerance.unit_roundoff(torch.float32)
+    coarse = sum(v for f, v in squares.items() if tolerance.unit_roundoff(grads[f].dtype) > fine)
+    return coarse / total if total > 0 else 1.0
+
+
 def _clip_comparison(run: Assembled, ref: ReferenceRun, step: int, gdtype: torch.dtype, largest: int,
-                     tensors: int, world: int, gradients: float) -> Comparison:
+                     tensors: int, world: int, gradients: float, share: float = 1.0) -> Comparison:
     """``clip``: the global norm after clipping, judged as a norm of the clipped gradients. Its
     signal is what clipping removed from the norm: a cell whose max-norm is above the norm
     clipped nothing, and its PASS would be vacuous (INCONCLUSIVE). A run that recorded no
     clipped norm is judged as NaN (missing)."""
     expected = ref.clipped_norms[step]
     actual = run.clipped_norms[step] if step < len(run.clipped_norms) else math.nan
-    allow = tolerance.grad_norm(gdtype, largest, tensors, world, expected, gradients)
+    allow = tolerance.grad_norm(gdtype, largest, tensors, world, expected, gradients, share)
     return Comparison(step, "clip", "global", actual, expected, allow, signal=ref.grad_norms[step] - expected)
 
 

@@ -88,14 +88,17 @@ def summation_depth(numel: int) -> int:
 
 
 def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, norm: float,
-              gradients: float = 0.0) -> Allowance:
+              gradients: float = 0.0, coarse_share: float = 1.0) -> Allowance:
     """The global norm sqrt(sum g^2) as a training loop forms it: per tensor (per shard on
     the sharded side) a reduction of its squares, then a sum over tensors, then an
     all-reduce over ranks. A sum of non-negative terms through a summation tree of depth d
     has relative error <= d u (Higham 4.2); the square root halves it. Both sides carry
     such an error, so they differ by at most ``d u(float32) norm`` with
     d = depth(largest tensor) + depth(tensors) + depth(ranks). Gradients stored in a coarser
-    dtype have their per-tensor norms rounded in it once on each side: ``+ 2 u(grad dtype)``.
+    dtype have their per-tensor norms n_t rounded in it once on each side, so their squares
+    differ by at most 4 u n_t^2 and the norm by ``2 u(grad dtype) x coarse_share x norm``, where
+    ``coarse_share`` = (sum of those tensors' n_t^2) / norm^2 (1, every gradient coarse, bounds
+    it when the split is not known).
     The gradients themselves may differ within their own allowances A_f; by the triangle
     inequality the norms then differ by at most ``gradients`` = sqrt(sum_f numel_f A_f^2)."""
     acc = ACCUMULATE_DTYPE if unit_roundoff(grad_dtype) >= unit_roundoff(ACCUMULATE_DTYPE) else grad_dtype
@@ -103,10 +106,11 @@ def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, n
     n = depth * unit_roundoff(acc)
     basis = _fmt(depth, acc, norm)
     dtype = acc
-    if grad_dtype != acc:
-        n += 2 * unit_roundoff(grad_dtype)
-        basis += f" + 2 x u({dtype_name(grad_dtype)}) x {norm:.3g}"
-        dtype = grad_dtype
+    if grad_dtype != acc and coarse_share > 0:
+        coarse = 2 * unit_roundoff(grad_dtype) * min(coarse_share, 1.0)
+        basis += f" + 2 x u({dtype_name(grad_dtype)}) x {min(coarse_share, 1.0):.3g} x {norm:.3g}"
+        dtype = grad_dtype if coarse > n else acc  # the term that dominates justifies the allowance
+        n += coarse
     if gradients:
         basis += f" + {gradients:.3g} (allowed gradient differences)"
     return Allowance(n * norm + gradients, dtype, basis)
