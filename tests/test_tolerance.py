@@ -161,3 +161,15 @@ def test_the_norms_coarse_term_covers_only_the_coarse_gradients_share():
     rounded = (norms["w"] ** 2 + float(torch.tensor(norms["lora"]).bfloat16()) ** 2) ** 0.5
     assert abs(rounded - norm) <= part.allowed
     assert _coarse_share({"w": grads["w"]}) == 0.0 and _coarse_share({"z": torch.zeros(3)}) == 1.0
+
+
+def test_an_outputs_allowance_comes_from_the_reference_not_from_the_observed_dtype():
+    """A run returning BF16 where the reference (the plan) has FP32 must not earn a BF16 allowance
+    (review, 2026-12-06: it passed at ratio 0.36, naming bfloat16)."""
+    from parity.judge.compare import last_rounding_of
+
+    expected = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    allow = last_rounding_of(expected)
+    record = Comparison(0, "output", "rank0/mb0", expected.bfloat16(), expected, allow).record(
+        dict(cell="c", fixture="kda", path="native"))
+    assert record.verdict == "FAIL" and record.dtype == "float32", record

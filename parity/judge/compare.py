@@ -201,7 +201,7 @@ def plan_comparisons(
         for r, actual in enumerate(per_rank):
             d = data_ranks[r] if data_ranks else r
             expected = ref.outputs[k][d]
-            allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
+            allow = last_rounding_of(expected)
             t = truth.outputs[k][d] if truth else None
             out.append(Comparison(step, "output", f"rank{r}/mb{mb}", actual, expected, allow, t))
             g, eg = run.input_grads[k][r], ref.input_grads[k][d]
@@ -256,6 +256,14 @@ def plan_comparisons(
     return out
 
 
+def last_rounding_of(expected: torch.Tensor) -> tolerance.Allowance:
+    """An output's allowance: one final rounding in the dtype the reference (which emulates the
+    plan's casts) produced it in. Never the observed tensor's dtype: a run that returned a
+    coarser dtype would widen its own allowance and name that dtype as its justification
+    (``dtype.output`` names the wrong dtype itself)."""
+    return tolerance.last_rounding(expected.dtype, amax(expected))
+
+
 def _eval_comparisons(run: Assembled, ref: ReferenceRun, world: int, data_ranks: list[int] | None) -> list[Comparison]:
     """``eval``: each rank's evaluation output against the reference's forward with the same
     weights and no gradient (one final rounding, as outputs). A rank without one is missing."""
@@ -265,7 +273,7 @@ def _eval_comparisons(run: Assembled, ref: ReferenceRun, world: int, data_ranks:
         for r in range(world):
             expected = expected_per_rank[data_ranks[r] if data_ranks else r]
             actual = got[r] if r < len(got) and got[r] is not None else torch.zeros(0)
-            allow = tolerance.last_rounding(tolerance.coarser(actual.dtype, expected.dtype), amax(expected))
+            allow = last_rounding_of(expected)
             out.append(Comparison(step, "eval", f"rank{r}/{label}", actual, expected, allow))
     return out
 
