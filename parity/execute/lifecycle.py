@@ -169,10 +169,35 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+#: What an entry holds before a load, so that one the load does not read stays visibly unread.
+SENTINEL = float("nan")
+
+
+def _blanked(value):
+    """``value`` (a state dict, nested) with every floating tensor filled with :data:`SENTINEL` in
+    place and every number replaced by it (``params`` lists and flags kept). A fresh model of the
+    same seed and recipe already equals much of a checkpoint (constant buffers, parameters frozen
+    so far, hyperparameters, step counters at the first resume): an entry the load skipped would
+    then match the files by coincidence, and ``checkpoint.loaded`` could not fail on it."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            with torch.no_grad():
+                value.fill_(SENTINEL)
+        return value
+    if isinstance(value, dict):
+        return {k: v if k == "params" else _blanked(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_blanked(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return SENTINEL
+    return value
+
+
 def load(s, ckpt: str, group=None) -> None:
-    """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler."""
+    """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler;
+    every entry is blanked first (:func:`_blanked`), so what the load does not read shows."""
     init_optimizer_state(s.opt)
-    state = _state(s)
+    state = _blanked(_state(s))
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:
         s.scaler.load_state_dict(state["scaler"])

@@ -89,6 +89,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
+                     "load_reads_tensors_only",
                      "tp_shards_swapped_on_load"), "checkpoint-load"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
@@ -267,6 +268,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"},
            {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
            quiet={"steps": 2}, patch=ckp.step_counter_restarts, scopes=("lifecycle",)),
+    _fault("load_reads_tensors_only", "DCP's load reads tensor entries only: the optimizer's hyperparameters keep "
+           "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "
+           "destination is blanked first", {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,
+           patch=ckp.load_reads_tensors_only, scopes=("lifecycle",)),
     _fault("load_regathers", "after loading a sharded state dict every FSDP unit is all-gathered and resharded: "
            "numerically invisible (set_state_dict)",
            {"checkpoint.collectives"}, _KDA2, quiet={"ranks": 1}, patch=ckp.load_regathers, scopes=("lifecycle",)),

@@ -45,6 +45,22 @@ def load_regathers():
     return swap_attr(sd, "set_state_dict", make)
 
 
+def load_reads_tensors_only():
+    """DCP's load plans reads for tensor entries only: every other entry (the optimizer's
+    hyperparameters, a scaler's state) keeps what the destination held. A fresh optimizer of the
+    same recipe holds the same values, so only a destination blanked before the load shows it."""
+    from torch.distributed.checkpoint import default_planner
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    def make(orig):
+        def create_local_plan(self):
+            plan = orig(self)
+            plan.items = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+            return plan
+        return create_local_plan
+    return swap_attr(default_planner.DefaultLoadPlanner, "create_local_plan", make)
+
+
 def resharded_read_at_zero():
     """DCP reads every chunk of a resharded load at offset 0: a saved shard lands at the start
     of its destination and a destination reads the start of its saved shard
