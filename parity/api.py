@@ -134,6 +134,8 @@ def _check_type(command: str, key: str, action, value) -> None:
 
     if action.nargs == 0:
         ok, want = isinstance(value, bool), "True or False"
+    elif isinstance(value, (list, tuple)) and not value:
+        ok, want = False, "at least one value, or leave it out (an empty list would name nothing: model=[] ran the built-in models)"
     elif isinstance(action, argparse._AppendAction):
         ok = scalar(value, True) or (isinstance(value, (list, tuple)) and all(scalar(v, True) for v in value))
         want = "a string or a list of strings"
@@ -169,9 +171,16 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
             raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
         out = os.fspath(out) if out else tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv += ["--out", out]
-    sink = io.StringIO() if quiet else None
-    with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
-        code = _command(_parser().parse_args(argv))
+    from parity.runner import QUIET
+
+    if not isinstance(quiet, bool):
+        raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
+    token = QUIET.set(quiet)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            code = _command(_parser().parse_args(argv))
+    finally:
+        QUIET.reset(token)
     return Result(out=out, code=max(0, code))
 
 

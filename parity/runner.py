@@ -25,6 +25,7 @@ recorded is kept and ``--resume`` continues once there is room.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import sys
@@ -99,13 +100,21 @@ def resolve_device(device: str) -> str:
     return device
 
 
+#: Set by a quiet Python API call (:func:`parity.run` ``quiet=True``): no progress lines on stderr
+#: (warnings and errors still go there).
+QUIET = contextvars.ContextVar("parity_quiet", default=False)
+
+
 class _Progress:
     def __init__(self, total: int, tty: bool):
         self.total, self.tty, self.done, self.bad, self.t0 = total, tty, 0, 0, time.perf_counter()
+        self.on = not QUIET.get()
 
     def update(self, cell: Cell, verdict: str, seconds: float) -> None:
         self.done += 1
         self.bad += verdict in BAD
+        if not self.on:
+            return
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / self.done * (self.total - self.done)
         if self.tty:

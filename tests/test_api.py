@@ -13,8 +13,9 @@ pytestmark = pytest.mark.xdist_group("api")
 FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
 
-def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path):
+def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path, capfd):
     first = parity.run(matrix="smoke", filter=FEW, quiet=True)
+    assert "[1/" not in capfd.readouterr().err  # quiet: no progress lines either
     assert first.ok and first.code == 0 and first
     with open(os.path.join(first.out, "cells.csv")) as fh:
         rows = list(csv.DictReader(fh))
@@ -55,6 +56,10 @@ def test_bad_input_raises_what_the_cli_prints():
     ({"ranks": {2}}, r"parity.run\(ranks=...\): got set"),
     ({"out": 3}, r"parity.run\(out=...\): got int 3; give a directory path"),
     ({"list": True}, r"parity.run\(list=True\) runs nothing; list the cells with parity.select"),
+    # an empty list added no --model: the built-in models ran in the user's models' place, green
+    ({"model": []}, r"parity.run\(model=...\): got list \[\]; give at least one value, or leave it out"),
+    ({"paths": ()}, r"parity.run\(paths=...\): got tuple \(\); give at least one value"),
+    ({"quiet": "no"}, r"parity.run\(quiet=...\): got str 'no'; give True or False"),
 ])
 def test_a_keyword_of_the_wrong_type_is_named(kwargs, message):
     with pytest.raises(UsageError, match=message):
