@@ -163,3 +163,17 @@ def test_a_cell_in_which_no_parameter_trains_fails_coverage():
                                      BASE) is None
     frozen = coverage.untrained_record(cell, resolve_plan(model, PrecisionConfig()), BASE)
     assert frozen.verdict == Verdict.FAIL and "every parameter is frozen" in frozen.detail
+
+
+def test_a_load_that_ran_on_another_path_than_its_target_fails_naming_the_ranks():
+    """A cross load that ran on the saving path would pass as a same-path one under the target's
+    name; the path a fresh build in the parent takes for the target is the other witness (review,
+    2026-12-06: a lifecycle building the cell's own path for every load passed 1350 records)."""
+    from parity.judge.resumed import load_path_rows
+
+    base = dict(cell="kda/legacy/r2", fixture="kda", path="legacy")
+    [row] = load_path_rows(base, "cross", "native", ["native", "legacy"], "native")
+    assert row.verdict == Verdict.FAIL and row.check == "checkpoint.cross" and row.name == "native:path"
+    assert "rank 1: legacy" in row.detail and "rank 0" not in row.detail
+    assert load_path_rows(base, "cross", "native", ["legacy", "legacy"], "legacy") == []  # a fallback the build takes
+    assert load_path_rows(base, "same", "legacy", ["legacy"], "") == []  # unknown here (tensor parallel): no claim

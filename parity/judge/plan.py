@@ -28,6 +28,7 @@ from parity.model.dtypes import dtype_name
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, TensorPlan, canonical_fqn
 from parity.model.registry import get_fixture
+from parity.paths.apply import plan_sharding
 
 
 def _entry(t: TensorPlan | None) -> str:
@@ -45,15 +46,39 @@ def fresh_plan(cell: Cell, ranks_plan: PrecisionPlan) -> PrecisionPlan:
     return _fresh(cell.fixture, cell.source, cell.seed, cell.precision(), cell.weights, owners)
 
 
-@functools.lru_cache(maxsize=64)
 def _fresh(name: str, source: str, seed: int, config, weights: str, owners: tuple) -> PrecisionPlan:
-    """One build per model and recipe in a run (cells differ in axes the plan does not read)."""
+    return _fresh_build(name, source, seed, config, weights, owners)[2]
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_build(name: str, source: str, seed: int, config, weights: str, owners: tuple):
+    """(model, ignored, plan) of one fresh build per model and recipe in a run (cells differ in
+    axes the plan does not read)."""
     fixture = get_fixture(name, source)
     model = fixture.make(seed)
     parallel = dict(owners)
     ignored = set(fixture.ignored(model))
     ignored |= {p for n, p in model.named_parameters() if parallel.get(canonical_fqn(n)) == "ep"}
-    return fixture.resolve(model, config, ignored, parallel=parallel, formats=layout(fixture.quantizable, weights))
+    plan = fixture.resolve(model, config, ignored, parallel=parallel, formats=layout(fixture.quantizable, weights))
+    return model, ignored, plan
+
+
+@functools.lru_cache(maxsize=64)
+def _taken(name: str, source: str, seed: int, config, weights: str, path: str) -> str:
+    model, ignored, plan = _fresh_build(name, source, seed, config, weights, ())
+    try:
+        return plan_sharding(model, get_fixture(name, source).unit_roots, plan, path, ignored).taken
+    except Exception:  # noqa: BLE001 - a path that cannot shard the model: its load is an ERROR, judged there
+        return ""
+
+
+def path_taken(cell: Cell, ranks_plan: PrecisionPlan, path: str) -> str:
+    """The path a fresh build in this process shards along when ``path`` is asked for (its
+    fallback where it cannot): what a load into ``path`` must have run on. '' where unknown here:
+    the path raises, or tensor / expert parallelism changes the model (its mesh needs ranks)."""
+    if any(t.parallel for t in ranks_plan.params):
+        return ""
+    return _taken(cell.fixture, cell.source, cell.seed, cell.precision(), cell.weights, path)
 
 
 def declared_fp32(plan: PrecisionPlan) -> set[str]:

@@ -68,12 +68,26 @@ def _resumed_state_dtype(base: dict, tag: str, name: str, got: torch.Tensor | No
                  "state to the parameter's dtype", dtype_name(want))]
 
 
+def load_path_rows(base: dict, tag: str, target: str, taken: list[str], expected: str) -> list[Record]:
+    """A FAIL when a rank's load into ``target`` ran on another path than ``expected`` (the path a
+    fresh build in the parent takes for ``target``; '' unknown): its records would be that path's
+    under ``target``'s name -- a cross load that ran on the saving path passes as a same-path one.
+    Nothing when they agree (the records say where the step resumed)."""
+    wrong = [f"rank {r}: {t}" for r, t in enumerate(taken) if expected and t != expected]
+    if not wrong:
+        return []
+    return [_row(base, f"checkpoint.{tag}", f"{target}:path", False, f"the load into {target} on {expected} (a fresh "
+                 f"build in the parent shards so)", "; ".join(wrong))]
+
+
 def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Resumed runs against the uninterrupted run's same step: gradients, parameters and
     optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
     collectives); resuming on another path gets the gradient / one-step parameter / moment
     allowances, since another unit layout may reduce in another order on some backends
     (bitwise on gloo)."""
+    from parity.judge.plan import path_taken  # plan's module imports contracts, which imports this one
+
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
     whole = observations[0].whole
@@ -97,6 +111,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
             rows.append(_skip(base, f"checkpoint.{tag}", target, r0.skip))
             continue
         per_rank = [o.contracts.resume[target] for o in observations]
+        rows += load_path_rows(base, tag, target, [r.taken for r in per_rank],
+                               path_taken(cell, observations[0].plan, target))
         state = _full_state([r.optim for r in per_rank], plan, whole)
         comps = []
         grads = [o.grads[step] for o in observations]
