@@ -21,7 +21,7 @@ import functools
 import torch
 
 from parity.execute.observation import Observation
-from parity.judge.contracts import _row
+from parity.judge.rows import contract_row as _row
 from parity.judge.record import Record
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name

@@ -13,6 +13,7 @@ import torch
 from parity.execute.observation import Observation
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, gather_full
+from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -86,8 +87,6 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     collectives); resuming on another path gets the gradient / one-step parameter / moment
     allowances, since another unit layout may reduce in another order on some backends
     (bitwise on gloo)."""
-    from parity.judge.plan import path_taken  # plan's module imports contracts, which imports this one
-
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
     whole = observations[0].whole
