@@ -152,14 +152,14 @@ class TorchrunExecutor:
             hung = self.timeout and (time.monotonic() - t0 >= 0.9 * self.timeout or _timed_out(str(exc)))
             raise CellFailure("TIMEOUT" if hung else "ERROR",
                               _lose("during this cell", exc, own, self.timeout if hung else 0.0)) from None
-        if own and self.timeout and _timed_out(own):  # in doubt after a timed-out collective: no further cell
-            _lose("during this cell", None, own, self.timeout)
+        # every rank reads the errors it has (rank 0 all of them): after a timed-out collective the
+        # group is in doubt, and no further cell starts
+        errors = [p[1] for p in gathered if p[0] == "error"] if self.rank == 0 else [own] if own else []
+        hung = next((e for e in errors if self.timeout and _timed_out(e)), "")
+        if hung:
+            _lose("during this cell", None, hung, self.timeout)
         if self.rank != 0:
             return None
-        errors = [p[1] for p in gathered if p[0] == "error"]
         if errors:
-            hung = self.timeout and any(_timed_out(e) for e in errors)
-            if hung:
-                _lose("during this cell", None, next(e for e in errors if _timed_out(e)), self.timeout)
             raise CellFailure("TIMEOUT" if hung else "ERROR", errors[0])
         return [from_bytes(p[1]) for p in gathered]
