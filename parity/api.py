@@ -135,7 +135,7 @@ def _check_type(command: str, key: str, action, value) -> None:
     if action.nargs == 0:
         ok, want = isinstance(value, bool), "True or False"
     elif isinstance(value, (list, tuple)) and not value:
-        ok, want = False, "at least one value, or leave it out (an empty list would name nothing: model=[] ran the built-in models)"
+        ok, want = False, "at least one value, or leave it out (an empty list names nothing)"
     elif isinstance(action, argparse._AppendAction):
         ok = scalar(value, True) or (isinstance(value, (list, tuple)) and all(scalar(v, True) for v in value))
         want = "a string or a list of strings"

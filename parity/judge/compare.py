@@ -279,12 +279,12 @@ def _eval_comparisons(run: Assembled, ref: ReferenceRun, world: int, data_ranks:
 
 
 def _coarse_share(grads: dict[str, torch.Tensor]) -> float:
-    """The share of the squared global norm carried by gradients stored coarser than FP32 (the
-    reference's, in their kept dtypes): only their per-tensor norms are rounded coarsely
-    (:func:`tolerance.grad_norm`)."""
+    """The share of the squared global norm carried by gradients stored coarser than the norm's
+    accumulation dtype (the reference's, in their kept dtypes): only their per-tensor norms are
+    rounded coarsely (:func:`tolerance.grad_norm`)."""
     squares = {f: float(g.double().pow(2).sum()) for f, g in grads.items()}
     total = sum(squares.values())
-    fine = tolerance.unit_roundoff(torch.float32)
+    fine = tolerance.unit_roundoff(tolerance.ACCUMULATE_DTYPE)
     coarse = sum(v for f, v in squares.items() if tolerance.unit_roundoff(grads[f].dtype) > fine)
     return coarse / total if total > 0 else 1.0
 

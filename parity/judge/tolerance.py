@@ -106,9 +106,10 @@ def grad_norm(grad_dtype: torch.dtype, largest: int, tensors: int, world: int, n
     n = depth * unit_roundoff(acc)
     basis = _fmt(depth, acc, norm)
     dtype = acc
-    if grad_dtype != acc and coarse_share > 0:
-        coarse = 2 * unit_roundoff(grad_dtype) * min(coarse_share, 1.0)
-        basis += f" + 2 x u({dtype_name(grad_dtype)}) x {min(coarse_share, 1.0):.3g} x {norm:.3g}"
+    share = min(coarse_share, 1.0)
+    if grad_dtype != acc and share > 0:
+        coarse = 2 * unit_roundoff(grad_dtype) * share
+        basis += f" + 2 x u({dtype_name(grad_dtype)}) x {share:.3g} x {norm:.3g}"
         dtype = grad_dtype if coarse > n else acc  # the term that dominates justifies the allowance
         n += coarse
     if gradients:

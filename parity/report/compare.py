@@ -119,14 +119,19 @@ def _worse(old: str | None, new: str) -> bool:
         Verdict(new) in ALARMS and SEVERITY[Verdict(new)] == SEVERITY[Verdict(old)])
 
 
+def _unfinished(d: dict) -> str:
+    """Why digest ``d`` holds no finished run ('' when it does): its run's status other than
+    ``complete`` (a bench or hand-made directory without ``run.json`` counts as complete)."""
+    status = d.get("status", "complete")
+    return "" if status == "complete" else f"{status or 'of unknown status'}, not complete"
+
+
 def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:
     """(regressions, other changes), each a line. A NEW run that is not complete is a regression
     in itself: what it did not run is no evidence, even where OLD has nothing to hold it to."""
     bad, info = [], []
-    status = new.get("status", "complete")
-    if status != "complete":
-        bad.append(f"the new run is {status or 'of unknown status'}, not complete: its evidence is partial "
-                   "(finish it with parity run --resume DIR)")
+    if _unfinished(new):
+        bad.append(f"the new run is {_unfinished(new)}: its evidence is partial (finish it with parity run --resume DIR)")
     for cell, was in sorted(old.get("cells", {}).items()):
         now = new.get("cells", {}).get(cell)
         if now is None:
@@ -189,8 +194,8 @@ def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
     if not d:
         raise UsageError(f"{what} {directory}: no cells.csv, bench.csv or digest.json there; give a parity results "
                          "directory")
-    if baseline and d.get("status", "complete") != "complete":
-        raise UsageError(f"{what} {directory}: that run is {d['status'] or 'of unknown status'}, not complete; "
+    if baseline and _unfinished(d):
+        raise UsageError(f"{what} {directory}: that run is {_unfinished(d)}; "
                          f"finish it (parity run --resume {directory}) or compare against a complete run")
     if baseline and not d.get("cells") and not d.get("bench"):
         raise UsageError(f"{what} {directory}: holds no results (no cell, no bench row); compare against a "
