@@ -43,11 +43,7 @@ def fresh_plan(cell: Cell, ranks_plan: PrecisionPlan) -> PrecisionPlan:
     """The plan of a fresh, unsharded build in this process; only the map of parameters owned
     by tensor / expert parallelism comes from the ranks (building their mesh needs ranks)."""
     owners = tuple(sorted((t.fqn, t.parallel) for t in ranks_plan.params if t.parallel))
-    return _fresh(cell.fixture, cell.source, cell.seed, cell.precision(), cell.weights, owners)
-
-
-def _fresh(name: str, source: str, seed: int, config, weights: str, owners: tuple) -> PrecisionPlan:
-    return _fresh_build(name, source, seed, config, weights, owners)[2]
+    return _fresh_build(cell.fixture, cell.source, cell.seed, cell.precision(), cell.weights, owners)[2]
 
 
 @functools.lru_cache(maxsize=64)
