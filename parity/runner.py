@@ -51,7 +51,7 @@ from parity.report.junit import write_junit
 from parity.report.environment import environment
 from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
-from parity.report.summary import cell_verdicts, summary_markdown, terminal_table
+from parity.report.summary import cell_verdicts, fault_line, summary_markdown, terminal_table
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -384,10 +384,11 @@ class _Run:
         also = _arrived_too(signals)
         if self.lost:
             why = "a rank left the torchrun group" + also
+        faults = [f for c in self.cells for f in c.faults]
         path = os.path.join(out, "summary.md")
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
-                                      not_run=not_run if stopped else [], interrupted=why))
+                                      not_run=not_run if stopped else [], interrupted=why, faults=faults))
         path = os.path.join(out, "timings.json")
         with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
@@ -417,6 +418,8 @@ class _Run:
                   f"recorded in {out} (finish: python -m parity run --resume {out})", file=sys.stderr)
             return signals.code
         print(terminal_table(records))
+        if faults:
+            print(fault_line(records, faults))
         print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
         return verdict_code(records)
 

@@ -44,6 +44,25 @@ def test_a_gate_over_a_filtered_faulted_run_records_what_it_left_out(gated):
     assert meta["versions"]["torch"] and meta["device"] == "cpu"
     assert [d["decision"] for d in meta["decisions"]] == ["NO-GO"]
     assert "complete: **no**" in open(os.path.join(gated, "gate.md")).read()
+    assert "Injected fault perturb_grad: flagged in 2 of 2 cells that ran." in open(os.path.join(gated, "summary.md")).read()
+
+
+def test_a_fault_no_cell_flags_is_said_to_prove_nothing():
+    """A green run under a fault is not evidence that the checks work: the summary says how many
+    of the cells that ran the fault turned non-PASS, and what none means (skipped cells do not count)."""
+    from parity.judge.record import Record, Verdict
+    from parity.report.summary import fault_line, summary_markdown
+
+    rows = [Record(cell=f"m/native/c{i}", fixture="m", path="native", check="grad", verdict=v)
+            for i, v in enumerate((Verdict.PASS, Verdict.PASS, Verdict.SKIP))]
+    assert fault_line(rows, ()) == ""
+    line = fault_line(rows, ["drop_override", "drop_override"])
+    assert line.startswith("Injected fault drop_override: flagged in 0 of 2 cells that ran; no check fired")
+    rows[1] = Record(cell="m/native/c1", fixture="m", path="native", check="grad", verdict=Verdict.FAIL)
+    assert fault_line(rows, ["a", "b"]) == "Injected fault a+b: flagged in 1 of 2 cells that ran."
+    assert "Injected fault" not in summary_markdown(rows, title="m", timings={}, cells_total=3)
+    assert summary_markdown(rows, title="m", timings={}, cells_total=3, faults=["a"]).splitlines()[2].startswith(
+        "Injected fault a: flagged in 1 of 2")
 
 
 @pytest.mark.slow

@@ -184,7 +184,8 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
         outdir.write_progress(out, progress)
         title = str(shard.get("title") or options.get("matrix") or "run")
         with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w") as fh:
-            fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"])))
+            fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"]),
+                                     faults=options.get("fault") or ()))
         with writing(os.path.join(out, "timings.json")), open(os.path.join(out, "timings.json"), "w") as fh:
             json.dump(dict(timings), fh, indent=2)
         with writing(os.path.join(out, "report.html")):

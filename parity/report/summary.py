@@ -132,11 +132,28 @@ def closest(records: list[Record], n: int = CLOSEST) -> list[Record]:
     return sorted(judged, key=lambda r: -r.ratio)[:n]
 
 
+def fault_line(records: list[Record], faults) -> str:
+    """What the injected ``faults`` did: how many of the cells that ran they turned non-PASS. A run
+    under a fault that no cell flags is green only in the sense that no check fired: those cells do
+    not reveal the fault, or a check missed it; either way it proves nothing about the checks."""
+    if not faults:
+        return ""
+    verdicts = {c: v for c, v in cell_verdicts(records).items() if v != "SKIP"}
+    flagged = sum(v in BAD for v in verdicts.values())
+    line = f"Injected fault {'+'.join(dict.fromkeys(faults))}: flagged in {flagged} of {len(verdicts)} cells that ran"
+    if flagged:
+        return line + "."
+    return (line + "; no check fired, so these cells do not reveal it or a check missed it (its generated "
+            "test in tests/test_faults.py names a cell that must flag it).")
+
+
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
-                     not_run: list[str] = (), interrupted: str = "") -> str:
+                     not_run: list[str] = (), interrupted: str = "", faults=()) -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
     out = [f"# parity run: {md_text(title)}", ""]
+    if faults:
+        out += [md_text(fault_line(records, faults)), ""]
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
