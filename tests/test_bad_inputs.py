@@ -47,10 +47,12 @@ def _records(verdicts: dict[str, str]) -> list[Record]:
     out = []
     for cell, v in verdicts.items():
         where = dict(cell=cell, fixture=cell.split("/")[0], path=cell.split("/")[1])
+        measured = dict(observed=0.0, allowed=1.0, ratio=0.0) if v == "PASS" else {}  # as a judge writes a PASS
         out.append(Record(**where, check="output" if v != "SKIP" else "run", name="loss", verdict=Verdict(v),
-                          detail="d"))
+                          detail="d", **measured))
         if v != "SKIP":
-            out.append(Record(**where, check="coverage", name="records", verdict=Verdict.PASS, detail="all owed"))
+            out.append(Record(**where, check="coverage", name="records", verdict=Verdict.PASS, detail="all owed",
+                              observed=0.0, allowed=0.0, ratio=0.0))
     return out
 
 
@@ -158,16 +160,19 @@ def _files(t) -> dict[str, str]:
         _write(t / f"gate_runjson_{name}" / "run.json", text)
         f[f"gate_runjson_{name}"] = str(t / f"gate_runjson_{name}")
     columns = HEADER.strip().split(",")
-    for name in ("verdict", "number", "binary", "pass_ratio", "pass_nan"):
+    forged = {"pass_ratio": ("9", "1", "9", ""), "pass_nan": ("nan", "1", "nan", ""),  # observed, allowed, ratio, share
+              "pass_blank": ("", "", "", ""), "pass_quotient": ("1", "0.001", "0.5", ""),
+              "pass_vacuous": ("0.1", "1", "0.1", "5")}
+    for name in ("verdict", "number", "binary", *forged):
         d = results(t / f"csv_{name}", {A: "PASS"})
         with open(os.path.join(d, "cells.csv")) as fh:
             good = fh.read().splitlines()[1].split(",")
         bad = list(good)
         if name == "verdict":
             bad[bad.index("PASS")] = "MAYBE"
-        elif name.startswith("pass_"):  # a PASS its numbers contradict (an edited row of the same length or not)
-            bad[columns.index("observed")], bad[columns.index("allowed")] = ("9", "1") if name == "pass_ratio" else ("nan", "1")
-            bad[columns.index("ratio")] = "9" if name == "pass_ratio" else "nan"
+        elif name in forged:  # a PASS no judge writes: its numbers contradict it, or are gone
+            for column, value in zip(("observed", "allowed", "ratio", "allowed_over_signal"), forged[name]):
+                bad[columns.index(column)] = value
         else:
             bad[HEADER.split(",").index("ranks")] = "abc"
         text = HEADER + ",".join(bad) + "\n" + ",".join(good) + "\n"
@@ -285,6 +290,9 @@ CASES = [
     (["gate", "--from", "{csv_binary}"], "cells.csv is unreadable"),
     (["gate", "--from", "{csv_pass_ratio}"], "row 2: not a parity record (a PASS whose numbers say otherwise: observed 9"),
     (["gate", "--from", "{csv_pass_nan}"], "a PASS whose numbers say otherwise: observed nan, allowed 1, ratio nan"),
+    (["gate", "--from", "{csv_pass_blank}"], "row 2: not a parity record (a PASS of output without its observed / allowed / ratio)"),
+    (["gate", "--from", "{csv_pass_quotient}"], "(a PASS whose ratio 0.5 is not observed / allowed (1000))"),
+    (["gate", "--from", "{csv_pass_vacuous}"], "(a PASS whose allowance is 5 of the change it judges (at least 0.5: INCONCLUSIVE))"),
     (["report", "{csv_pass_ratio}"], "ratio 9)"),
     (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
@@ -489,7 +497,7 @@ def test_compare_flags_new_alarms_and_missing_cells(capsys, tmp_path, old, new, 
 
 def test_compare_flags_a_check_measured_before_and_missing_now(capsys, tmp_path):
     def rows(checks):
-        return [Record(cell=A, fixture="kda", path="legacy", check=c, name="w", verdict=Verdict.PASS, ratio=0.1)
+        return [Record(cell=A, fixture="kda", path="legacy", check=c, name="w", verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1)
                 for c in checks]
     old, new = results(tmp_path / "old", {A: "PASS"}), results(tmp_path / "new", {A: "PASS"})
     _recorded(old, rows(["grad", "checkpoint.same"]))

@@ -110,6 +110,11 @@ def vacuity(allowed: float, signal: float) -> float:
     return allowed / signal if signal > 0 else math.inf
 
 
+#: Checks whose PASS is an outcome, not a measurement (the declared isolation error was raised, a
+#: fallback was declared, no module diverged): the only PASS records that carry no observed,
+#: allowed and ratio; every other PASS is a measurement within its allowance.
+OUTCOME_CHECKS = frozenset(("expected_error", "fallback", "divergence"))
+
 #: The largest share of the judged signal an allowance may take: at half, a change of the
 #: signal's own size still lands at least twice the allowance away from the expectation.
 BAR = 0.5

@@ -8,7 +8,7 @@ import operator
 import os
 
 from parity.errors import UsageError
-from parity.judge.record import COLUMNS, Record, Verdict
+from parity.judge.record import BAR, COLUMNS, OUTCOME_CHECKS, Record, Verdict
 
 NUMERIC_COLUMNS = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
 _INTS = ("ranks", "microbatches", "seed")
@@ -69,11 +69,36 @@ def _parse(row: dict[str, str]) -> Record:
     if values["step"] != "":
         values["step"] = int(values["step"])
     values["verdict"] = Verdict(values["verdict"])
-    if values["verdict"] == Verdict.PASS:  # a PASS its own numbers contradict was not written by a judge
-        nums = {k: values[k] for k in ("observed", "allowed", "ratio") if values[k] != ""}
-        if any(not math.isfinite(v) for v in nums.values()) or nums.get("ratio", 0.0) > 1.0:
-            raise ValueError("a PASS whose numbers say otherwise: " + ", ".join(f"{k} {v:g}" for k, v in nums.items()))
+    if values["verdict"] == Verdict.PASS and (why := _unjudged_pass(values)):
+        raise ValueError(why)
     return Record(**values)
+
+
+#: Relative difference a quotient of numbers written to six significant digits (:func:`_fmt`) may show.
+_WRITTEN = 1e-4
+
+
+def _unjudged_pass(values: dict) -> str:
+    """Why a PASS row cannot have been written by a judge ("" when it can): a measured check's PASS
+    carries observed, allowed and ratio, finite, with ratio = observed / allowed (0 when nothing
+    was observed) at most 1, and an allowance under :data:`BAR` of the signal it judges (else it
+    would read INCONCLUSIVE). Only :data:`OUTCOME_CHECKS` pass without numbers."""
+    names = ("observed", "allowed", "ratio")
+    nums = {k: values[k] for k in names if values[k] != ""}
+    if not nums and values["check"] in OUTCOME_CHECKS:
+        return ""
+    if len(nums) < len(names):
+        return f"a PASS of {values['check']} without its " + " / ".join(k for k in names if k not in nums)
+    observed, allowed, ratio = (nums[k] for k in names)
+    if not all(map(math.isfinite, (observed, allowed, ratio))) or ratio > 1.0:
+        return "a PASS whose numbers say otherwise: " + ", ".join(f"{k} {v:g}" for k, v in nums.items())
+    quotient = 0.0 if observed == 0 else observed / allowed if allowed > 0 else math.inf
+    if not math.isclose(ratio, quotient, rel_tol=_WRITTEN):
+        return f"a PASS whose ratio {ratio:g} is not observed / allowed ({quotient:g})"
+    share = values["allowed_over_signal"]
+    if share != "" and not share < BAR * (1 + _WRITTEN):
+        return f"a PASS whose allowance is {share:g} of the change it judges (at least {BAR:g}: INCONCLUSIVE)"
+    return ""
 
 
 def read_records(path: str, *, whole: bool = False) -> list[Record]:
