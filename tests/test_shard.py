@@ -143,6 +143,30 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
 
 
+def test_a_signal_during_a_merge_is_its_exit_code_and_a_bad_candidate_is_refused_first(sharded, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """A cancelled CI merge job does not report success: the merged files are completed, the exit
+    code is the signal's; ``--gate --candidate`` naming no path is refused before anything is merged."""
+    import signal
+
+    from parity.report import merge as merging
+
+    root, whole, parts, merged, code = sharded
+    assert main(["merge", *parts, "--out", str(tmp_path / "bogus"), "--gate", "--candidate", "bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err and not os.path.exists(tmp_path / "bogus")
+    real = merging.write_html
+
+    def signalled(*args, **kwargs):  # SIGTERM arrives while the merged files are written
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(merging, "write_html", signalled)
+    assert main(["merge", *parts, "--out", str(tmp_path / "m")]) == 143
+    assert "interrupted by SIGTERM while merging" in capsys.readouterr().err
+    assert json.loads(_read(os.path.join(tmp_path / "m", "run.json")))["status"] == "complete"
+    assert _read(os.path.join(tmp_path / "m", "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
+
+
 def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded, capsys):
     root, whole, parts, merged, code = sharded
     assert main(["merge", *parts, "--out", whole]) == 2

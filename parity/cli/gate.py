@@ -206,12 +206,18 @@ def cmd_merge(args) -> int:
         from parity.report.outdir import writable_file
 
         writable_file(args.junit, "--junit")
+    if args.gate:  # bad input is refused before the parts are merged
+        from parity.paths import check_path
+
+        candidate = check_path(args.candidate)
     with Signals() as signals:
         manifest, records = merge(args.parts, args.out, overwrite=args.overwrite, junit=args.junit or "")
         print(f"merge: {manifest['merged']['parts']} parts, {len(manifest['cells'])} cells, {len(records)} records "
               f"in {args.out}")
         if args.gate:
-            from parity.paths import check_path
-
-            return _decide(args, args.out, manifest, check_path(args.candidate), None, signals)
+            return _decide(args, args.out, manifest, candidate, None, signals)
+        if signals():  # arrived while the merged files were written: they were completed first
+            print(f"parity: interrupted by {signals.name} while merging (the merged files are complete)",
+                  file=sys.stderr)
+            return signals.code
     return verdict_code(records)
