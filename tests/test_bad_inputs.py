@@ -131,7 +131,10 @@ def _files(t) -> dict[str, str]:
                  "build=_build"),
                 ("frozen", PATCHED_FORWARD.format(forward="f\n    m.requires_grad_(False)"), "build=_build"),
                 ("loss_shape", "", "loss=lambda out, target: (out - target) ** 2"),
-                ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"))},
+                ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"),
+                ("expect_typo", "", "expect={'nativ': 'fallback:mixes'}"),
+                ("lazy", "def _build():\n    m = registered()['kda'].build()\n    m.head = nn.LazyLinear(4)\n"
+                         "    return m\n", "build=_build"))},
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty"), "empty_toml": _write(t / "empty.toml", "# nothing else\n")}
@@ -255,6 +258,10 @@ CASES = [
     (["gate", "--model", "{loss_shape}", "--matrix", "smoke", "--out", "{out}"], "Fixture.loss returns (2, 8, 32), not one number"),
     (["plan", "--model", "{frozen}"], "no parameter of the model is trainable"),
     (["plan", "--model", "{compute_typo}"], "Fixture.compute_dtypes names 'nope.weight', which is not a parameter"),
+    (["plan", "--model", "{expect_typo}"], "Fixture.expect key 'nativ' names no sharding path or contract; valid: "
+     "dtype-split, per-parameter, legacy, native"),
+    (["run", "--model", "{expect_typo}", "--list"], "Fixture.expect key 'nativ'"),
+    (["plan", "--model", "{lazy}"], "'head.weight' is uninitialized (a lazy module)"),
     (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),
     (["plan", "--model", "{factory_factory}"], "returned function, not parity.model.Fixture"),
     (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),

@@ -25,6 +25,8 @@ import torch
 
 from parity.errors import UsageError, plugin_fix
 from parity.model.spec import Fixture, validate
+from parity.paths.base import CONTRACTS
+from parity.paths.registry import path_names
 
 GROUP = "parity.models"
 _loaded_sources: dict[str, list[Fixture]] = {}
@@ -85,11 +87,16 @@ def exercised(fixture: Fixture, model, where: str) -> None:
                          "Fixture.token_input=True)")
 
 
+def _expect_keys() -> tuple[str, ...]:
+    """What a ``Fixture.expect`` key may name: a contract or a registered path."""
+    return (*CONTRACTS, *path_names())
+
+
 def _specs(obj, where: str, called: bool = False) -> list[Fixture]:
     """The fixtures ``obj`` describes: a Fixture, a list or mapping of them, or a factory returning
     those (called once: what it returns is not called again)."""
     if isinstance(obj, Fixture):
-        return [validate(obj, where)]
+        return [validate(obj, where, _expect_keys())]
     if isinstance(obj, Mapping):
         return [s for v in obj.values() for s in _specs(v, where, called)]
     if isinstance(obj, (list, tuple)):
@@ -104,7 +111,7 @@ def _specs(obj, where: str, called: bool = False) -> list[Fixture]:
         except _USER_FAILURES as exc:  # user code: name it, exit 2
             raise UsageError(f"{where}: the factory failed: {_failed(exc)}") from None
         return _specs(made, where, called=True)
-    return [validate(obj, where)]
+    return [validate(obj, where, _expect_keys())]
 
 
 @functools.cache

@@ -190,8 +190,10 @@ EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 MIXED_FORMATS = "mixes weight formats"
 
 
-def validate(spec: object, where: str) -> Fixture:
-    """Check what a factory returned; raise :class:`UsageError` naming the first problem."""
+def validate(spec: object, where: str, expect_keys=()) -> Fixture:
+    """Check what a factory returned; raise :class:`UsageError` naming the first problem. With
+    ``expect_keys`` (the contracts and registered path names), every ``Fixture.expect`` key must be
+    one of them: a mistyped key would match no cell, and its declaration would silently lapse."""
     if not isinstance(spec, Fixture):
         raise UsageError(f"{where} returned {type(spec).__name__}, not parity.model.Fixture; "
                          "return Fixture(name=..., build=..., unit_roots=..., ...)")
@@ -208,6 +210,9 @@ def validate(spec: object, where: str) -> Fixture:
         if kind not in OUTCOMES or not any(x.strip() for x in text.split(",")):  # a declaration names what it expects
             raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
                              "fallback:TEXT (TEXT: part of the reason)")
+        if expect_keys and key not in expect_keys:
+            raise UsageError(f"{where}: Fixture.expect key {key!r} names no sharding path or contract; valid: "
+                             f"{', '.join(expect_keys)}")
     try:
         model = spec.make(0, "meta")
     except UsageError as exc:  # a field make() applies names itself
@@ -239,6 +244,11 @@ def validate(spec: object, where: str) -> Fixture:
     params = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params[n] = p
+    lazy = next((n for n, t in (*params.items(), *model.named_buffers())
+                 if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
+    if lazy:  # nothing can be planned, sharded or compared before its size is known
+        raise UsageError(f"{where}: {lazy!r} is uninitialized (a lazy module); give its size in build (e.g. nn.Linear "
+                         "for nn.LazyLinear) or run one forward there to materialize it")
     if spec.fp32_rule not in FP32_RULES:
         raise UsageError(f"{where}: Fixture.fp32_rule {spec.fp32_rule!r}; valid: {', '.join(FP32_RULES)}")
     typo = unmatched(model, spec.keep_fp32, spec.fp32_rule)
