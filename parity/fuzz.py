@@ -86,6 +86,9 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     share = examples // count + (1 if index <= examples % count else 0)
     campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count,
                    "device": device, "timeout": timeout}
+    # until this part ends, its manifest says so: a part killed mid-way never leaves an earlier
+    # campaign's finished manifest in --out for a merge to count
+    write_manifest(out_dir, {**campaign_of, "asked": share, "ran": 0, "code": None, "status": "running"})
     with Signals() as signals:
         return _campaign(examples=share, seed=part_seed(seed, index, count), out_dir=out_dir, fault=fault,
                          device=device, timeout=timeout, signals=signals, campaign_of=campaign_of,
@@ -179,7 +182,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     with writing(path), open(path, "w") as fh:
         fh.write(text + "\n")
     write_manifest(out_dir, {
-        **campaign_of, "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
+        **campaign_of, "status": "complete", "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
         "interrupted": signals.name if signals() else "", "verdicts": dict(sorted(verdicts.items())),
         "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "text": text,
         "reproducers": sorted(set(written))})

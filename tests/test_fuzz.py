@@ -54,6 +54,7 @@ def test_the_fixed_seed_campaign_passes_on_unmodified_torch(tmp_path):
     assert "fuzz: 25 runs" in proc.stdout and "FAIL" not in proc.stdout.split("records by verdict")[1].split("\n")[0]
     manifest = json.loads((tmp_path / "fuzz.json").read_text())  # what parity merge joins parts by
     assert (manifest["ran"], manifest["asked"], manifest["code"], manifest["index"], manifest["count"]) == (25, 25, 0, 1, 1)
+    assert manifest["status"] == "complete"
     assert (manifest["device"], manifest["timeout"]) == ("cpu", 120.0)
 
 

@@ -294,7 +294,7 @@ def _fuzz_part(root, index: int, count: int = 2, **changes) -> str:
         (d / "repro_gen_7.py").write_text("# a reproducer\n")
         changes["reproducers"] = ["repro_gen_7.py"]
     fields = dict(seed=2026, examples=5, fault="", device="cpu", timeout=120.0, index=index, count=count, asked=3 if index == 1 else 2,
-                  ran=3 if index == 1 else 2, code=0, interrupted="", verdicts={"PASS": 100 * index},
+                  ran=3 if index == 1 else 2, code=0, status="complete", interrupted="", verdicts={"PASS": 100 * index},
                   inconclusive=[], caught=None, text="")
     write_manifest(str(d), {**fields, **changes})
     return str(d)
@@ -319,6 +319,11 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
     assert not list((bad / "m").glob("part-*/repro_old_1.py"))  # only what the campaign wrote is its evidence
     assert "reproducers in part-1" not in (bad / "m" / "fuzz.md").read_text()
     assert "NOT every part finished clean" in (bad / "m" / "fuzz.md").read_text()
+    killed = tmp_path / "killed"  # a part killed mid-way: its manifest still says it started, not what it found
+    killed.mkdir()
+    assert main(["merge", parts[0], _fuzz_part(killed, 2, status="running", code=None, ran=0), "--out",
+                 str(killed / "m")]) == 1
+    assert "part 2/2: 0 of 2 runs, never finished (killed, or still running)" in (killed / "m" / "fuzz.md").read_text()
 
     capsys.readouterr()
     assert main(["merge", parts[0], "--out", str(tmp_path / "m1")]) == 2
@@ -335,6 +340,23 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
         assert f"differ in {option}" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
     assert main(["merge", parts[0], str(tmp_path / "m"), str(tmp_path / "run-part"), "--out", str(tmp_path / "m5")]) == 2
+
+
+def test_a_fuzz_part_replaces_an_earlier_campaigns_manifest_before_its_first_example(tmp_path, monkeypatch):
+    """A part killed before it finishes leaves a manifest saying it is running, not the finished one
+    an earlier campaign left in the same --out (which a merge would count as this part's)."""
+    import parity.fuzz as fuzz
+
+    earlier = _fuzz_part(tmp_path, 2)
+
+    def killed(**kwargs):  # the part dies during its first example
+        raise SystemExit(137)
+
+    monkeypatch.setattr(fuzz, "_campaign", killed)
+    with pytest.raises(SystemExit):
+        fuzz.campaign(examples=5, seed=2026, out_dir=earlier, shard=(2, 2))
+    manifest = json.loads((pathlib.Path(earlier) / "fuzz.json").read_text())
+    assert (manifest["status"], manifest["ran"], manifest["asked"], manifest["code"]) == ("running", 0, 2, None)
 
 
 def test_expected_cost_follows_the_measured_cells():

@@ -66,7 +66,15 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
 
 
 def _finished(m: dict) -> bool:
-    return m["code"] == 0 and not m.get("interrupted") and m["ran"] >= m["asked"]
+    return m.get("status") == "complete" and m["code"] == 0 and not m.get("interrupted") and m["ran"] >= m["asked"]
+
+
+def _state(m: dict) -> str:
+    if m.get("status") != "complete":
+        return "never finished (killed, or still running)"
+    if _finished(m):
+        return "finished"
+    return "interrupted by " + m["interrupted"] if m.get("interrupted") else f"exit {m['code']}"
 
 
 def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
@@ -94,8 +102,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}" + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
     for d, m in parts:
-        state = "finished" if _finished(m) else ("interrupted by " + m["interrupted"] if m.get("interrupted")
-                                                  else f"exit {m['code']}")
+        state = _state(m)
         extra = f"; reproducers in part-{m['index']}/: {', '.join(m['reproducers'])}" if m.get("reproducers") else ""
         lines.append(f"part {m['index']}/{m['count']}: {m['ran']} of {m['asked']} runs, {state} ({d}){extra}")
     text = "\n".join(lines)
@@ -107,7 +114,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
                 shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
     with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
         fh.write(text + "\n")
-    merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1", "index": None, "asked": first["examples"],
+    merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1", "status": "complete", "index": None, "asked": first["examples"],
               "ran": ran, "code": code, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
               "parts": [os.path.abspath(d) for d, _ in parts]}
     with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w") as fh:
