@@ -167,6 +167,23 @@ def test_a_signal_during_a_merge_is_its_exit_code_and_a_bad_candidate_is_refused
     assert _read(os.path.join(tmp_path / "m", "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
 
 
+def test_parts_from_checkouts_at_other_paths_merge_and_changed_files_do_not(sharded, tmp_path, capsys):
+    """Each CI job may check the repository out elsewhere: a part's model and matrix files are
+    compared by content, not by the path they lay at; a file whose content differs is refused."""
+    root, whole, parts, merged, code = sharded
+    moved, changed = str(tmp_path / "moved"), str(tmp_path / "changed")
+    for copy, digest in ((moved, None), (changed, "0" * 64)):
+        shutil.copytree(parts[1], copy)
+        manifest = json.loads(_read(os.path.join(copy, "run.json")))
+        manifest["sources"] = {"/elsewhere" + path: digest or value for path, value in manifest["sources"].items()}
+        pathlib.Path(copy, "run.json").write_text(json.dumps(manifest))
+    assert main(["merge", parts[0], moved, *parts[2:], "--out", str(tmp_path / "m")]) == 0
+    assert _read(os.path.join(tmp_path / "m", "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
+    capsys.readouterr()
+    assert main(["merge", parts[0], changed, *parts[2:], "--out", str(tmp_path / "m2")]) == 2
+    assert "differ in sources" in capsys.readouterr().err
+
+
 def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded, capsys):
     root, whole, parts, merged, code = sharded
     assert main(["merge", *parts, "--out", whole]) == 2

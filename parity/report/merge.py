@@ -37,6 +37,14 @@ from parity.report.summary import summary_markdown
 SAME = ("torch", "device", "parity", "sources")
 
 
+def _compared(key: str, value):
+    """What of a ``SAME`` entry must agree: for ``sources`` the files' contents, not where they lie
+    (each CI job may check the repository out at another path)."""
+    if key == "sources" and isinstance(value, dict):
+        return sorted(map(str, value.values()))
+    return value
+
+
 def _part(directory: str) -> dict:
     manifest = outdir.read_manifest(directory, "rerun that part (run --shard I/N)")
     shard = manifest.get("shard")
@@ -100,7 +108,7 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
                              f"({_short(options.get(key))} vs {_short(first_options.get(key))}); run every part "
                              "with the same options")
         for key in SAME:
-            if m.get(key) != first.get(key):
+            if _compared(key, m.get(key)) != _compared(key, first.get(key)):
                 raise UsageError(f"merge: {d} and {first_dir} differ in {key} ({_short(m.get(key))} vs "
                                  f"{_short(first.get(key))}); run every part with the same torch, parity and models")
     seen: dict[int, str] = {}
