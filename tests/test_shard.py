@@ -189,6 +189,11 @@ def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded,
     assert main(["merge", *parts, "--out", whole]) == 2
     err = capsys.readouterr().err
     assert "holds another run's results" in err and "pass --overwrite" in err and "--resume" not in err, err
+    campaign = os.path.join(str(pathlib.Path(merged).parent), "a-campaign")  # nor a run's beside a campaign's
+    os.makedirs(campaign, exist_ok=True)
+    pathlib.Path(campaign, "fuzz.json").write_text("{}")
+    assert main(["merge", *parts, "--out", campaign]) == 2
+    assert "holds a fuzz campaign's results" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("key, value", [("cell_groups", 5), ("index", [3]), ("selection", [[1]]), ("groups", None),
@@ -356,7 +361,20 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
         assert main(["merge", parts[0], _fuzz_part(elsewhere, 2, **{option: value}), "--out", str(elsewhere / "m")]) == 2
         assert f"differ in {option}" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
+    for i, (key, value) in enumerate((("count", "2"), ("ran", None), ("verdicts", [1]), ("reproducers", ["../x.py"]),
+                                      ("asked", -1), ("caught", "1"))):  # hand-edited: one line, not a traceback
+        edited = tmp_path / f"edited-{i}"
+        edited.mkdir()
+        capsys.readouterr()
+        assert main(["merge", parts[0], _fuzz_part(edited, 2, **{key: value}), "--out", str(edited / "m")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "fuzz.json: " in err and "rerun that fuzz part" in err, err
     assert main(["merge", parts[0], str(tmp_path / "m"), str(tmp_path / "run-part"), "--out", str(tmp_path / "m5")]) == 2
+    capsys.readouterr()
+    (tmp_path / "results-of-a-run").mkdir()
+    (tmp_path / "results-of-a-run" / "run.json").write_text("{}")
+    assert main(["merge", *parts, "--out", str(tmp_path / "results-of-a-run")]) == 2  # never beside a run's files
+    assert "holds a run's results (run.json)" in capsys.readouterr().err
 
 
 def test_a_fuzz_part_replaces_an_earlier_campaigns_manifest_before_its_first_example(tmp_path, monkeypatch):

@@ -40,7 +40,33 @@ def _read(directory: str) -> dict:
     if not isinstance(data, dict) or data.get("kind") != "parity-fuzz/1" or not {*SAME, "index", "ran", "asked",
                                                                                   "code"} <= set(data):
         raise UsageError(f"merge: {path} is not a fuzz part's manifest; give directories written by fuzz --shard I/N")
+    bad = _malformed(data)
+    if bad:
+        raise UsageError(f"merge: {path}: {bad}; rerun that fuzz part")
     return data
+
+
+#: The entries a merge counts with, and what each must be.
+_COUNTS = ("index", "count", "examples", "asked", "ran")
+
+
+def _malformed(data: dict) -> str:
+    """What of a part's manifest a merge could not count with ("" when nothing)."""
+    for key in _COUNTS:
+        if type(data[key]) is not int or data[key] < (1 if key in ("index", "count") else 0):
+            return f"{key} is {data[key]!r}, not a count"
+    if not data["index"] <= data["count"]:
+        return f"index {data['index']} is beyond count {data['count']}"
+    verdicts, listed = data.get("verdicts", {}), (data.get("inconclusive", []), data.get("reproducers", []))
+    if not isinstance(verdicts, dict) or not all(type(v) is int for v in verdicts.values()):
+        return f"verdicts is {verdicts!r}, not counts by verdict"
+    if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in listed):
+        return "inconclusive and reproducers must be lists of strings"
+    if any(os.path.basename(f) != f or f in ("", ".", "..") for f in listed[1]):
+        return "reproducers must be file names in the part's directory"
+    if data.get("caught") is not None and type(data["caught"]) is not int:
+        return f"caught is {data['caught']!r}, not a count"
+    return ""
 
 
 def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
@@ -81,6 +107,11 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     """Write the merged campaign into ``out``; returns its exit code."""
     if any(os.path.realpath(d) == os.path.realpath(out) for d in directories):
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged campaign elsewhere")
+    from parity.report.outdir import run_files_in
+
+    if run_files_in(out):  # the other kind of results: never side by side
+        raise UsageError(f"merge: --out {out} holds a run's results ({', '.join(run_files_in(out))}); write the "
+                         "merged campaign elsewhere")
     parts = check_parts(directories)
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"

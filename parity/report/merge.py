@@ -163,6 +163,8 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
     by_dir = {os.path.realpath(d): d for d in directories}
     if os.path.realpath(out) in by_dir:
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged run elsewhere")
+    if os.path.isfile(os.path.join(out, "fuzz.json")):  # the other kind of results: never side by side
+        raise UsageError(f"merge: --out {out} holds a fuzz campaign's results; write the merged run elsewhere")
     parts = check_parts(directories)
     ordered, manifests = [d for d, _ in parts], [m for _, m in parts]
     blocks = merged_blocks(ordered, manifests)
