@@ -238,6 +238,29 @@ def test_a_part_whose_results_were_edited_after_it_ran_is_refused(sharded, tmp_p
     assert not os.path.exists(tmp_path / "m" / "cells.csv")
 
 
+def test_rows_edited_in_place_are_refused_by_their_groups_digest(sharded, tmp_path, capsys):
+    """An edit that keeps cells.csv's length (a row's text changed, rows removed and the file padded)
+    is found by the digest ``progress.jsonl`` records of each group's bytes: merge, gate and compare
+    refuse the directory naming the group."""
+    root, whole, parts, merged, code = sharded
+    assert all(len(json.loads(line)["sha256"]) == 64 for line in _read(os.path.join(whole, "progress.jsonl")).splitlines())
+    copy = shutil.copytree(whole, tmp_path / "whole")
+    data = (copy / "cells.csv").read_bytes()
+    at = data.index(b"u(bfloat16)", len(data) // 2)
+    (copy / "cells.csv").write_bytes(data[:at] + b"u(bfloat17)" + data[at + 11:])
+    for argv in (["gate", "--from", str(copy)], ["compare", whole, str(copy)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "differ from what the run recorded" in err, err
+    part = shutil.copytree(parts[1], tmp_path / "p2")
+    data = (part / "cells.csv").read_bytes()
+    assert main(["merge", parts[0], str(part), *parts[2:], "--out", str(tmp_path / "m")]) == 0  # untouched: merges
+    (part / "cells.csv").write_bytes(data[:-1].rsplit(b"\n", 1)[0] + b"\n" + b" " * (len(data) - len(data[:-1].rsplit(b"\n", 1)[0]) - 2) + b"\n")
+    assert len((part / "cells.csv").read_bytes()) == len(data)
+    assert main(["merge", parts[0], str(part), *parts[2:], "--out", str(tmp_path / "m2")]) == 2
+    assert "differ from what the run recorded" in capsys.readouterr().err
+
+
 def test_a_part_whose_run_json_is_torn_is_refused_with_the_parts_fix(sharded, tmp_path, capsys):
     root, whole, parts, merged, code = sharded
     copy = shutil.copytree(parts[2], tmp_path / "p3")

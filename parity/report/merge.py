@@ -191,7 +191,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
                 progress.append({"group": group, "bytes": writer.tell()})
             writer.sync()
         writer.close()
-        outdir.write_progress(out, progress)
+        outdir.write_progress(out, outdir.with_digests(out, progress))
         title = str(shard.get("title") or options.get("matrix") or "run")
         with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w") as fh:
             fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"]),

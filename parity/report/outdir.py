@@ -8,7 +8,8 @@ Rules (``docs/ci.md``, "Results"):
   files in it are left alone.
 - ``run.json`` names the run (options, torch version, the cell list) and its status:
   ``running``, ``interrupted`` or ``complete``. ``progress.jsonl`` gains a line, with the
-  byte length of ``cells.csv``, each time a pair group of cells is fully recorded; ``--resume``
+  byte length of ``cells.csv`` and a digest of the group's bytes, each time a pair group of cells
+  is fully recorded (a reader refuses a file whose length or bytes differ); ``--resume``
   cuts ``cells.csv`` back to the last such line and runs the rest, so a resumed run's
   files equal an uninterrupted run's (timings apart).
 - One writer per directory: a run holds :data:`LOCK` (``flock``, the holder's pid inside)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -220,13 +222,55 @@ def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> di
     return manifest
 
 
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _recorded_end(path: str) -> int:
+    """The byte length of ``cells.csv`` the last line of ``progress.jsonl`` records (0: none yet)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 65536))
+            lines = [line for line in fh.read().split(b"\n") if line.strip()]
+    except FileNotFoundError:
+        return 0
+    return json.loads(lines[-1])["bytes"] if lines else 0
+
+
 def mark_group_done(out: str, group: str) -> None:
-    """Record that ``group``'s rows are all in ``cells.csv`` (after they were flushed)."""
-    size = os.path.getsize(os.path.join(out, CELLS))
-    with writing(os.path.join(out, PROGRESS)), open(os.path.join(out, PROGRESS), "a") as fh:
-        fh.write(json.dumps({"group": group, "bytes": size}) + "\n")
+    """Record that ``group``'s rows are all in ``cells.csv`` (after they were flushed): the file's
+    length and a digest of the bytes the group added, so an edit of its rows that keeps the length
+    is found (:func:`complete_records`)."""
+    cells, progress = os.path.join(out, CELLS), os.path.join(out, PROGRESS)
+    start = _recorded_end(progress)
+    with open(cells, "rb") as fh:
+        fh.seek(start)
+        block = fh.read()
+    entry = {"group": group, "bytes": start + len(block), "sha256": _sha256(block)}
+    with writing(progress), open(progress, "a") as fh:
+        fh.write(json.dumps(entry) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def with_digests(out: str, entries: list[dict]) -> list[dict]:
+    """``entries`` (group, bytes) with the digest of each one's bytes of ``cells.csv`` (a merge's)."""
+    with open(os.path.join(out, CELLS), "rb") as fh:
+        data = fh.read()
+    starts = [0] + [e["bytes"] for e in entries[:-1]]
+    return [{**e, "sha256": _sha256(data[a:e["bytes"]])} for a, e in zip(starts, entries)]
+
+
+def _edited_group(cells: str, entries: list[dict]) -> str:
+    """The first group whose bytes of ``cells`` differ from the digest the run recorded ("" none)."""
+    with open(cells, "rb") as fh:
+        data = fh.read()
+    start = 0
+    for e in entries:
+        if "sha256" in e and _sha256(data[start:e["bytes"]]) != e["sha256"]:
+            return f"{e.get('group')} (bytes {start}-{e['bytes']})"
+        start = e["bytes"]
+    return ""
 
 
 def write_progress(out: str, entries: list[dict]) -> None:
@@ -256,7 +300,8 @@ def _progress(path: str, who: str = "--resume", fix: str = "start a new run with
         except ValueError:
             entry = None
         ok = (isinstance(entry, dict) and isinstance(entry.get("group"), str) and type(entry.get("bytes")) is int
-              and entry["bytes"] >= (entries[-1]["bytes"] if entries else 0))
+              and entry["bytes"] >= (entries[-1]["bytes"] if entries else 0)
+              and (isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64 if "sha256" in entry else True))
         if not ok:
             raise UsageError(f"{who}: {path} line {n} is not a progress entry parity writes; {fix}")
         entries.append(entry)
@@ -307,6 +352,10 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
         held = "no file" if size is None else f"{size} bytes"
         raise UsageError(f"{who}: {cells} holds {held}, {PROGRESS} records {recorded}: the results were cut, "
                          f"emptied or appended to after the run; {fix}")
+    edited = _edited_group(cells, entries)
+    if edited:
+        raise UsageError(f"{who}: {cells}: the rows of group {edited} differ from what the run recorded (their "
+                         f"digest in {PROGRESS}): the results were edited after the run; {fix}")
     records = read_records(cells, whole=True)
     held_cells = {r.cell for r in records}
     listed = list(manifest.get("cells") or [])
