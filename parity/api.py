@@ -22,6 +22,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -153,7 +154,7 @@ _IN_PLACE = {"from_dir": "is judged in place (its gate files go there)", "resume
 
 
 def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
-    from parity.cli import _command, _parser
+    from parity.cli import _command
     from parity.errors import UsageError
 
     _refuse_in_bootstrap(command)
@@ -175,13 +176,37 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
 
     if not isinstance(quiet, bool):
         raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
+    args = _parse(command, argv)
     token = QUIET.set(quiet)
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            code = _command(_parser().parse_args(argv))
+            code = _command(args)
     finally:
         QUIET.reset(token)
     return Result(out=out, code=max(0, code))
+
+
+def _parse(command: str, argv: list[str]):
+    """``argv`` parsed as the command line would be, its errors in the keywords' words."""
+    from parity.cli import _parser
+    from parity.errors import UsageError
+
+    try:
+        return _parser().parse_args(argv)
+    except UsageError as exc:
+        raise UsageError(_as_keywords(command, str(exc))) from None
+
+
+def _as_keywords(command: str, message: str) -> str:
+    """A command-line parsing error as the keyword call's: ``argument --mesh: ...`` names
+    ``parity.run(mesh=...)``, without pointing at ``--help``."""
+    message = re.sub(r" \(see \S+ \S+ --help\)$", "", message)
+    return re.sub(r"argument (-k|--[a-z0-9-]+)", lambda m: f"parity.{command}({_keyword(m.group(1))}=...)", message)
+
+
+def _keyword(flag: str) -> str:
+    """The keyword of a command-line option (its ``dest``): ``-k`` is ``filter``, ``--from`` ``from_dir``."""
+    return {"-k": "filter", "--from": "from_dir"}.get(flag, flag.removeprefix("--").replace("-", "_"))
 
 
 def _refuse_in_bootstrap(command: str) -> None:
@@ -201,9 +226,9 @@ def _refuse_in_bootstrap(command: str) -> None:
 def select(*, matrix: str = "smoke", **options):
     """What ``run`` with these options would run, without running it: (the matrix, its selected
     cells as :class:`~parity.matrix.cell.Cell` objects, the effective options)."""
-    from parity.cli import RUN_DEFAULTS, _parser, _run_settings, _select
+    from parity.cli import RUN_DEFAULTS, _run_settings, _select
 
-    args = _parser().parse_args(_argv("run", {"matrix": matrix, **options}) + ["--list"])
+    args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
     opts = _run_settings(args, RUN_DEFAULTS)
     found, cells = _select(opts)
     return found, cells, opts

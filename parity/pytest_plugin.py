@@ -44,12 +44,32 @@ def explain(result) -> str:
 
 
 def _fixture(command: str, tmp_path):
+    """The callable behind ``parity_run`` / ``parity_gate``: each call writes its own directory under
+    the test's ``tmp_path`` (unless given ``out``), quiet unless ``quiet=False``; bad input fails the
+    test in one line, a signal stops the session (as the CLI and ``@pytest.mark.parity`` do)."""
     from parity import api
+    from parity.errors import UsageError
+
+    calls = [0]
 
     def call(**options):
+        calls[0] += 1
         in_place = any(options.get(k) for k in api._IN_PLACE)  # that directory is the results'
-        default = None if in_place else str(tmp_path / f"parity-{command}")
-        result = getattr(api, command)(out=options.pop("out", default), quiet=True, **options)
+        default = None if in_place else str(tmp_path / f"parity-{command}{'-' + str(calls[0]) if calls[0] > 1 else ''}")
+        out = options.pop("out", None) or default
+        refused = ""
+        try:
+            result = getattr(api, command)(out=out, quiet=options.pop("quiet", True), **options)
+        except UsageError as exc:
+            refused = str(exc)
+        except TypeError as exc:  # a keyword parity.run does not take (any other TypeError is a bug: its traceback)
+            if "unexpected keyword argument" not in str(exc):
+                raise
+            refused = str(exc)
+        if refused:  # outside the handler: one line, no chained exception
+            pytest.fail(f"parity_{command}: {refused}", pytrace=False)
+        if result.code in (130, 143):  # SIGINT / SIGTERM reached the run: the session stops
+            raise KeyboardInterrupt
         if not result.ok:
             pytest.fail(explain(result), pytrace=False)
         return result

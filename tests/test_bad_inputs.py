@@ -258,8 +258,8 @@ CASES = [
     (["gate", "--model", "{loss_shape}", "--matrix", "smoke", "--out", "{out}"], "Fixture.loss returns (2, 8, 32), not one number"),
     (["plan", "--model", "{frozen}"], "no parameter of the model is trainable"),
     (["plan", "--model", "{compute_typo}"], "Fixture.compute_dtypes names 'nope.weight', which is not a parameter"),
-    (["plan", "--model", "{expect_typo}"], "Fixture.expect key 'nativ' names no sharding path or contract; valid: "
-     "dtype-split, per-parameter, legacy, native"),
+    (["plan", "--model", "{expect_typo}"], "Fixture.expect key 'nativ' names no sharding path or contract; did you "
+     "mean 'native'? (valid here: dtype-split, per-parameter, legacy, native)"),
     (["run", "--model", "{expect_typo}", "--list"], "Fixture.expect key 'nativ'"),
     (["plan", "--model", "{lazy}"], "'head.weight' is uninitialized (a lazy module)"),
     (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),
@@ -668,3 +668,16 @@ def test_a_class_declared_fp32_pattern_that_selects_nothing_is_noted_by_plan_and
     assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1 and path == 'native'",
                  "--out", str(tmp_path / "run")]) in (0, 1)
     assert f"classtypo: {note}" in capsys.readouterr().err
+
+
+def test_an_expect_key_naming_no_installed_path_is_warned_by_run(tmp_path, capsys):
+    """A key that is no misspelling of a path or contract may name a path plugin installed
+    elsewhere: the model loads, and ``run`` warns that it applies to no cell here."""
+    from parity import api
+    from parity.cli.run import check_models
+
+    fields = "expect={'fancy_split': 'fallback:x'}"
+    source = _write(tmp_path / "fancy.py", ADJUSTED.format(name="fancy", code="", fields=fields)) + ":model"
+    _, cells, _ = api.select(model=source, filter="ranks == 1 and microbatches == 1")
+    check_models(cells)
+    assert "fancy: Fixture.expect['fancy_split'] names no path installed here" in capsys.readouterr().err

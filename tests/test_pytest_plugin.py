@@ -9,23 +9,47 @@ pytestmark = pytest.mark.xdist_group("pytest-plugin")
 TEST_FILE = '''
 FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
+import os
+
 def test_green(parity_run):
     result = parity_run(matrix="smoke", filter=FEW)
     assert result.ok and len(result.cells)
+    again = parity_run(matrix="smoke", filter=FEW + " and path == 'legacy'", quiet=False, out=None)
+    assert again.ok and again.out != result.out and os.path.dirname(again.out) == os.path.dirname(result.out)
 
 def test_a_fault_fails_with_the_worst_records(parity_run):
     parity_run(matrix="smoke", filter=FEW, fault="drop_override")
+
+def test_a_misspelled_value(parity_run):
+    parity_run(matrix="smoke", filter=FEW, mesh="fsdpp")
+
+def test_an_unknown_keyword(parity_gate):
+    parity_gate(matrix="smoke", filter=FEW, meshes="fsdp")
 '''
 
 
 def test_the_fixtures_turn_verdicts_into_test_outcomes(pytester):
     pytester.makepyfile(test_own=TEST_FILE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=1, failed=3)
     text = result.stdout.str()
     assert "parity exit code 1; results in" in text
     assert "ratio" in text and "kda/native/r1" in text  # the failing records, with observed / allowed / ratio
     assert "Traceback" not in text.split("test_a_fault_fails_with_the_worst_records")[-1]
+    # bad input: one line naming the keyword, no traceback, no chained argparse error
+    assert "parity_run: parity.run(mesh=...): invalid choice: 'fsdpp'" in text
+    assert "parity_gate: parity.gate() got an unexpected keyword argument 'meshes'" in text
+    assert "During handling" not in text and "ArgumentError" not in text
+
+
+def test_a_fixture_call_a_signal_stopped_stops_the_session(monkeypatch, tmp_path):
+    """SIGINT / SIGTERM during ``parity_run(...)``: KeyboardInterrupt ends pytest's session, as for a marked test."""
+    from parity import api
+    from parity.pytest_plugin import _fixture
+
+    monkeypatch.setattr(api, "run", lambda **options: api.Result(out=str(tmp_path), code=130))
+    with pytest.raises(KeyboardInterrupt):
+        _fixture("run", tmp_path)(matrix="smoke")
 
 
 MARKED = '''

@@ -385,7 +385,7 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
         assert f"differ in {option}" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
     for i, (key, value) in enumerate((("count", "2"), ("ran", None), ("verdicts", [1]), ("reproducers", ["../x.py"]),
-                                      ("asked", -1), ("caught", "1"))):  # hand-edited: one line, not a traceback
+                                      ("asked", -1), ("caught", "1"), ("interrupted", 1))):  # hand-edited: one line, not a traceback
         edited = tmp_path / f"edited-{i}"
         edited.mkdir()
         capsys.readouterr()

@@ -58,7 +58,7 @@ RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None,
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, instead of argparse's usage block
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)") from None
 
 
 def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/latest") -> None:

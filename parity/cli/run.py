@@ -174,7 +174,8 @@ def check_models(cells, warn: bool = True) -> None:
     tensor the two FP32 name rules resolve differently (the plan follows the model's
     ``fp32_rule``; the other reading is one a user may expect)."""
     from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
-    from parity.model.registry import built, exercised, get_fixture
+    from parity.model.registry import built, exercised, expect_keys, get_fixture
+    from parity.model.spec import unknown_expect_keys
 
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
@@ -185,6 +186,9 @@ def check_models(cells, warn: bool = True) -> None:
         exercised(fixture, model, "run")
         if not warn:
             continue
+        for key in unknown_expect_keys(fixture, expect_keys()):
+            print(f"parity: warning: {name}: Fixture.expect[{key!r}] names no path installed here nor a contract; "
+                  "it applies to no cell of this run", file=sys.stderr)
         for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
             print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule, owner)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):

@@ -87,7 +87,7 @@ def exercised(fixture: Fixture, model, where: str) -> None:
                          "Fixture.token_input=True)")
 
 
-def _expect_keys() -> tuple[str, ...]:
+def expect_keys() -> tuple[str, ...]:
     """What a ``Fixture.expect`` key may name: a contract or a registered path."""
     return (*CONTRACTS, *path_names())
 
@@ -96,7 +96,7 @@ def _specs(obj, where: str, called: bool = False) -> list[Fixture]:
     """The fixtures ``obj`` describes: a Fixture, a list or mapping of them, or a factory returning
     those (called once: what it returns is not called again)."""
     if isinstance(obj, Fixture):
-        return [validate(obj, where, _expect_keys())]
+        return [validate(obj, where, expect_keys())]
     if isinstance(obj, Mapping):
         return [s for v in obj.values() for s in _specs(v, where, called)]
     if isinstance(obj, (list, tuple)):
@@ -111,7 +111,7 @@ def _specs(obj, where: str, called: bool = False) -> list[Fixture]:
         except _USER_FAILURES as exc:  # user code: name it, exit 2
             raise UsageError(f"{where}: the factory failed: {_failed(exc)}") from None
         return _specs(made, where, called=True)
-    return [validate(obj, where, _expect_keys())]
+    return [validate(obj, where, expect_keys())]
 
 
 @functools.cache

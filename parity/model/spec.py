@@ -7,6 +7,7 @@ returns one; :func:`validate` says in one line what is missing or wrong.
 
 from __future__ import annotations
 
+import difflib
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -190,10 +191,16 @@ EXCHANGES = ("all-to-all", "all-gather", "reduce-scatter")
 MIXED_FORMATS = "mixes weight formats"
 
 
+def unknown_expect_keys(spec: Fixture, expect_keys) -> list[str]:
+    """``Fixture.expect`` keys naming neither a contract nor a registered path (``expect_keys``)."""
+    return [k for k in spec.expect if k not in expect_keys]
+
+
 def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     """Check what a factory returned; raise :class:`UsageError` naming the first problem. With
-    ``expect_keys`` (the contracts and registered path names), every ``Fixture.expect`` key must be
-    one of them: a mistyped key would match no cell, and its declaration would silently lapse."""
+    ``expect_keys`` (the contracts and registered path names), a ``Fixture.expect`` key close to one
+    of them but not it is a misspelling (its declaration would apply to no cell); another unknown
+    key may name a path plugin not installed here (``run`` warns: :func:`unknown_expect_keys`)."""
     if not isinstance(spec, Fixture):
         raise UsageError(f"{where} returned {type(spec).__name__}, not parity.model.Fixture; "
                          "return Fixture(name=..., build=..., unit_roots=..., ...)")
@@ -210,9 +217,10 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
         if kind not in OUTCOMES or not any(x.strip() for x in text.split(",")):  # a declaration names what it expects
             raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
                              "fallback:TEXT (TEXT: part of the reason)")
-        if expect_keys and key not in expect_keys:
-            raise UsageError(f"{where}: Fixture.expect key {key!r} names no sharding path or contract; valid: "
-                             f"{', '.join(expect_keys)}")
+        near = difflib.get_close_matches(str(key), expect_keys, n=1, cutoff=0.75) if key not in expect_keys else []
+        if near:  # a misspelling: its declaration would apply to no cell
+            raise UsageError(f"{where}: Fixture.expect key {key!r} names no sharding path or contract; did you mean "
+                             f"{near[0]!r}? (valid here: {', '.join(expect_keys)})")
     try:
         model = spec.make(0, "meta")
     except UsageError as exc:  # a field make() applies names itself

@@ -52,6 +52,9 @@ _COUNTS = ("index", "count", "examples", "asked", "ran")
 
 def _malformed(data: dict) -> str:
     """What of a part's manifest a merge could not count with ("" when nothing)."""
+    for key in ("fault", "interrupted"):
+        if key in data and not isinstance(data[key], str):
+            return f"{key} is {data[key]!r}, not text"
     for key in _COUNTS:
         if type(data[key]) is not int or data[key] < (1 if key in ("index", "count") else 0):
             return f"{key} is {data[key]!r}, not a count"
