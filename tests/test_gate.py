@@ -291,3 +291,25 @@ def test_a_candidate_compared_with_no_other_path_is_no_go(tmp_path, capsys):
     assert main(["gate", "--resume", str(resumed), "--candidate", "legacy"]) == 2
     err = capsys.readouterr().err
     assert "is the candidate" not in err and "the interrupted run used torch '0'" in err, err
+
+
+def test_a_failed_load_of_the_baselines_checkpoint_is_charged_to_the_path_that_loaded_it():
+    """The baseline cell saves a checkpoint and loads it into every other path; when only such a
+    load fails (its ``stage`` record beside it), the reason names that path, not the baseline."""
+    def loaded_into(target):
+        return [rec("m", "legacy", 0, check="checkpoint.cross", name=f"{target}:grad:w", verdict="FAIL",
+                    observed=1.0, allowed=0.1, ratio=10.0, detail=f"resumed on {target}"),
+                rec("m", "legacy", 0, check="stage", name="resumed", verdict="FAIL",
+                    detail=f"first divergent stage: resumed: checkpoint.cross {target}:grad:w")]
+
+    own = decide(healthy() + loaded_into("native"), "m", "native")
+    assert own.decision == NO_GO and not any("baseline failed" in r for r in own.reasons), own.reasons
+    assert any(r.startswith("native (this gate's candidate) failed to resume from the baseline's checkpoint in 1 cells")
+               for r in own.reasons), own.reasons
+    other = decide(healthy() + loaded_into("liar"), "m", "native")
+    assert other.decision == NO_GO and not any("baseline failed" in r for r in other.reasons), other.reasons
+    assert any(r.startswith("path liar, beside native (python -m parity gate --candidate liar decides on it) failed")
+               for r in other.reasons), other.reasons
+    own_step = decide(healthy() + loaded_into("native") + [rec("m", "legacy", 0, verdict="FAIL", observed=1.0,
+                                                               allowed=0.1, ratio=10.0)], "m", "native")
+    assert any(r.startswith("baseline failed in 1 cells") for r in own_step.reasons), own_step.reasons

@@ -143,6 +143,15 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     the baseline's, the cross-path comparisons' and other paths' that ran beside them."""
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
+    loads = {c: _failed_load(c, own) for c in failed_base}
+    for path in sorted({p for p in loads.values() if p}):
+        cells = [c for c, p in loads.items() if p == path]
+        first = next(r for r in own if r.cell == cells[0] and r.verdict in BAD and r.check.startswith("checkpoint."))
+        whose = (f"{candidate} (this gate's candidate)" if path == candidate else
+                 f"path {path}, beside {candidate} (python -m parity gate --candidate {path} decides on it)")
+        d.reasons.append(f"{whose} failed to resume from the baseline's checkpoint in {len(cells)} cells (e.g. "
+                         f"{cells[0]}: {first.check} {first.name}: {clip(first.detail, 200)})")
+    failed_base = [c for c in failed_base if not loads[c]]
     if failed_base:
         first = next(r for r in own if r.cell == failed_base[0] and r.verdict in BAD)
         d.reasons.append(f"baseline failed in {len(failed_base)} cells (e.g. {failed_base[0]}: {first.check} "
@@ -150,6 +159,20 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
                          "compared with it there")
     d.reasons += [f"cross-path: {x}" for x in _worst_failures(pairs)]
     _other_paths(d, rows, own, candidate, baselines)
+
+
+#: Records that only say where a cell's failures arose first: not evidence of their own.
+_LOCATING = ("stage", "divergence")
+
+
+def _failed_load(cell: str, own: list[Record]) -> str:
+    """The path a baseline cell's failures are all about ("" when not one path's): the baseline
+    saves a checkpoint and loads it into every other path (``checkpoint.*`` records named
+    ``PATH:...``); a load that fails only there is that path's failure, not the baseline's."""
+    bad = [r for r in own if r.cell == cell and r.verdict in BAD and r.check not in _LOCATING]
+    targets = {r.name.split(":", 1)[0] if r.check.startswith("checkpoint.") and ":" in r.name else "" for r in bad}
+    path = next(iter(targets)) if len(targets) == 1 else ""
+    return path if path and bad and all(r.path != path for r in bad) else ""
 
 
 def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: str, baselines: set[str]) -> None:
