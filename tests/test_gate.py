@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 import os
 
 import pytest
@@ -60,8 +61,10 @@ def test_native_that_fell_back_for_an_unsupported_build_is_not_evidence():
 def test_a_declared_fallback_is_not_applicable_and_an_undeclared_one_is_no_go():
     rows = [rec("m", "native", 0, taken="legacy", fallback_reason="unit x mixes trainable storage dtypes"),
             rec("m", "native", 0, check="fallback", name="declared", taken="legacy",
-                fallback_reason="unit x mixes trainable storage dtypes")]
+                fallback_reason="unit x mixes trainable storage dtypes"),
+            rec("m", "legacy", 0), rec("m", "legacy~native", 0, taken="")]
     assert decide(rows, "m", "native").decision == NOT_APPLICABLE
+    assert decide(rows[:2], "m", "native").decision == NO_GO  # compared with no baseline: not even that shown
     rows[1].name = "undeclared"
     rows[1].verdict = Verdict.FAIL
     assert decide(rows, "m", "native").decision == NO_GO
@@ -146,6 +149,53 @@ def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
                        "reference alone")]
     d = decide(rows, "m", "native")
     assert d.decision == GO and "judged against the reference alone" in d.notes[0]
+
+
+def _isolated(i, raised_by="legacy"):
+    """Cell ``i``'s pair, unpaired because ``raised_by`` raised the model's declared isolation error."""
+    return rec("m", "legacy~native", i, check="pair", verdict="UNPAIRED", taken="", name="expected-isolation-error",
+               detail=f"{raised_by} raised the fixture's expected isolation error")
+
+
+def test_the_isolation_error_excuses_a_pair_only_where_the_candidate_trained():
+    """A skipped candidate cell is NO-GO whatever code its pair row carries (the runner gives it the
+    baseline's); a candidate that raised the isolation error where it also trains elsewhere is no
+    evidence, and the 'judged against the reference alone' note is only for cells it trained in."""
+    base = [rec("m", "native", 0), rec("m", "legacy", 0, check="expected_error"), _isolated(0),
+            rec("m", "legacy", 1, check="expected_error"), _isolated(1)]
+    skipped = decide(base + [rec("m", "native", 1, check="run", verdict="SKIP")], "m", "native")
+    assert skipped.decision == NO_GO and any(r.startswith("1 of 2 native cells were skipped") for r in skipped.reasons)
+    raised = decide(base + [rec("m", "native", 1, check="expected_error", taken="native")], "m", "native")
+    assert raised.decision == NO_GO and any("1 pairs not compared" in r for r in raised.reasons), raised.reasons
+    assert raised.notes == ["the baseline cannot shard this model (declared isolation error) in 1 cells: native was "
+                            "judged against the reference alone there"]
+    everywhere = [rec("m", "native", i, check="expected_error", taken="native") for i in range(2)]
+    assert decide(base[1:] + everywhere, "m", "native").decision == NOT_APPLICABLE
+
+
+def test_a_declared_fallback_in_some_cells_is_said_beside_a_go():
+    rows = healthy() + [rec("m", "native", 1, check="fallback", name="declared", taken="legacy",
+                            detail="declared: mixes weight formats")]
+    rows = [replace(r, path_taken="legacy") if r.cell == "m/native/r1/c1" else r for r in rows]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and d.notes == ["native falls back in 1 of 2 cells, as the model declares: declared: "
+                                            "mixes weight formats"], d.notes
+
+
+def test_not_applicable_needs_its_pairs_too():
+    """NOT APPLICABLE exits 0 like GO: an unpaired (skipped) or missing pair row makes it NO-GO."""
+    rows = []
+    for i in range(2):
+        rows += [rec("m", "native", i, taken="legacy", fallback_reason="mixes storage"),
+                 rec("m", "native", i, check="fallback", name="declared", taken="legacy", detail="mixes storage"),
+                 rec("m", "legacy", i), rec("m", "legacy~native", i, taken="")]
+    assert decide(rows, "m", "native").decision == NOT_APPLICABLE
+    rows[-2] = rec("m", "legacy", 1, check="run", verdict="SKIP")
+    rows[-1] = rec("m", "legacy~native", 1, check="pair", verdict="UNPAIRED", taken="", name="skipped",
+                   detail="legacy was skipped")
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and "1 pairs not compared: legacy was skipped" in d.reasons, d.reasons
+    assert decide(rows[:-1], "m", "native").decision == NO_GO  # its pair row gone
 
 
 def test_an_allowance_as_large_as_its_signal_is_inconclusive():

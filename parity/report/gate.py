@@ -100,8 +100,9 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
               + next(r.detail for r in fallbacks if r.cell in declared))
     elif every and raised == ran:
         na = f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells"
-    if na:  # enabling the candidate changes nothing, unless what did run beside it failed
+    if na:  # enabling the candidate changes nothing, unless what did run beside it failed or went unpaired
         _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
+        _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, raising_declared=raised == ran)
         if d.reasons:
             d.decision = NO_GO
             d.notes.append(f"would be {NOT_APPLICABLE} ({na}), but evidence beside it failed")
@@ -109,32 +110,56 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
             d.decision = NOT_APPLICABLE
             d.notes.append(na)
         return d
+    skipped = sorted(cand_cells - ran)
+    if skipped:  # a GO speaks for every cell of the matrix: one that was skipped showed nothing
+        d.reasons.append(f"{len(skipped)} of {len(cand_cells)} {candidate} cells were skipped (e.g. {skipped[0]}): "
+                         "nothing was checked there")
     undeclared = not_taken - declared
     if undeclared:
         why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
         d.reasons.append(f"native not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
                          f"({clip('; '.join(why), 300)})")
-    if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
-        d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
-                         f"results (a run whose --baseline is {candidate} compares nothing with it)")
-    else:  # a run writes a pair row (compared or UNPAIRED) for every candidate cell: one without is missing evidence
-        grouped = {r.cell for r in pairs}
-        alone = sorted(c for c in cand_cells if pair_of(c, candidate) not in grouped)
-        if alone:
-            d.reasons.append(f"{len(alone)} {candidate} cells have no cross-path record in the results (e.g. "
-                             f"{alone[0]}): their comparison with the baseline is missing")
+    elif not_taken:  # declared: no reason, but a GO does not hide that some cells ran another path
+        d.notes.append(f"{candidate} falls back in {len(not_taken)} of {len(ran)} cells, as the model declares: "
+                       + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
-    unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
-    accepted = [r for r in unpaired if r.name == Unpaired.EXPECTED_ISOLATION_ERROR]
-    others = [r for r in unpaired if r not in accepted]
-    if others:
-        d.reasons.append(f"{len(others)} pairs not compared: {others[0].detail}")
-    if accepted:
-        d.notes.append(f"the baseline cannot shard this model (declared isolation error) in {len(accepted)} cells: "
-                       f"{candidate} was judged against the reference alone there")
+    _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, raising_declared=False)
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def _pair_reasons(d: Decision, pairs: list[Record], cand_cells: set[str], ran: set[str], raised: set[str],
+                  candidate: str, *, raising_declared: bool) -> None:
+    """The cross-path evidence every decision needs: a pair row for every candidate cell, each one
+    compared -- unless the declared isolation error left nothing to compare. That excuse holds
+    where the baseline raised it and the candidate trained (judged against the reference alone),
+    or, for NOT APPLICABLE, where the candidate raises it in every cell (``raising_declared``)."""
+    if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
+        d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
+                         f"results (a run whose --baseline is {candidate} compares nothing with it)")
+        return
+    grouped = {r.cell for r in pairs}  # a run writes a pair row (compared or UNPAIRED) for every candidate cell
+    alone = sorted(c for c in cand_cells if pair_of(c, candidate) not in grouped)
+    if alone:
+        d.reasons.append(f"{len(alone)} {candidate} cells have no cross-path record in the results (e.g. "
+                         f"{alone[0]}): their comparison with the baseline is missing")
+    cell_of = {pair_of(c, candidate): c for c in cand_cells}
+    trained = ran - raised
+
+    def baseline_raised(r: Record) -> bool:
+        return r.name == Unpaired.EXPECTED_ISOLATION_ERROR and cell_of.get(r.cell) in trained
+
+    unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
+    accepted = [r for r in unpaired if baseline_raised(r)
+                or (raising_declared and r.name == Unpaired.EXPECTED_ISOLATION_ERROR)]
+    others = [r for r in unpaired if r not in accepted]
+    if others:
+        d.reasons.append(f"{len(others)} pairs not compared: {others[0].detail}")
+    alone_with_reference = [r for r in accepted if baseline_raised(r)]
+    if alone_with_reference:
+        d.notes.append(f"the baseline cannot shard this model (declared isolation error) in {len(alone_with_reference)} "
+                       f"cells: {candidate} was judged against the reference alone there")
 
 
 def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str], pairs: list[Record],
