@@ -132,13 +132,14 @@ def test_moments_are_judged_with_missing_and_unexpected_state_failing():
 
     base = dict(cell="c", fixture="kda", path="native")
     w = torch.tensor([1.0, -2.0])
-    run = Assembled(moments=[{"exp_avg": {"a": w, "b": w}}, {"exp_avg": {"a": w * (1 + 2 ** -22)}}])
-    replayed = [{"exp_avg": {"a": w, "c": w}}, {"exp_avg": {"a": w}}]
+    run = Assembled(moments=[{"exp_avg": {"a": w, "b": w}}, {"exp_avg": {"a": 1.5 * w * (1 + 2 ** -22)}}])
+    replayed = [{"exp_avg": {"a": w, "c": w}}, {"exp_avg": {"a": 1.5 * w}}]  # step 1 moved it by w / 2
     rows = {(r.step, r.name): r for r in moments.check(run, replayed, {(1, "exp_avg", "d")}, base)}
     assert rows[(0, "a")].verdict == "PASS" and rows[(0, "a")].observed == 0.0
     assert rows[(0, "b")].verdict == "FAIL" and rows[(0, "c")].verdict == "FAIL"  # unexpected, missing
     assert rows[(1, "d")].verdict == "FAIL" and "never stepped" in rows[(1, "d")].detail
-    assert rows[(1, "a")].verdict == "PASS" and rows[(1, "a")].allowed == 2 * rows[(0, "a")].allowed
+    assert rows[(1, "a")].verdict == "PASS" and rows[(1, "a")].allowed == 3 * rows[(0, "a")].allowed
+    assert rows[(1, "a")].signal == 1.0  # what step 1 changed, not the moment's size (3.0)
     assert all(r.check == "optim.moments" and r.detail.startswith("exp_avg: ") for r in rows.values())
 
 
@@ -173,3 +174,20 @@ def test_an_outputs_allowance_comes_from_the_reference_not_from_the_observed_dty
     record = Comparison(0, "output", "rank0/mb0", expected.bfloat16(), expected, allow).record(
         dict(cell="c", fixture="kda", path="native"))
     assert record.verdict == "FAIL" and record.dtype == "float32", record
+
+
+def test_a_moment_a_late_step_did_not_update_is_never_a_pass():
+    """``optim.moments`` weighs its allowance against what the step did to the state, not the
+    state's size: a BF16 second moment a late step left as it was (off by the step's change,
+    a few roundings) passed against 2(k+1) roundings of the moment; it is INCONCLUSIVE now."""
+    from parity.judge.moments import _record
+    from parity.judge.record import BAR, Verdict
+
+    before = torch.ones(8, dtype=torch.bfloat16)  # exp_avg_sq after step 9
+    want = (before.float() + 2 * 2.0 ** -7).to(torch.bfloat16)  # step 10 moved it by two BF16 steps
+    stale = _record(10, "w", "exp_avg_sq", before.clone(), want, {"cell": "c", "fixture": "m", "path": "native"},
+                    before)
+    assert stale.observed == pytest.approx(2 ** -6) and stale.observed < stale.allowed  # within the old allowance
+    assert stale.verdict == Verdict.INCONCLUSIVE and stale.allowed_over_signal > BAR and stale.signal == 2 ** -6
+    made = _record(0, "w", "exp_avg_sq", want.clone(), want, {"cell": "c", "fixture": "m", "path": "native"})
+    assert made.verdict == Verdict.PASS and made.signal == pytest.approx(float(want.float().max()))

@@ -13,7 +13,9 @@ The allowance is one last rounding in the state's own dtype per step so far (the
 element-wise update, on a shard or on the whole tensor, may differ by a rounding where vectorized
 and scalar code paths fuse differently, and the replay carries its own state: differences add
 up, at most one rounding per update; :func:`parity.judge.tolerance.carried_roundings`). On this
-machine every such record has been exact. A state tensor the reference holds and the run does
+machine every such record has been exact. The allowance is weighed against what the step changed
+in the state (:func:`_change`), the size a state not updated would be off by: where it is half of
+that or more the record is INCONCLUSIVE. A state tensor the reference holds and the run does
 not, or the other way round, FAILs (missing or unexpected evidence), and so does a moment the
 reference owes that neither holds (:func:`owed`: the optimizer never stepped the parameter).
 Scalars (``step``) are the checkpoint's to judge (``optim.state``).
@@ -59,16 +61,29 @@ def check(run: Assembled, replayed: list[dict[str, dict[str, torch.Tensor]]], ow
         names = {(f, key) for s, key, f in owed_state if s == step}
         names |= {(f, key) for key, per in want_step.items() for f in per}
         names |= {(f, key) for key, per in got_step.items() for f in per}
+        before = replayed[step - 1] if 0 < step <= len(replayed) else {}
         worst: dict[str, Record] = {}
         for f, key in sorted(names):
-            row = _record(step, f, key, got_step.get(key, {}).get(f), want_step.get(key, {}).get(f), base)
+            row = _record(step, f, key, got_step.get(key, {}).get(f), want_step.get(key, {}).get(f), base,
+                          before.get(key, {}).get(f))
             if f not in worst or badness(row) > badness(worst[f]):
                 worst[f] = row
         rows += worst.values()
     return rows
 
 
-def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.Tensor | None, base: dict) -> Record:
+def _change(want: torch.Tensor, before: torch.Tensor | None) -> float:
+    """What this step did to the state (the replayed optimizer's): a moment not updated, or
+    updated twice, is off by about this much, so it is the signal the allowance is weighed
+    against -- not the moment's own size, which a late step changes by a small fraction
+    (AdamW's second moment by about 1 - beta2 of itself: below one BF16 rounding of it)."""
+    if before is None or before.shape != want.shape:
+        return amax(want)  # made at this step: all of it is the step's
+    return amax(want.double() - before.double())
+
+
+def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.Tensor | None, base: dict,
+            before: torch.Tensor | None = None) -> Record:
     if got is None and want is None:
         return Record(**base, step=step, check=CHECK, name=f, observed=math.inf, allowed=0.0, ratio=math.inf,
                       verdict=Verdict.FAIL, detail=f"{key}: none after step {step}, in the run or in the optimizer "
@@ -76,5 +91,5 @@ def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.T
                                                    "parameter the reference trains")
     got, want = (torch.zeros(0) if x is None else x for x in (got, want))
     allow = tolerance.carried_roundings(want.dtype if want.numel() else got.dtype, amax(want), step + 1)
-    row = Comparison(step, CHECK, f, got, want, allow).record(base)
+    row = Comparison(step, CHECK, f, got, want, allow, signal=_change(want, before) if want.numel() else None).record(base)
     return dataclasses.replace(row, detail=f"{key}: {row.detail}")
