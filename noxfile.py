@@ -31,7 +31,8 @@ def _install_torch(session, version: str) -> None:
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def parity(session, torch):
-    """Run a matrix (default: smoke) and write results/torch-<version>/."""
+    """Run a matrix (default: smoke) and write results/torch-<version>/. A given ``--out`` is used as
+    is, by every torch version this session runs: name one (``nox -s "parity(torch='2.15.0')"``)."""
     _install_torch(session, torch)
     session.install("numpy", "pandas")
     session.install("--no-deps", ".")  # torch is pinned above, even below the package's floor

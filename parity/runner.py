@@ -51,7 +51,7 @@ from parity.report.junit import write_junit
 from parity.report.environment import environment
 from parity.report.html import write_html
 from parity.report.records import RecordWriter, read_records
-from parity.report.summary import cell_verdicts, fault_line, summary_markdown, terminal_table
+from parity.report.summary import cell_verdicts, fault_line, nothing_checked, summary_markdown, terminal_table
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -431,10 +431,9 @@ def _arrived_too(signals: Signals) -> str:
 
 def verdict_code(records: list[Record]) -> int:
     """A finished run's exit code: 0 only when nothing is bad and not every cell was skipped."""
-    verdicts = cell_verdicts(records)
-    if verdicts and set(verdicts.values()) == {Verdict.SKIP}:
-        first = next(r.detail for r in records if r.verdict == Verdict.SKIP)
-        print(f"parity: every cell was skipped ({first}); nothing was checked", file=sys.stderr)
+    skipped = nothing_checked(records)
+    if skipped:
+        print(f"parity: every cell was skipped ({skipped}); nothing was checked", file=sys.stderr)
         return 1
     return 1 if any(r.verdict in BAD for r in records) else 0
 

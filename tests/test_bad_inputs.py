@@ -681,3 +681,24 @@ def test_an_expect_key_naming_no_installed_path_is_warned_by_run(tmp_path, capsy
     _, cells, _ = api.select(model=source, filter="ranks == 1 and microbatches == 1")
     check_models(cells)
     assert "fancy: Fixture.expect['fancy_split'] names no path installed here" in capsys.readouterr().err
+
+
+def test_compare_flags_bench_rows_missing_now_and_an_interrupted_bench(capsys, tmp_path):
+    """A bench key OLD measured and NEW did not is missing evidence (a path or model gone), and a
+    bench its bench.json says was interrupted is no complete run: a regression as NEW, refused as OLD."""
+    rows = "fixture,path,metric,value\nkda,legacy,collectives total,4\nkda,native,collectives total,2\n"
+
+    def bench(name, text, interrupted=""):
+        _write(tmp_path / name / "bench.csv", text)
+        _write(tmp_path / name / "bench.json", json.dumps({"interrupted": interrupted} if interrupted else {}))
+        return str(tmp_path / name)
+
+    old, fewer = bench("old", rows), bench("fewer", rows.rsplit("kda,native", 1)[0])
+    stopped = bench("stopped", rows.rsplit("kda,native", 1)[0], interrupted="SIGINT")
+    assert main(["compare", old, fewer]) == 1
+    assert "bench kda / native / collectives total: 2 before, not measured now" in capsys.readouterr().out
+    assert main(["compare", old, stopped]) == 1
+    assert "the new run is interrupted (SIGINT), not complete" in capsys.readouterr().out
+    assert main(["compare", stopped, old]) == 2
+    assert "that run is interrupted (SIGINT), not complete; run that bench again" in capsys.readouterr().err
+    assert main(["compare", old, old]) == 0

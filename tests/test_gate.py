@@ -4,6 +4,7 @@ import json
 import math
 from dataclasses import replace
 import os
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -225,8 +226,11 @@ def test_a_run_where_every_cell_is_skipped_exits_nonzero(tmp_path, capsys):
     matrix.write_text('description = "every cell skipped"\nsteps = 2\n[axes]\nfixture = ["kda"]\n'
                       'path = ["legacy", "native"]\nranks = [2]\n[[skip]]\nwhen = "ranks == 2"\n'
                       'reason = "needs 2 GPUs"\n')
-    assert main(["run", "--matrix", str(matrix), "--out", str(tmp_path / "x")]) == 1
+    junit = tmp_path / "x.xml"
+    assert main(["run", "--matrix", str(matrix), "--out", str(tmp_path / "x"), "--junit", str(junit)]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("parity: every cell was skipped (needs 2 GPUs")
+    suite = ET.parse(junit).getroot().find("testsuite")  # CI reads the file as it reads the exit code: not green
+    assert suite.get("failures") == "1" and suite.find("testcase[@name='run']/failure").get("type") == "NOTHING CHECKED"
     assert main(["gate", "--from", str(tmp_path / "x")]) == 1  # nothing checked: no GO
     scope = json.loads((tmp_path / "x" / "gate.json").read_text())["scope"]
     assert scope["cells_run"] == scope["cells_skipped"] == 2

@@ -177,3 +177,6 @@ def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():
     assert runs
     for command in runs:
         assert command.strip() in text, f"not documented in README or docs/: {command}"
+        # a session parametrized over torch runs once per version: one --out would be written twice
+        for session in ("parity", "gate"):
+            assert not (f"nox -s {session} --" in command and "--out" in command), f"name one torch: {command}"

@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -70,7 +71,7 @@ def sharded(tmp_path_factory):
     for i, part in enumerate(parts, 1):
         assert main(["run", *SLICE, "--shard", f"{i}/4", "--out", part]) == 0
     merged = str(root / "merged")
-    assert main(["merge", *parts, "--out", str(root / "plain")]) == 0  # no gate: the report as a run's
+    assert main(["merge", *parts, "--out", str(root / "plain"), "--junit", str(root / "plain.xml")]) == 0  # no gate
     shutil.copy(os.path.join(whole, "report.html"), root / "whole.html")  # before a gate --from rewrites it
     code = main(["merge", *reversed(parts), "--out", merged, "--gate", "--junit", str(root / "merged.xml")])
     return root, whole, parts, merged, code
@@ -89,7 +90,10 @@ def test_merged_parts_are_the_single_run(sharded):
     root, whole, parts, merged, code = sharded
     assert _read(os.path.join(merged, "cells.csv")) == _read(os.path.join(whole, "cells.csv"))
     assert _untimed(_read(os.path.join(merged, "summary.md"))) == _untimed(_read(os.path.join(whole, "summary.md")))
-    assert re.sub(r'time="[^"]*"', "", _read(root / "merged.xml")) == re.sub(r'time="[^"]*"', "", _read(root / "whole.xml"))
+    assert re.sub(r'time="[^"]*"', "", _read(root / "plain.xml")) == re.sub(r'time="[^"]*"', "", _read(root / "whole.xml"))
+    gated = ET.parse(root / "merged.xml").getroot()  # the run's cases, then each model's decision: exit 1, a failure
+    decisions = [c for c in gated.iter("testcase") if c.get("classname") == "parity gate smoke"]
+    assert code == 1 and decisions and all(c.find("failure").get("type") == "PARTIAL" for c in decisions)
     assert _read(os.path.join(merged, "progress.jsonl")) == _read(os.path.join(whole, "progress.jsonl"))
     run = json.loads(_read(os.path.join(merged, "run.json")))
     assert run["status"] == "complete" and "shard" not in run and run["merged"]["parts"] == 4

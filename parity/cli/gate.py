@@ -170,6 +170,12 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
     with writing(out):
         gate.write(out, decisions, records, meta=meta)
         write_html(out, records)
+    if getattr(args, "junit", None):  # the run's cases and, one per model, the decision the exit code is
+        from parity.report.junit import write_junit
+
+        with writing(args.junit):
+            write_junit(args.junit, records, suite=scope.get("matrix") or "gate", decisions=[
+                (d.model, d.decision, gate.is_go([d]), "; ".join(d.reasons or d.notes)) for d in decisions])
     from parity.report.gate import clip
 
     width = max((len(d.model) for d in decisions), default=5)

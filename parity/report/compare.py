@@ -98,9 +98,13 @@ def digest(directory: str) -> dict:
 
 
 def _run_of(directory: str) -> dict:
-    """The matrix and status ``run.json`` records (nothing without a ``run.json``: a bench or a
-    hand-made directory)."""
+    """The matrix and status ``run.json`` records; a bench's status from its ``bench.json`` (a
+    bench a signal stopped is interrupted); nothing for a hand-made directory."""
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        bench = os.path.join(directory, "bench.json")
+        if os.path.isfile(bench):
+            stopped = read_json(bench, "rerun parity bench").get("interrupted")
+            return {"matrix": "", "status": f"interrupted ({stopped})" if stopped else "complete"}
         return {"matrix": ""}
     manifest = read_manifest(directory)
     return {"matrix": str((manifest.get("options") or {}).get("matrix", "")), "status": manifest.get("status", "")}
@@ -126,12 +130,17 @@ def _unfinished(d: dict) -> str:
     return "" if status == "complete" else f"{status or 'of unknown status'}, not complete"
 
 
+def _finish(d: dict, directory: str) -> str:
+    """How an unfinished run of digest ``d`` is finished: a matrix run resumes, a bench runs again."""
+    return f"finish it with parity run --resume {directory}" if d.get("matrix") else "run that bench again"
+
+
 def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:
     """(regressions, other changes), each a line. A NEW run that is not complete is a regression
     in itself: what it did not run is no evidence, even where OLD has nothing to hold it to."""
     bad, info = [], []
     if _unfinished(new):
-        bad.append(f"the new run is {_unfinished(new)}: its evidence is partial (finish it with parity run --resume DIR)")
+        bad.append(f"the new run is {_unfinished(new)}: its evidence is partial ({_finish(new, 'DIR')})")
     for cell, was in sorted(old.get("cells", {}).items()):
         now = new.get("cells", {}).get(cell)
         if now is None:
@@ -155,7 +164,8 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
             info.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g}")
     for key, was in sorted(old.get("bench", {}).items()):
         now = new.get("bench", {}).get(key)
-        if now is None:
+        if now is None:  # measured before, not now: that evidence is missing, not better
+            bad.append(f"bench {key.replace('|', ' / ')}: {was['median']:.4g} before, not measured now")
             continue
         metric = key.split("|")[2]
         exact = metric.startswith(("collectives", "bytes", "units"))
@@ -196,7 +206,7 @@ def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
                          "directory")
     if baseline and _unfinished(d):
         raise UsageError(f"{what} {directory}: that run is {_unfinished(d)}; "
-                         f"finish it (parity run --resume {directory}) or compare against a complete run")
+                         f"{_finish(d, directory)} or compare against a complete run")
     if baseline and not d.get("cells") and not d.get("bench"):
         raise UsageError(f"{what} {directory}: holds no results (no cell, no bench row); compare against a "
                          "complete run")

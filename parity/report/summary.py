@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from parity.judge.record import BAD, SEVERITY, VERDICTS, Record
+from parity.judge.record import BAD, SEVERITY, VERDICTS, Record, Verdict
 
 
 def is_pair(r: Record) -> bool:
@@ -28,6 +28,15 @@ def cell_verdicts(records: list[Record]) -> dict[str, str]:
         if cur is None or SEVERITY[r.verdict] > SEVERITY[cur]:
             worst[r.cell] = r.verdict
     return worst
+
+
+def nothing_checked(records: list[Record]) -> str:
+    """Why a finished run checked nothing -- every cell was skipped (the first skip's reason) --
+    or "" when some cell ran: such a run is no evidence, whatever its records say."""
+    verdicts = cell_verdicts(records)
+    if verdicts and set(verdicts.values()) == {Verdict.SKIP}:
+        return next(r.detail for r in records if r.verdict == Verdict.SKIP)
+    return ""
 
 
 def worst_ratios(records: list[Record]) -> dict[str, Record]:
