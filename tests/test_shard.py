@@ -286,6 +286,7 @@ def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp
     with open(os.path.join(copy, "progress.jsonl")) as fh:
         entries = [json.loads(line) for line in fh]
     entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
+    entries[-1].pop("sha256")  # as a forger would: the digest alone would refuse it (test above)
     with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     assert main(["merge", parts[0], str(copy), *parts[2:], "--out", str(tmp_path / "m")]) == 2
@@ -310,6 +311,7 @@ def test_a_judged_cell_without_its_coverage_record_is_refused(sharded, tmp_path,
     with open(os.path.join(copy, "progress.jsonl")) as fh:
         entries = [json.loads(line) for line in fh]
     entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
+    entries[-1].pop("sha256")  # as a forger would: the digest alone would refuse it (test above)
     with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     assert main(["gate", "--from", str(copy)]) == 2
