@@ -174,6 +174,23 @@ def test_the_isolation_error_excuses_a_pair_only_where_the_candidate_trained():
     assert decide(base[1:] + everywhere, "m", "native").decision == NOT_APPLICABLE
 
 
+def test_a_candidate_that_raises_or_falls_back_as_declared_everywhere_is_not_applicable():
+    """Native raising the declared isolation error trains nothing to compare: its pair rows are
+    excused whatever the baseline did (skipped there, say); raising in some cells and falling
+    back as declared in the others (``weights=mixed``) is NOT APPLICABLE too."""
+    raise_ = [rec("m", "native", i, check="expected_error", taken="native") for i in range(2)]
+    rows = raise_ + [rec("m", "legacy", 0), _isolated(0, "native"), rec("m", "legacy", 1, check="run", verdict="SKIP"),
+                     rec("m", "legacy~native", 1, check="pair", verdict="UNPAIRED", taken="", name="skipped",
+                         detail="legacy was skipped")]
+    assert decide(rows, "m", "native").decision == NOT_APPLICABLE
+    mixed = [raise_[0], rec("m", "native", 1, taken="legacy", fallback_reason="mixes weight formats"),
+             rec("m", "native", 1, check="fallback", name="declared", taken="legacy", detail="mixes weight formats"),
+             rec("m", "legacy", 0), _isolated(0, "native"), rec("m", "legacy", 1), rec("m", "legacy~native", 1, taken="")]
+    d = decide(mixed, "m", "native")
+    assert d.decision == NOT_APPLICABLE and d.notes[0].startswith("native raises the isolation error the model "
+                                                                  "declares in 1 cells and falls back"), d.notes
+
+
 def test_a_declared_fallback_in_some_cells_is_said_beside_a_go():
     rows = healthy() + [rec("m", "native", 1, check="fallback", name="declared", taken="legacy",
                             detail="declared: mixes weight formats")]
@@ -360,10 +377,14 @@ def test_a_failed_load_of_the_baselines_checkpoint_is_charged_to_the_path_that_l
     assert own.decision == NO_GO and not any("baseline failed" in r for r in own.reasons), own.reasons
     assert any(r.startswith("native (this gate's candidate) failed to resume from the baseline's checkpoint in 1 cells")
                for r in own.reasons), own.reasons
-    other = decide(healthy() + loaded_into("liar"), "m", "native")
+    other = decide(healthy() + [rec("m", "liar", 0)] + loaded_into("liar"), "m", "native")
     assert other.decision == NO_GO and not any("baseline failed" in r for r in other.reasons), other.reasons
     assert any(r.startswith("path liar, beside native (python -m parity gate --candidate liar decides on it) failed")
                for r in other.reasons), other.reasons
     own_step = decide(healthy() + loaded_into("native") + [rec("m", "legacy", 0, verdict="FAIL", observed=1.0,
                                                                allowed=0.1, ratio=10.0)], "m", "native")
     assert any(r.startswith("baseline failed in 1 cells") for r in own_step.reasons), own_step.reasons
+    for name in ("entry:model/w", "moved:legacy:save"):  # the baseline's own saving: no path's load
+        saved = decide(healthy() + [rec("m", "legacy", 0, check="checkpoint.saved", name=name, verdict="FAIL")],
+                       "m", "native")
+        assert [r for r in saved.reasons if "failed" in r][0].startswith("baseline failed in 1 cells"), saved.reasons

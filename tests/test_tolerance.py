@@ -191,3 +191,5 @@ def test_a_moment_a_late_step_did_not_update_is_never_a_pass():
     assert stale.verdict == Verdict.INCONCLUSIVE and stale.allowed_over_signal > BAR and stale.signal == 2 ** -6
     made = _record(0, "w", "exp_avg_sq", want.clone(), want, {"cell": "c", "fixture": "m", "path": "native"})
     assert made.verdict == Verdict.PASS and made.signal == pytest.approx(float(want.float().max()))
+    untouched = _record(3, "w", "exp_avg_sq", want.clone(), want, {"cell": "c", "fixture": "m", "path": "native"}, want)
+    assert untouched.verdict == Verdict.PASS  # a step that left it alone (no gradient, a skipped step): nothing owed

@@ -79,7 +79,10 @@ def _change(want: torch.Tensor, before: torch.Tensor | None) -> float:
     (AdamW's second moment by about 1 - beta2 of itself: below one BF16 rounding of it)."""
     if before is None or before.shape != want.shape:
         return amax(want)  # made at this step: all of it is the step's
-    return amax(want.double() - before.double())
+    change = amax(want.double() - before.double())
+    # a step that left it alone (no gradient reached the parameter, a loss-scaled step skipped):
+    # no change to weigh against; the state's size, as before it was made
+    return change if change > 0 else amax(want)
 
 
 def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.Tensor | None, base: dict,

@@ -93,16 +93,20 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     # decision below counts its unpaired pair as it does on a GO
     every = ran == cand_cells
     raised = {r.cell for r in expected_errors if r.path_taken == candidate and r.verdict == Verdict.PASS}
+    fell_back = {c for c in not_taken & declared if verdicts[c] == Verdict.PASS}
     na = ""
-    if every and not_taken and not_taken <= declared and all(verdicts[c] == Verdict.PASS for c in ran) \
-            and not_taken == ran:
-        na = (f"{candidate} falls back in all {len(ran)} cells, as the model declares: "
-              + next(r.detail for r in fallbacks if r.cell in declared))
-    elif every and raised == ran:
-        na = f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells"
+    if every and (raised | fell_back) == ran:  # every cell raised or fell back, as the model declares
+        reason = next((r.detail for r in fallbacks if r.cell in fell_back), "")
+        if not raised:
+            na = f"{candidate} falls back in all {len(ran)} cells, as the model declares: {reason}"
+        elif not fell_back:
+            na = f"{candidate} raises the isolation error the model declares, in all {len(ran)} cells"
+        else:
+            na = (f"{candidate} raises the isolation error the model declares in {len(raised)} cells and falls back "
+                  f"as it declares in the other {len(ran - raised)}: {reason}")
     if na:  # enabling the candidate changes nothing, unless what did run beside it failed or went unpaired
         _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
-        _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, raising_declared=raised == ran)
+        _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=raised)
         if d.reasons:
             d.decision = NO_GO
             d.notes.append(f"would be {NOT_APPLICABLE} ({na}), but evidence beside it failed")
@@ -123,18 +127,19 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
         d.notes.append(f"{candidate} falls back in {len(not_taken)} of {len(ran)} cells, as the model declares: "
                        + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
-    _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, raising_declared=False)
+    _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=set())
     if d.reasons:
         d.decision = NO_GO
     return d
 
 
 def _pair_reasons(d: Decision, pairs: list[Record], cand_cells: set[str], ran: set[str], raised: set[str],
-                  candidate: str, *, raising_declared: bool) -> None:
+                  candidate: str, *, excused: set[str]) -> None:
     """The cross-path evidence every decision needs: a pair row for every candidate cell, each one
     compared -- unless the declared isolation error left nothing to compare. That excuse holds
     where the baseline raised it and the candidate trained (judged against the reference alone),
-    or, for NOT APPLICABLE, where the candidate raises it in every cell (``raising_declared``)."""
+    and, for NOT APPLICABLE, in the cells ``excused``: where the candidate raised it itself, it
+    trained nothing to compare, whatever the baseline did there (raised, was skipped, filtered out)."""
     if not pairs:  # every cell of the candidate is someone's baseline: nothing compared it with another path
         d.reasons.append(f"{candidate} was compared with no baseline path: no {candidate} cell is paired in the "
                          f"results (a run whose --baseline is {candidate} compares nothing with it)")
@@ -151,8 +156,7 @@ def _pair_reasons(d: Decision, pairs: list[Record], cand_cells: set[str], ran: s
         return r.name == Unpaired.EXPECTED_ISOLATION_ERROR and cell_of.get(r.cell) in trained
 
     unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
-    accepted = [r for r in unpaired if baseline_raised(r)
-                or (raising_declared and r.name == Unpaired.EXPECTED_ISOLATION_ERROR)]
+    accepted = [r for r in unpaired if baseline_raised(r) or cell_of.get(r.cell) in excused]
     others = [r for r in unpaired if r not in accepted]
     if others:
         d.reasons.append(f"{len(others)} pairs not compared: {others[0].detail}")
@@ -195,9 +199,10 @@ def _failed_load(cell: str, own: list[Record]) -> str:
     saves a checkpoint and loads it into every other path (``checkpoint.*`` records named
     ``PATH:...``); a load that fails only there is that path's failure, not the baseline's."""
     bad = [r for r in own if r.cell == cell and r.verdict in BAD and r.check not in _LOCATING]
+    ran = {r.path for r in own}  # a name's prefix is a load target only if it is a path that ran
     targets = {r.name.split(":", 1)[0] if r.check.startswith("checkpoint.") and ":" in r.name else "" for r in bad}
     path = next(iter(targets)) if len(targets) == 1 else ""
-    return path if path and bad and all(r.path != path for r in bad) else ""
+    return path if path in ran and bad and all(r.path != path for r in bad) else ""
 
 
 def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: str, baselines: set[str]) -> None:
