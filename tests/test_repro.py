@@ -98,3 +98,43 @@ def test_a_pair_id_re_runs_both_cells_and_their_cross_path_comparison(tmp_path, 
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cross-path pairs: PASS 1," in done.stdout and "UNPAIRED 0" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_reproducer_re_runs_with_the_runs_timeout_and_require_native(failing_run, tmp_path):
+    """A TIMEOUT under ``--timeout 0.2`` re-run under the default 60 s would pass: the script
+    passes the run's ``--timeout`` and ``--require-native`` to ``rerun``."""
+    import json
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(failing_run, copy)
+    manifest = json.loads((copy / "run.json").read_text())
+    manifest["options"].update(timeout=0.2, require_native=True)
+    (copy / "run.json").write_text(json.dumps(manifest))
+    script = tmp_path / "repro.py"
+    assert main(["repro", CELL.id, "--from", str(copy), "--out", str(script)]) == 0
+    assert "rerun(CELL, sys.argv[1:], require_native=True, timeout=0.2)" in script.read_text()
+
+
+def test_a_changed_model_file_is_refused_and_a_relative_one_found_from_anywhere(tmp_path, monkeypatch):
+    """The script embeds the model file: one whose digest is not the run's would re-run another
+    model, so ``repro`` refuses it; a file the run named relative to where it ran is found through
+    the absolute path ``run.json`` records."""
+    import dataclasses
+    import hashlib
+    import os
+
+    from parity.errors import UsageError
+    from parity.report.repro import _located, render
+
+    model = tmp_path / "their_model.py"
+    model.write_text("FACTORY = 'their model'\n")
+    cell = dataclasses.replace(CELL, source=f"{model}:FACTORY")
+    recorded = {os.path.realpath(model): hashlib.sha256(model.read_bytes()).hexdigest()}
+    assert "MODEL_SOURCE" in render(cell, [], "a run", sources=recorded)
+    model.write_text("FACTORY = 'their model, edited'\n")
+    with pytest.raises(UsageError, match="their_model.py changed since the run"):
+        render(cell, [], "a run", sources=recorded)
+    monkeypatch.chdir(tmp_path.parent)  # elsewhere: 'their_model.py' does not resolve from here
+    assert _located("their_model.py:FACTORY", recorded) == f"{os.path.realpath(model)}:FACTORY"
+    assert _located("pkg.module:FACTORY", recorded) == "pkg.module:FACTORY"

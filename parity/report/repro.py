@@ -31,10 +31,14 @@ _BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 def find_cells(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> list[Cell]:
     """The cells ``cell_id`` names in the run recorded in ``out`` (one cell, or every cell of a
     pair), rebuilt from its options by ``select`` (the command line's selection: recorded options
-    -> cells)."""
+    -> cells). A model file the run named relative to where it ran is found through the absolute
+    paths ``run.json`` records (``sources``), so ``repro`` works from any directory."""
     manifest = read_manifest(out)
     listed = set(manifest.get("cells", []))
-    rebuilt = [c for c in select(manifest.get("options", {})) if c.id in listed]
+    options = dict(manifest.get("options", {}))
+    if options.get("model"):
+        options["model"] = [_located(m, manifest.get("sources") or {}) for m in options["model"]]
+    rebuilt = [c for c in select(options) if c.id in listed]
     cells = [c for c in rebuilt if c.id == cell_id] or [c for c in rebuilt if c.pair_id == cell_id]
     if cell_id not in listed and len(cells) < 2:
         failing = _failing(out)
@@ -43,6 +47,29 @@ def find_cells(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> 
     if not cells:
         raise UsageError(f"repro: {cell_id!r} cannot be rebuilt from {out}'s options (was a model source moved?)")
     return cells
+
+
+def _located(source: str, sources: dict) -> str:
+    """``source`` (``path.py:factory``), its path made absolute where it does not resolve from here
+    but one of the run's recorded files ends with it."""
+    target, _, attr = source.rpartition(":")
+    if not target.endswith(".py") or os.path.isfile(target) or os.path.isabs(target):
+        return source
+    tail = os.sep + os.path.normpath(target)
+    found = [f for f in sources if str(f).endswith(tail)]
+    return f"{found[0]}:{attr}" if len(found) == 1 else source
+
+
+def _run_options(out: str) -> dict:
+    """The options of the recorded run that change a cell's verdict beyond the cell itself: its
+    ``--timeout`` (a TIMEOUT re-run under 60 s would pass) and ``--require-native``."""
+    options = read_manifest(out).get("options") or {}
+    given = {"timeout": options.get("timeout"), "require_native": options.get("require_native")}
+    return {k: v for k, v in given.items() if v and v != _RERUN_DEFAULTS[k]}
+
+
+#: :func:`rerun`'s defaults (``run``'s): a script names only what differs from them.
+_RERUN_DEFAULTS = {"timeout": 60.0, "require_native": False}
 
 
 def _failing(out: str, ids: set[str] | None = None) -> list:
@@ -71,13 +98,17 @@ _LOCATORS = ("divergence", "stage")
 def script(cells: list[Cell], out: str) -> str:
     """The reproducer's text for ``cells`` (one cell, or a pair's) of the run recorded in ``out``."""
     origin = f"{os.path.abspath(out)} (torch {torch.__version__})"
-    return render(cells[0] if len(cells) == 1 else cells, _failing(out, _ids(cells)), origin)
+    return render(cells[0] if len(cells) == 1 else cells, _failing(out, _ids(cells)), origin,
+                  options=_run_options(out), sources=read_manifest(out).get("sources") or {})
 
 
-def render(cell: Cell | list[Cell], bad: list, origin: str) -> str:
+def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | None = None,
+           sources: dict | None = None) -> str:
     """The reproducer's text: ``cell`` (or a pair's cells) as data, what failed (``bad``: its
-    records that did not pass) and where it was found (``origin``), and the call that re-runs it.
-    The fuzz campaign writes its failing examples in this format too."""
+    records that did not pass) and where it was found (``origin``), and the call that re-runs it
+    with the run's ``options`` (:func:`rerun`'s keywords). ``sources``: the run's file digests
+    (``run.json``), which an embedded model file must still match. The fuzz campaign writes its
+    failing examples in this format too."""
     cells = cell if isinstance(cell, list) else [cell]
     found = [r for r in bad if r.check not in _LOCATORS]
     where = next((r for r in bad if r.check == "divergence"), None)
@@ -96,39 +127,53 @@ def render(cell: Cell | list[Cell], bad: list, origin: str) -> str:
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cells[0].ranks} rank(s), {cells[0].device})",
         "     python <this file> --op-log FILE  also writes the failing step's operator log (DebugMode's format)",
     ])
-    embedded = _embedded_model(cells[0])
+    embedded = _embedded_model(cells[0], sources or {})
     name, data = ("CELL", repr(cells[0])) if len(cells) == 1 else ("CELLS", "[\n    " + ",\n    ".join(map(repr, cells)) + ",\n]")
     target = name if not embedded else (f"with_model({name})" if name == "CELL" else f"[with_model(c) for c in {name}]")
-    run = f"rerun({target}, sys.argv[1:])"
+    run = f"rerun({target}, sys.argv[1:]{''.join(f', {k}={v!r}' for k, v in sorted((options or {}).items()))})"
     return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
             f"{name} = {data}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
 
 
-def _embedded_model(cell: Cell) -> str:
+def _embedded_model(cell: Cell, sources: dict) -> str:
     """For a model loaded from a file (``path/to/file.py:factory``): the file's text and a
-    ``with_model`` that writes it to a fresh folder and points the cell there, so the reproducer
-    runs where that file is not (a bug report's reader). Other sources -- an installed
-    ``pkg.module`` -- are named in the cell and must be installed."""
+    ``with_model`` that writes it to a fresh folder (removed when the script ends) and points the
+    cell there, so the reproducer runs where that file is not (a bug report's reader). A file
+    whose digest differs from the one the run recorded in ``sources`` is a :class:`UsageError`:
+    the script would re-run another model than the one that failed. Other sources -- an
+    installed ``pkg.module`` -- are named in the cell and must be installed."""
+    import hashlib
+
     target, _, attr = cell.source.rpartition(":")
     if not target.endswith(".py") or not os.path.isfile(target):
         return ""
-    with open(target) as fh:
-        text = fh.read()
+    with open(target, "rb") as fh:
+        data = fh.read()
+    recorded = sources.get(os.path.realpath(target))
+    if recorded and hashlib.sha256(data).hexdigest() != recorded:
+        raise UsageError(f"repro: {target} changed since the run (its SHA-256 is not the one run.json records); "
+                         "restore it, or rerun the matrix and reproduce from the new run")
+    text = data.decode("utf-8")
     name = os.path.basename(target)
     return (f"\n#: {target}, as the run loaded it\nMODEL_SOURCE = {text!r}\n\n\n"
             "def with_model(cell):\n"
-            "    import dataclasses, os, tempfile\n\n"
-            f"    path = os.path.join(tempfile.mkdtemp(prefix='parity-repro-'), {name!r})\n"
+            "    import atexit, dataclasses, os, shutil, tempfile\n\n"
+            "    folder = tempfile.mkdtemp(prefix='parity-repro-')\n"
+            "    atexit.register(shutil.rmtree, folder, True)\n"
+            f"    path = os.path.join(folder, {name!r})\n"
             "    with open(path, 'w') as fh:\n"
             "        fh.write(MODEL_SOURCE)\n"
             f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
-def rerun(cell: Cell | list[Cell], argv: list[str] | None = None) -> int:
+def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, *, timeout: float = 60.0,
+          require_native: bool = False) -> int:
     """Run ``cell`` alone, or a pair's cells together (traced where they fail), print what failed
     and where it diverged first; the verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
     FILE`` also copies the traced step's operator log there (:mod:`parity.execute.oplog`);
-    anything else is a one-line usage error (2)."""
+    anything else is a one-line usage error (2). ``timeout`` and ``require_native``: the run's
+    ``--timeout`` and ``--require-native``, as the script records them. The results stay in a
+    temporary folder the last line names (``report.html`` for the bug report)."""
     from parity.report.outdir import op_log_path
     from parity.runner import RunOptions, run_cells
 
@@ -137,17 +182,17 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None) -> int:
         print(f"usage: python <reproducer> [--op-log FILE]; got {' '.join(argv)}", file=sys.stderr)
         return 2
     cells = cell if isinstance(cell, list) else [cell]
-    with tempfile.TemporaryDirectory(prefix="parity-repro-") as out:
-        run_dir = os.path.join(out, "run")
-        code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv)))
-        bad = _failing(run_dir, _ids(cells))
-        logged = next((p for p in (op_log_path(run_dir, c.id) for c in cells) if os.path.isfile(p)), "")
-        if argv:
-            if logged:
-                shutil.copyfile(logged, argv[1])
-                print(f"operator log: {argv[1]} (DebugMode.load_logs reads it)")
-            else:
-                print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
+    run_dir = os.path.join(tempfile.mkdtemp(prefix="parity-repro-"), "run")
+    code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv), timeout=timeout,
+                                       require_native=require_native))
+    bad = _failing(run_dir, _ids(cells))
+    logged = next((p for p in (op_log_path(run_dir, c.id) for c in cells) if os.path.isfile(p)), "")
+    if argv:
+        if logged:
+            shutil.copyfile(logged, argv[1])
+            print(f"operator log: {argv[1]} (DebugMode.load_logs reads it)")
+        else:
+            print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
     for r in (r for r in bad if r.check not in _LOCATORS):
         print(_line(r)[:300])
     stage = next((r for r in bad if r.check == "stage"), None)
