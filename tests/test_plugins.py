@@ -211,3 +211,57 @@ def test_a_plugin_that_fails_at_import_names_its_package_to_fix_or_uninstall(tmp
     assert done.stderr.count("\n") == 1 and "parity.paths:broken (broken_path:Path) cannot be loaded" in done.stderr
     assert "ImportError: plugin broken at import; fix that plugin's package or uninstall it (pip uninstall broken-path)" \
         in done.stderr
+
+
+MIXED_OP = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parity.model import Batch, Fixture
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(16))
+
+    def forward(self, x):
+        return self.weight * self.lin(x).float()  # a BF16 weight times an FP32 activation (an RMSNorm's way)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Scaled()
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.head(self.block(x).to(self.head.weight.dtype))
+
+
+def parity_model():
+    return Fixture(name="mixed_op", description="a BF16 weight times an FP32 activation", build=Model,
+                   unit_roots=("block", ""), blocks=("block",),
+                   make_batch=lambda g: Batch(inputs=(torch.randn(4, 16, generator=g),),
+                                              target=torch.randn(4, 16, generator=g)),
+                   loss=lambda out, target: F.mse_loss(out.float(), target))
+'''
+
+
+def test_a_bf16_weight_meeting_an_fp32_activation_keeps_its_gradient_as_fsdp_does(tmp_path):
+    """FSDP gives an unsharded parameter its policy's reduce dtype as gradient dtype, so autograd
+    keeps ``weight * hidden.float()``'s weight gradient in FP32; a reference rounding it to BF16
+    failed every such weight (Hugging Face GptOss's RMSNorm; found by review)."""
+    from parity.cli import main
+    from parity.report.records import read_records
+
+    source = tmp_path / "mixed_op.py"
+    source.write_text(MIXED_OP)
+    out = tmp_path / "run"
+    code = main(["run", "--matrix", "smoke", "--model", f"{source}:parity_model", "-k",
+                 "ranks == 1 and microbatches == 1 and output_dtype == 'natural'", "--out", str(out)])
+    failing = [f"{r.cell} {r.check} {r.name}" for r in read_records(str(out / "cells.csv")) if r.verdict != "PASS"
+               and r.verdict != "SKIP"]
+    assert code == 0 and not failing, failing

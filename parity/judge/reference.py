@@ -29,6 +29,7 @@ the precision plan and the unit boundaries of a path's report:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -98,14 +99,23 @@ class ReferenceRun:
 
 
 def _cast_floats(obj, dtype):
+    """``obj``'s floating tensors cast to ``dtype``, its containers kept as the types they are (a
+    Hugging Face ``ModelOutput``, a dataclass, a named tuple), as FSDP's own casts keep them."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _cast_floats(getattr(obj, f.name), dtype)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, tuple):
-        return tuple(_cast_floats(o, dtype) for o in obj)
+        items = [_cast_floats(o, dtype) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if isinstance(obj, list):
         return [_cast_floats(o, dtype) for o in obj]
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        cast = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            cast[k] = _cast_floats(v, dtype)
+        return cast
     return obj
 
 
@@ -180,6 +190,22 @@ def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[di
     reduced as are the reduce-scatter's, not the window's): it has no term of any size."""
     run.accumulated[key] = [{f: (u[f].detach().cpu().clone(), s) for f, s in sc.items()
                              if s > 0 and entries[f].ownership == "managed"} for u, sc in zip(unsynced, scales)]
+
+
+def _fsdp_grad_dtypes(leaves: dict[str, torch.Tensor], entries: dict, fp64: bool) -> None:
+    """Each FSDP-managed leaf's gradient dtype as FSDP gives its unsharded parameter: the policy's
+    reduce dtype where there is one (``FSDPParam.unsharded_grad_dtype``). Autograd then keeps an
+    op's gradient in that dtype instead of rounding it to the parameter's compute dtype first -- it
+    differs where a BF16 weight meets an FP32 activation (``weight * hidden.float()`` in an RMSNorm),
+    and the reference must not round where FSDP does not."""
+    if fp64:
+        return
+    for f, leaf in leaves.items():
+        t = entries[f]
+        if (leaf.requires_grad and t.ownership == "managed" and t.reduce is not None and t.reduce != leaf.dtype
+                and not t.tie_group):  # tied: keep the per-use rounding that matches FSDP on the tied
+            # fixtures (with the gradient dtype set there, lm's embedding differed by a BF16 rounding)
+            leaf.grad_dtype = t.reduce
 
 
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
@@ -307,6 +333,7 @@ def run_reference(
                 copies = {f: seen[f].detach().requires_grad_(t.requires_grad and step >= t.trainable_from)
                           for f, t in entries.items()}
                 uses = _per_use(copies, entries) if per_use and mb == 0 else {}
+                _fsdp_grad_dtypes(copies, entries, fp64)
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 if tp_partials is not None:  # what each TP reduction takes, every micro-batch
                     tp_partials.on, tp_partials.seen = True, {}
