@@ -33,6 +33,17 @@ def test_resolution_order_strict_then_recorded_then_default():
     assert plan["steps"].compute == torch.long and plan["steps"].kind == "buffer"
 
 
+def test_keep_in_fp32_modules_applies_under_float16_only_as_transformers_loads():
+    """transformers keeps a class's (non-strict) ``_keep_in_fp32_modules`` in FP32 when it loads
+    a model in float16, not in bfloat16; the plan follows (found by review: GptOss's norms)."""
+    class Half(Tiny):
+        _keep_in_fp32_modules = ["proj"]
+
+    half = resolve_plan(Half(), PrecisionConfig(param_dtype=torch.float16))
+    assert half["proj.weight"].compute == torch.float32 and half["proj.weight"].rule == "strict"
+    assert resolve_plan(Half(), PrecisionConfig())["proj.weight"].compute == torch.bfloat16
+
+
 def test_reduce_dtype_rules():
     plan = resolve_plan(Tiny(), PrecisionConfig(reduce_dtype=torch.bfloat16))
     assert plan["proj.weight"].reduce == torch.bfloat16

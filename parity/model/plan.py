@@ -193,17 +193,23 @@ def tp_reductions(plan: PrecisionPlan) -> dict[str, TensorPlan]:
 FP32_RULES = ("transformers", "tokens")
 
 
-def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = (), rule: str = "transformers") -> set[str]:
+def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = (), rule: str = "transformers",
+                      half: bool = False) -> set[str]:
     """Declared strict-FP32 name patterns plus marked tensors and the recipe's ``extra``
-    patterns; under ``tokens`` a class's patterns are prefixed with its module's FQN."""
-    return set(fp32_marked(model)) | set(extra) | {full for _, _, full in _declared_strict(model, rule)}
+    patterns; under ``tokens`` a class's patterns are prefixed with its module's FQN. ``half``
+    (``param_dtype`` float16): the classes' ``_keep_in_fp32_modules`` too, as transformers keeps
+    them in FP32 when it loads a model in float16 (not in bfloat16)."""
+    declared = _declared_strict(model, rule, half)
+    return set(fp32_marked(model)) | set(extra) | {full for _, _, full in declared}
 
 
-def _declared_strict(model: nn.Module, rule: str):
+def _declared_strict(model: nn.Module, rule: str, half: bool = False):
     """(class name, pattern, pattern as ``rule`` reads it) for every ``_keep_in_fp32_modules_strict``
-    entry of every module's class; under ``tokens`` prefixed with the module's FQN."""
+    entry (and, ``half``, every ``_keep_in_fp32_modules`` entry) of every module's class; under
+    ``tokens`` prefixed with the module's FQN."""
+    lists = ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules") if half else ("_keep_in_fp32_modules_strict",)
     for prefix, sub in model.named_modules():
-        for pat in getattr(type(sub), "_keep_in_fp32_modules_strict", None) or ():
+        for pat in (p for attr in lists for p in getattr(type(sub), attr, None) or ()):
             yield type(sub).__name__, pat, f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
 
 
@@ -290,7 +296,7 @@ def resolve_plan(
     ``keep_fp32`` adds strict-FP32 name patterns (a fixture's ``keep_fp32``); ``unfreeze``
     (pattern -> step) plans frozen parameters the recipe unfreezes later as trainable;
     ``parallel``: FQN -> ownership by tensor or expert parallelism; ``formats``: FQN -> weight format."""
-    strict = strict_fp32_names(model, keep_fp32, fp32_rule)
+    strict = strict_fp32_names(model, keep_fp32, fp32_rule, half=config.param_dtype == torch.float16)
     ignored_ids = {id(p) for p in ignored}
     aliases: dict[int, list[str]] = defaultdict(list)
     first: dict[int, nn.Parameter] = {}
