@@ -192,20 +192,25 @@ def _keep_accumulated(run: ReferenceRun, key: tuple[int, int], unsynced: list[di
                              if s > 0 and entries[f].ownership == "managed"} for u, sc in zip(unsynced, scales)]
 
 
-def _fsdp_grad_dtypes(leaves: dict[str, torch.Tensor], entries: dict, fp64: bool) -> None:
-    """Each FSDP-managed leaf's gradient dtype as FSDP gives its unsharded parameter: the policy's
-    reduce dtype where there is one (``FSDPParam.unsharded_grad_dtype``). Autograd then keeps an
-    op's gradient in that dtype instead of rounding it to the parameter's compute dtype first -- it
-    differs where a BF16 weight meets an FP32 activation (``weight * hidden.float()`` in an RMSNorm),
-    and the reference must not round where FSDP does not."""
-    if fp64:
+def _fsdp_grad_dtypes(leaves: dict[str, torch.Tensor], entries: dict, *, first_unsynced: bool) -> None:
+    """Each FSDP-managed, untied leaf's gradient dtype as FSDP (torch >= 2.15) sets its unsharded
+    parameter's during a backward (``FSDPParamGroup._set_unsharded_grad_dtypes``): a reduce dtype
+    wider than the compute dtype only on the first micro-batch of a no-sync window
+    (``first_unsynced``: each use cast up and accumulated there), ``None`` on every other backward
+    -- autograd then keeps the gradient in the dtype the op produced: FP32 where a BF16 weight
+    meets an FP32 activation (``weight * hidden.float()`` in an RMSNorm), where the unset default
+    would round it to BF16 -- and a reduce dtype that is not wider, always. Tied parameters are
+    :func:`_per_use`'s. Earlier torch builds have no ``grad_dtype``: nothing is set."""
+    if not _accumulates_each_use():
         return
     for f, leaf in leaves.items():
         t = entries[f]
-        if (leaf.requires_grad and t.ownership == "managed" and t.reduce is not None and t.reduce != leaf.dtype
-                and not t.tie_group):  # tied: keep the per-use rounding that matches FSDP on the tied
-            # fixtures (with the gradient dtype set there, lm's embedding differed by a BF16 rounding)
-            leaf.grad_dtype = t.reduce
+        if not (leaf.requires_grad and t.ownership == "managed" and t.reduce is not None and not t.tie_group):
+            continue
+        if t.reduce == leaf.dtype:
+            continue
+        wider = torch.finfo(t.reduce).bits > torch.finfo(leaf.dtype).bits
+        leaf.grad_dtype = t.reduce if first_unsynced or not wider else None
 
 
 def _per_use(copies: dict[str, torch.Tensor], entries: dict) -> dict[str, torch.Tensor]:
@@ -333,7 +338,8 @@ def run_reference(
                 copies = {f: seen[f].detach().requires_grad_(t.requires_grad and step >= t.trainable_from)
                           for f, t in entries.items()}
                 uses = _per_use(copies, entries) if per_use and mb == 0 else {}
-                _fsdp_grad_dtypes(copies, entries, fp64)
+                if not fp64:
+                    _fsdp_grad_dtypes(copies, entries, first_unsynced=accumulate_unsharded and mb == 0)
                 rec = record_boundaries(model, run.boundaries) if step == rank == mb == 0 else []
                 if tp_partials is not None:  # what each TP reduction takes, every micro-batch
                     tp_partials.on, tp_partials.seen = True, {}
