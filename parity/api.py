@@ -85,12 +85,13 @@ def _numeric(df):
     return df
 
 
-def _actions(command: str) -> dict:
-    """The command's options as the CLI's parser defines them: keyword (its ``dest``) -> action."""
+def _actions(command: str, every: bool = False) -> dict:
+    """The command's options as the CLI's parser defines them: keyword (its ``dest``) -> action
+    (``every``: ``--out`` and ``--help`` too, which calls give otherwise)."""
     from parity.cli import _parser
 
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {a.dest: a for a in sub.choices[command]._actions if a.dest not in _NOT_OPTIONS}
+    return {a.dest: a for a in sub.choices[command]._actions if every or a.dest not in _NOT_OPTIONS}
 
 
 def _argv(command: str, options: dict) -> list[str]:
@@ -201,12 +202,9 @@ def _as_keywords(command: str, message: str) -> str:
     """A command-line parsing error as the keyword call's: ``argument --mesh: ...`` names
     ``parity.run(mesh=...)``, without pointing at ``--help``."""
     message = re.sub(r" \(see \S+ \S+ --help\)$", "", message)
-    return re.sub(r"argument (-k|--[a-z0-9-]+)", lambda m: f"parity.{command}({_keyword(m.group(1))}=...)", message)
-
-
-def _keyword(flag: str) -> str:
-    """The keyword of a command-line option (its ``dest``): ``-k`` is ``filter``, ``--from`` ``from_dir``."""
-    return {"-k": "filter", "--from": "from_dir"}.get(flag, flag.removeprefix("--").replace("-", "_"))
+    keyword = {flag: dest for dest, action in _actions(command, every=True).items() for flag in action.option_strings}
+    return re.sub(r"argument (-k|--[a-z0-9-]+)", lambda m: f"parity.{command}({keyword.get(m.group(1), m.group(1))}=...)",
+                  message)
 
 
 def _refuse_in_bootstrap(command: str) -> None:

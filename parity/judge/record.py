@@ -114,6 +114,9 @@ def vacuity(allowed: float, signal: float) -> float:
 #: fallback was declared, no module diverged): the only PASS records that carry no observed,
 #: allowed and ratio; every other PASS is a measurement within its allowance.
 OUTCOME_CHECKS = frozenset(("expected_error", "fallback", "divergence"))
+#: Checks that say where a cell's other failures arose first (the stage, the first divergent
+#: module): no evidence of their own.
+LOCATING_CHECKS = frozenset(("stage", "divergence"))
 
 #: The largest share of the judged signal an allowance may take: at half, a change of the
 #: signal's own size still lands at least twice the allowance away from the expectation.

@@ -217,7 +217,8 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
         if kind not in OUTCOMES or not any(x.strip() for x in text.split(",")):  # a declaration names what it expects
             raise UsageError(f"{where}: Fixture.expect[{key!r}] = {value!r}; valid: isolation-error:PARAMS, "
                              "fallback:TEXT (TEXT: part of the reason)")
-        near = difflib.get_close_matches(str(key), expect_keys, n=1, cutoff=0.75) if key not in expect_keys else []
+    for key in unknown_expect_keys(spec, expect_keys) if expect_keys else ():
+        near = difflib.get_close_matches(str(key), expect_keys, n=1, cutoff=0.75)
         if near:  # a misspelling: its declaration would apply to no cell
             raise UsageError(f"{where}: Fixture.expect key {key!r} names no sharding path or contract; did you mean "
                              f"{near[0]!r}? (valid here: {', '.join(expect_keys)})")

@@ -139,8 +139,9 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
     """(regressions, other changes), each a line. A NEW run that is not complete is a regression
     in itself: what it did not run is no evidence, even where OLD has nothing to hold it to."""
     bad, info = [], []
-    if _unfinished(new):
-        bad.append(f"the new run is {_unfinished(new)}: its evidence is partial ({_finish(new, 'DIR')})")
+    partial = _unfinished(new)
+    if partial:
+        bad.append(f"the new run is {partial}: its evidence is partial ({_finish(new, 'DIR')})")
     for cell, was in sorted(old.get("cells", {}).items()):
         now = new.get("cells", {}).get(cell)
         if now is None:
@@ -204,8 +205,9 @@ def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
     if not d:
         raise UsageError(f"{what} {directory}: no cells.csv, bench.csv or digest.json there; give a parity results "
                          "directory")
-    if baseline and _unfinished(d):
-        raise UsageError(f"{what} {directory}: that run is {_unfinished(d)}; "
+    partial = _unfinished(d) if baseline else ""
+    if partial:
+        raise UsageError(f"{what} {directory}: that run is {partial}; "
                          f"{_finish(d, directory)} or compare against a complete run")
     if baseline and not d.get("cells") and not d.get("bench"):
         raise UsageError(f"{what} {directory}: holds no results (no cell, no bench row); compare against a "

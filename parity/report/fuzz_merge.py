@@ -112,9 +112,10 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged campaign elsewhere")
     from parity.report.outdir import run_files_in
 
-    if run_files_in(out):  # the other kind of results: never side by side
-        raise UsageError(f"merge: --out {out} holds a run's results ({', '.join(run_files_in(out))}); write the "
-                         "merged campaign elsewhere")
+    held = run_files_in(out)
+    if held:  # the other kind of results: never side by side
+        raise UsageError(f"merge: --out {out} holds a run's results ({', '.join(held)}); write the merged campaign "
+                         "elsewhere")
     parts = check_parts(directories)
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"

@@ -30,7 +30,7 @@ import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from parity.judge.record import BAD, Record, Unpaired, Verdict
+from parity.judge.record import BAD, LOCATING_CHECKS, Record, Unpaired, Verdict
 from parity.matrix.cell import pair_of
 from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
 
@@ -172,7 +172,8 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     the baseline's, the cross-path comparisons' and other paths' that ran beside them."""
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
-    loads = {c: _failed_load(c, own) for c in failed_base}
+    paths = {r.path for r in own}
+    loads = {c: _failed_load(c, own, paths) for c in failed_base}
     for path in sorted({p for p in loads.values() if p}):
         cells = [c for c, p in loads.items() if p == path]
         first = next(r for r in own if r.cell == cells[0] and r.verdict in BAD and r.check.startswith("checkpoint."))
@@ -190,16 +191,12 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     _other_paths(d, rows, own, candidate, baselines)
 
 
-#: Records that only say where a cell's failures arose first: not evidence of their own.
-_LOCATING = ("stage", "divergence")
-
-
-def _failed_load(cell: str, own: list[Record]) -> str:
+def _failed_load(cell: str, own: list[Record], ran: set[str]) -> str:
     """The path a baseline cell's failures are all about ("" when not one path's): the baseline
     saves a checkpoint and loads it into every other path (``checkpoint.*`` records named
-    ``PATH:...``); a load that fails only there is that path's failure, not the baseline's."""
-    bad = [r for r in own if r.cell == cell and r.verdict in BAD and r.check not in _LOCATING]
-    ran = {r.path for r in own}  # a name's prefix is a load target only if it is a path that ran
+    ``PATH:...``); a load that fails only there is that path's failure, not the baseline's. A
+    name's prefix is a load target only if it is one of the paths that ``ran``."""
+    bad = [r for r in own if r.cell == cell and r.verdict in BAD and r.check not in LOCATING_CHECKS]
     targets = {r.name.split(":", 1)[0] if r.check.startswith("checkpoint.") and ":" in r.name else "" for r in bad}
     path = next(iter(targets)) if len(targets) == 1 else ""
     return path if path in ran and bad and all(r.path != path for r in bad) else ""

@@ -27,7 +27,7 @@ from collections import Counter
 
 from parity.errors import UsageError, writing
 from parity.judge.record import Record
-from parity.report import outdir
+from parity.report import fuzz_merge, outdir
 from parity.report.html import write_html
 from parity.report.junit import write_junit
 from parity.report.records import RecordWriter
@@ -163,7 +163,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
     by_dir = {os.path.realpath(d): d for d in directories}
     if os.path.realpath(out) in by_dir:
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged run elsewhere")
-    if os.path.isfile(os.path.join(out, "fuzz.json")):  # the other kind of results: never side by side
+    if fuzz_merge.is_part(out):  # the other kind of results: never side by side
         raise UsageError(f"merge: --out {out} holds a fuzz campaign's results; write the merged run elsewhere")
     parts = check_parts(directories)
     ordered, manifests = [d for d, _ in parts], [m for _, m in parts]

@@ -253,23 +253,25 @@ def mark_group_done(out: str, group: str) -> None:
         os.fsync(fh.fileno())
 
 
-def with_digests(out: str, entries: list[dict]) -> list[dict]:
-    """``entries`` (group, bytes) with the digest of each one's bytes of ``cells.csv`` (a merge's)."""
-    with open(os.path.join(out, CELLS), "rb") as fh:
+def _blocks(cells: str, entries: list[dict]) -> list[tuple[int, str]]:
+    """(start, digest) of each entry's bytes of ``cells``: from the end the entry before records
+    (0 for the first) to its own."""
+    with open(cells, "rb") as fh:
         data = fh.read()
     starts = [0] + [e["bytes"] for e in entries[:-1]]
-    return [{**e, "sha256": _sha256(data[a:e["bytes"]])} for a, e in zip(starts, entries)]
+    return [(a, _sha256(data[a:e["bytes"]])) for a, e in zip(starts, entries)]
+
+
+def with_digests(out: str, entries: list[dict]) -> list[dict]:
+    """``entries`` (group, bytes) with the digest of each one's bytes of ``cells.csv`` (a merge's)."""
+    return [{**e, "sha256": digest} for e, (_, digest) in zip(entries, _blocks(os.path.join(out, CELLS), entries))]
 
 
 def _edited_group(cells: str, entries: list[dict]) -> str:
     """The first group whose bytes of ``cells`` differ from the digest the run recorded ("" none)."""
-    with open(cells, "rb") as fh:
-        data = fh.read()
-    start = 0
-    for e in entries:
-        if "sha256" in e and _sha256(data[start:e["bytes"]]) != e["sha256"]:
+    for e, (start, digest) in zip(entries, _blocks(cells, entries)):
+        if "sha256" in e and digest != e["sha256"]:
             return f"{e.get('group')} (bytes {start}-{e['bytes']})"
-        start = e["bytes"]
     return ""
 
 

@@ -11,6 +11,7 @@ report; it needs parity and the torch build the header names.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from parity.errors import UsageError
-from parity.judge.record import Verdict
+from parity.judge.record import LOCATING_CHECKS, Verdict
 from parity.matrix.cell import Cell
 from parity.report.outdir import CELLS, read_manifest
 from parity.report.records import read_records
@@ -60,16 +61,19 @@ def _located(source: str, sources: dict) -> str:
     return f"{found[0]}:{attr}" if len(found) == 1 else source
 
 
-def _run_options(out: str) -> dict:
-    """The options of the recorded run that change a cell's verdict beyond the cell itself: its
-    ``--timeout`` (a TIMEOUT re-run under 60 s would pass) and ``--require-native``."""
-    options = read_manifest(out).get("options") or {}
-    given = {"timeout": options.get("timeout"), "require_native": options.get("require_native")}
-    return {k: v for k, v in given.items() if v and v != _RERUN_DEFAULTS[k]}
+#: The run's options that change a cell's verdict beyond the cell itself: its ``--timeout`` (a
+#: TIMEOUT re-run under the default would pass) and ``--require-native``; a script carries them.
+RECORDED = ("timeout", "require_native")
 
 
-#: :func:`rerun`'s defaults (``run``'s): a script names only what differs from them.
-_RERUN_DEFAULTS = {"timeout": 60.0, "require_native": False}
+def _run_options(manifest: dict) -> dict:
+    """Of :data:`RECORDED`, what the run recorded in ``manifest`` and ``RunOptions`` would not
+    default to (a script names only those)."""
+    from parity.runner import RunOptions
+
+    options = manifest.get("options") or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(RunOptions) if f.name in RECORDED}
+    return {k: options[k] for k in RECORDED if options.get(k) is not None and options[k] != defaults[k]}
 
 
 def _failing(out: str, ids: set[str] | None = None) -> list:
@@ -91,15 +95,12 @@ def _line(r) -> str:
     return f"{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
 
 
-#: Records that say where the others failed, printed apart.
-_LOCATORS = ("divergence", "stage")
-
-
 def script(cells: list[Cell], out: str) -> str:
     """The reproducer's text for ``cells`` (one cell, or a pair's) of the run recorded in ``out``."""
     origin = f"{os.path.abspath(out)} (torch {torch.__version__})"
+    manifest = read_manifest(out)
     return render(cells[0] if len(cells) == 1 else cells, _failing(out, _ids(cells)), origin,
-                  options=_run_options(out), sources=read_manifest(out).get("sources") or {})
+                  options=_run_options(manifest), sources=manifest.get("sources") or {})
 
 
 def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | None = None,
@@ -110,7 +111,7 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
     (``run.json``), which an embedded model file must still match. The fuzz campaign writes its
     failing examples in this format too."""
     cells = cell if isinstance(cell, list) else [cell]
-    found = [r for r in bad if r.check not in _LOCATORS]
+    found = [r for r in bad if r.check not in LOCATING_CHECKS]
     where = next((r for r in bad if r.check == "divergence"), None)
     stage = next((r for r in bad if r.check == "stage"), None)
     lines = [f"  {_line(r)[:200]}" for r in found[:5]]
@@ -166,13 +167,12 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
             f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
-def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, *, timeout: float = 60.0,
-          require_native: bool = False) -> int:
+def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) -> int:
     """Run ``cell`` alone, or a pair's cells together (traced where they fail), print what failed
     and where it diverged first; the verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
     FILE`` also copies the traced step's operator log there (:mod:`parity.execute.oplog`);
-    anything else is a one-line usage error (2). ``timeout`` and ``require_native``: the run's
-    ``--timeout`` and ``--require-native``, as the script records them. The results stay in a
+    anything else is a one-line usage error (2). ``recorded``: the run's options the script
+    carries (:data:`RECORDED`), as ``RunOptions`` takes them. The results stay in a
     temporary folder the last line names (``report.html`` for the bug report)."""
     from parity.report.outdir import op_log_path
     from parity.runner import RunOptions, run_cells
@@ -183,8 +183,7 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, *, timeout: fl
         return 2
     cells = cell if isinstance(cell, list) else [cell]
     run_dir = os.path.join(tempfile.mkdtemp(prefix="parity-repro-"), "run")
-    code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv), timeout=timeout,
-                                       require_native=require_native))
+    code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv), **recorded))
     bad = _failing(run_dir, _ids(cells))
     logged = next((p for p in (op_log_path(run_dir, c.id) for c in cells) if os.path.isfile(p)), "")
     if argv:
@@ -193,7 +192,7 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, *, timeout: fl
             print(f"operator log: {argv[1]} (DebugMode.load_logs reads it)")
         else:
             print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
-    for r in (r for r in bad if r.check not in _LOCATORS):
+    for r in (r for r in bad if r.check not in LOCATING_CHECKS):
         print(_line(r)[:300])
     stage = next((r for r in bad if r.check == "stage"), None)
     where = next((r for r in bad if r.check == "divergence"), None)
