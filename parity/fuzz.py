@@ -151,19 +151,19 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             example()
     except Interrupted:
         if last_failure:  # interrupted while shrinking: the smallest failure found so far
-            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
     except OutputError:  # a full disk is not a generated model's failure: exit 74
         raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
-            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
         print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     if fault and last_failure:  # the fault's first failing example, in the same format
-        written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin)
+        written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
@@ -234,15 +234,16 @@ def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
 
 
 def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: list, reproducer, replay_matrix,
-                      origin: str) -> None:
+                      origin: str, timeout: float) -> list[str]:
     """The failing example as a model file (``parity run --model FILE:parity_model``), a matrix
-    replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell.
-    Returns the three files' names."""
-    from parity.report.repro import render
+    replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell
+    under the campaign's ``timeout`` (a TIMEOUT re-run under the default could pass). Returns the
+    three files' names."""
+    from parity.report.repro import recorded_options, render
 
     with writing(os.path.join(out_dir, f"repro_{spec['name']}.py")):
         with open(os.path.join(out_dir, f"repro_{spec['name']}.py"), "w") as fh:
-            fh.write(render(cell, bad, origin))
+            fh.write(render(cell, bad, origin, options=recorded_options({"timeout": timeout})))
     stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
     with writing(stem + ".py"), open(stem + ".py", "w") as fh:
         fh.write(reproducer(spec))

@@ -102,3 +102,21 @@ def test_a_reproducer_comes_with_a_matrix_replaying_the_failing_axes(tmp_path):
     assert [c.path for c in cells] == ["legacy", "native"]
     assert all((c.ranks, c.microbatches, c.sync, c.checkpointing, c.reshard, c.output_dtype, c.seed)
                == (2, 3, "last", "outer", False, "float32", 3) for c in cells)
+
+
+def test_a_fuzz_reproducer_carries_the_campaigns_timeout(tmp_path):
+    """A reproducer re-runs under the campaign's ``--timeout`` (fuzz defaults to 120 s, run to 60 s)."""
+    from parity.fuzz import _write_reproducer
+    from parity.matrix.cell import Cell
+    from parity_fixtures.generated import replay_matrix
+
+    spec = {"dim": 6, "tokens": False, "vocab": 0, "blocks": [{"kind": "gain"}], "tie": False, "roots": "root",
+            "name": "gen_t"}
+    values = {"ranks": 1, "microbatches": 1, "sync": "every", "checkpointing": "none", "reshard": True,
+              "output_dtype": "none", "seed": 0}
+    cell = Cell(fixture="gen_t", path="native", ranks=1, source=source_for(spec))
+    for timeout, carried in ((7.0, "timeout=7.0"), (120.0, "timeout=120.0"), (60.0, "")):
+        files = _write_reproducer(str(tmp_path), spec, values, cell, [], reproducer, replay_matrix, "test", timeout)
+        script = (tmp_path / files[0]).read_text()
+        run = script.split("raise SystemExit(")[1]
+        assert (carried in run if carried else "timeout" not in run), run

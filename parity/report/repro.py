@@ -67,11 +67,14 @@ RECORDED = ("timeout", "require_native")
 
 
 def _run_options(manifest: dict) -> dict:
-    """Of :data:`RECORDED`, what the run recorded in ``manifest`` and ``RunOptions`` would not
-    default to (a script names only those)."""
+    return recorded_options(manifest.get("options") or {})
+
+
+def recorded_options(options: dict) -> dict:
+    """Of :data:`RECORDED`, what ``options`` (a run's, or a fuzz campaign's) holds that
+    ``RunOptions`` would not default to (a script names only those)."""
     from parity.runner import RunOptions
 
-    options = manifest.get("options") or {}
     defaults = {f.name: f.default for f in dataclasses.fields(RunOptions) if f.name in RECORDED}
     return {k: options[k] for k in RECORDED if options.get(k) is not None and options[k] != defaults[k]}
 
