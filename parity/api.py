@@ -182,6 +182,8 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
             code = _command(args)
+    except UsageError as exc:  # the command's own refusals (an empty selection, a bad directory)
+        raise UsageError(_as_keywords(command, str(exc))) from None
     finally:
         QUIET.reset(token)
     return Result(out=out, code=max(0, code))
@@ -199,12 +201,19 @@ def _parse(command: str, argv: list[str]):
 
 
 def _as_keywords(command: str, message: str) -> str:
-    """A command-line parsing error as the keyword call's: ``argument --mesh: ...`` names
-    ``parity.run(mesh=...)``, without pointing at ``--help``."""
+    """A command-line error as the keyword call's: ``argument --mesh: ...`` names
+    ``parity.run(mesh=...)``, without pointing at ``--help``; any other option the message names
+    (``loosen -k/--paths``) is named by its keyword (``loosen filter/paths``) outside a command line
+    it quotes."""
     message = re.sub(r" \(see \S+ \S+ --help\)$", "", message)
     keyword = {flag: dest for dest, action in _actions(command, every=True).items() for flag in action.option_strings}
-    return re.sub(r"argument (-k|--[a-z0-9-]+)", lambda m: f"parity.{command}({keyword.get(m.group(1), m.group(1))}=...)",
-                  message)
+    message = re.sub(r"argument (-k|--[a-z0-9-]+)", lambda m: f"parity.{command}({keyword.get(m.group(1), m.group(1))}=...)",
+                     message)
+    # a command line the message quotes (``python -m parity run --resume D``) keeps its flags
+    pieces = re.split(r"(python -m parity [^;)]*)", message)
+    return "".join(piece if i % 2 else re.sub(r"(?<![\w-])(-k|--[a-z0-9-]+)\b",
+                                               lambda m: keyword.get(m.group(1), m.group(1)), piece)
+                   for i, piece in enumerate(pieces))
 
 
 def _refuse_in_bootstrap(command: str) -> None:

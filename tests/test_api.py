@@ -79,6 +79,25 @@ def test_an_option_the_call_would_ignore_is_refused(call, kwargs, message):
         getattr(parity, call)(**kwargs)
 
 
+@pytest.mark.parametrize("call, kwargs, message", [
+    ("run", {"matrix": "smoke", "filter": "fixture == 'nope'"},
+     r"^no cells selected from matrix 'smoke'; loosen filter/paths/ranks$"),
+    ("gate", {"from_dir": "/nonexistent-parity-dir"}, r"^from_dir /nonexistent-parity-dir: no cells.csv there; give the "
+                                                       r"out directory of a parity run$"),
+])
+def test_a_commands_own_refusal_names_keywords(call, kwargs, message):
+    """What the command refuses after parsing is said in the call's words, not the command line's."""
+    with pytest.raises(UsageError, match=message):
+        getattr(parity, call)(**kwargs)
+
+
+def test_a_quoted_command_line_keeps_its_flags():
+    from parity.api import _as_keywords
+
+    said = _as_keywords("run", "--resume d: unfinished; finish it with python -m parity run --resume d; loosen -k")
+    assert said == "resume d: unfinished; finish it with python -m parity run --resume d; loosen filter"
+
+
 def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line(monkeypatch):
     """Ranks start as processes that import the caller's main script: a call without an
     ``if __name__ == "__main__":`` guard would start runs inside ranks."""
