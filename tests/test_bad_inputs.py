@@ -670,6 +670,24 @@ def test_a_class_declared_fp32_pattern_that_selects_nothing_is_noted_by_plan_and
     assert f"classtypo: {note}" in capsys.readouterr().err
 
 
+def test_a_class_fp32_pattern_read_under_float16_only_is_noted_under_float16(tmp_path, capsys):
+    """``_keep_in_fp32_modules`` is FP32 under float16 only: its typo is noted there, not under BF16."""
+    source = _write(tmp_path / "half_typo.py", CLASS_TYPO.replace("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules")
+                    .replace("name='classtypo'", "name='halftypo'")) + ":model"
+    note = "Typo._keep_in_fp32_modules pattern 'A_lgo' selects no parameter or buffer"
+    assert main(["plan", "--model", source]) == 0
+    assert note not in capsys.readouterr().out
+    assert main(["plan", "--model", source, "--param-dtype", "float16"]) == 0
+    assert f"note: {note}" in capsys.readouterr().out
+    from parity import api
+    from parity.cli.run import check_models
+
+    for param_dtype, said in (("bfloat16", False), ("float16", True)):
+        _, cells, _ = api.select(model=source, filter="ranks == 1 and microbatches == 1", param_dtype=param_dtype)
+        check_models(cells)
+        assert (f"halftypo: {note}" in capsys.readouterr().err) is said
+
+
 def test_an_expect_key_naming_no_installed_path_is_warned_by_run(tmp_path, capsys):
     """A key that is no misspelling of a path or contract may name a path plugin installed
     elsewhere: the model loads, and ``run`` warns that it applies to no cell here."""

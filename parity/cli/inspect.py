@@ -33,6 +33,8 @@ def cmd_plan(args) -> int:
 def _describe_plan(fixture, config) -> str:
     """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
     FP32 name rules resolve differently, and every path's units."""
+    import torch
+
     from parity.judge.plan import declared_fp32
     from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
     from parity.paths import path_names, plan_sharding
@@ -52,7 +54,7 @@ def _describe_plan(fixture, config) -> str:
         differ = sorted(resolved ^ declared)
         out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; declared "
                    + ("the same" if not differ else f"differently for {', '.join(differ)} (the plan check fails)"))
-    for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
+    for owner, pattern in unmatched_declared(model, fixture.fp32_rule, config.param_dtype == torch.float16):
         out.append(f"note: {unmatched_note(pattern, fixture.fp32_rule, owner)}")
     for fqn, by_framework, by_tokens in fp32_disagreements(model, fixture.keep_fp32):
         out.append(f"rules disagree: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' rule, "

@@ -177,6 +177,7 @@ def check_models(cells, warn: bool = True) -> None:
     from parity.model.registry import built, exercised, expect_keys, get_fixture
     from parity.model.spec import unknown_expect_keys
 
+    half = {(c.fixture, c.source) for c in cells if c.param_dtype == "float16"}
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
         try:
@@ -189,7 +190,7 @@ def check_models(cells, warn: bool = True) -> None:
         for key in unknown_expect_keys(fixture, expect_keys()):
             print(f"parity: warning: {name}: Fixture.expect[{key!r}] names no path installed here nor a contract; "
                   "it applies to no cell of this run", file=sys.stderr)
-        for owner, pattern in unmatched_declared(model, fixture.fp32_rule):
+        for owner, pattern in unmatched_declared(model, fixture.fp32_rule, (name, source) in half):
             print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule, owner)}", file=sys.stderr)
         for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
             print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "

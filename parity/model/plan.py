@@ -200,17 +200,18 @@ def strict_fp32_names(model: nn.Module, extra: tuple[str, ...] = (), rule: str =
     (``param_dtype`` float16): the classes' ``_keep_in_fp32_modules`` too, as transformers keeps
     them in FP32 when it loads a model in float16 (not in bfloat16)."""
     declared = _declared_strict(model, rule, half)
-    return set(fp32_marked(model)) | set(extra) | {full for _, _, full in declared}
+    return set(fp32_marked(model)) | set(extra) | {full for *_, full in declared}
 
 
 def _declared_strict(model: nn.Module, rule: str, half: bool = False):
-    """(class name, pattern, pattern as ``rule`` reads it) for every ``_keep_in_fp32_modules_strict``
-    entry (and, ``half``, every ``_keep_in_fp32_modules`` entry) of every module's class; under
-    ``tokens`` prefixed with the module's FQN."""
+    """(class name, list attribute, pattern, pattern as ``rule`` reads it) for every
+    ``_keep_in_fp32_modules_strict`` entry (and, ``half``, every ``_keep_in_fp32_modules``
+    entry) of every module's class; under ``tokens`` prefixed with the module's FQN."""
     lists = ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules") if half else ("_keep_in_fp32_modules_strict",)
     for prefix, sub in model.named_modules():
-        for pat in (p for attr in lists for p in getattr(type(sub), attr, None) or ()):
-            yield type(sub).__name__, pat, f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
+        for attr in lists:
+            for pat in getattr(type(sub), attr, None) or ():
+                yield type(sub).__name__, attr, pat, f"{prefix}.{pat}" if prefix and rule == "tokens" else pat
 
 
 def matches(fqn: str, pattern: str, rule: str = "transformers") -> bool:
@@ -228,21 +229,22 @@ def unmatched(model: nn.Module, patterns: tuple[str, ...], rule: str) -> list[st
     return [p for p in patterns if not any(matches(fqn, p, rule) for fqn in tensors)]
 
 
-def unmatched_declared(model: nn.Module, rule: str) -> list[tuple[str, str]]:
-    """(class name, pattern) for every ``_keep_in_fp32_modules_strict`` pattern a module class
-    declares that selects no parameter or buffer of ``model`` under ``rule`` (as the plan reads
-    it: prefixed with the module's FQN under ``tokens``)."""
-    declared = list(_declared_strict(model, rule))
-    missing = set(unmatched(model, tuple(full for _, _, full in declared), rule))
-    return list(dict.fromkeys((owner, pat) for owner, pat, full in declared if full in missing))
+def unmatched_declared(model: nn.Module, rule: str, half: bool = False) -> list[tuple[str, str]]:
+    """(class and list, pattern) -- ``("Cls._keep_in_fp32_modules_strict", pattern)`` -- for
+    every pattern a module class declares FP32 (``half``: ``_keep_in_fp32_modules`` too, as the
+    plan reads it under float16) that selects no parameter or buffer of ``model`` under ``rule``
+    (as the plan reads it: prefixed with the module's FQN under ``tokens``)."""
+    declared = list(_declared_strict(model, rule, half))
+    missing = set(unmatched(model, tuple(full for *_, full in declared), rule))
+    return list(dict.fromkeys((f"{owner}.{attr}", pat) for owner, attr, pat, full in declared if full in missing))
 
 
 def unmatched_note(pattern: str, rule: str, owner: str) -> str:
-    """What ``plan`` notes and ``run`` warns about a pattern class ``owner`` declares that
-    :func:`unmatched_declared` found. A warning, not an error: a class's list is generic (one
-    class, many configs), as transformers reads it; ``Fixture.keep_fp32`` is the model's own
-    list, and one of its patterns selecting nothing is refused when the model loads."""
-    return (f"{owner}._keep_in_fp32_modules_strict pattern {pattern!r} selects no parameter or buffer (rule {rule}); "
+    """What ``plan`` notes and ``run`` warns about a pattern that :func:`unmatched_declared`
+    found (``owner``: the class and its list). A warning, not an error: a class's list is
+    generic (one class, many configs), as transformers reads it; ``Fixture.keep_fp32`` is the
+    model's own list, and one of its patterns selecting nothing is refused when the model loads."""
+    return (f"{owner} pattern {pattern!r} selects no parameter or buffer (rule {rule}); "
             "a typo keeps nothing in FP32 (Fixture.expect_fp32 would catch it)")
 
 
