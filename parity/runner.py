@@ -126,9 +126,12 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _skip_reason(cell: Cell, device: str, skip_reason) -> str:
+def _skip_reason(cell: Cell, device: str, skip_reason, spawned: bool = True) -> str:
+    """Why ``cell`` is not run here ('' when it is). ``spawned``: parity starts the ranks, one per
+    visible GPU; under torchrun the launched world (the executor's own reason) decides, its
+    ranks spread over nodes."""
     reason = (skip_reason(cell) if skip_reason else "") or knobs.unsupported(cell)
-    if not reason and device == "cuda" and cell.ranks > torch.cuda.device_count():
+    if not reason and spawned and device == "cuda" and cell.ranks > torch.cuda.device_count():
         reason = f"needs {cell.ranks} GPUs; {torch.cuda.device_count()} visible"
     return reason
 
@@ -140,17 +143,20 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
     cells = with_crossload(order_cells([replace(c, device=device) for c in cells]))
     torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     if executor is not None and executor.rank != 0:  # torchrun peers observe; rank 0 judges and writes
-        for cell in cells:
-            if not _skip_reason(cell, device, skip_reason):
-                try:
-                    if not executor.proceed():
-                        return 0  # rank 0 stopped the run; agreed() gives its code
-                    executor.run(cell, options.timeout)
-                except CellFailure:
-                    pass
-                if executor.lost:
-                    return 1  # no cell can run without the rank that left (or in a group that timed out)
-        return 0
+        by_id = {c.id: c for c in cells}
+        while True:  # the cells rank 0 names, in its order: a peer never runs a cell of its own choosing
+            try:
+                told = executor.proceed()
+                if told is None:
+                    return 0  # rank 0 ran its last cell or stopped the run; agreed() gives its code
+                cell = by_id.get(told)
+                own = (_skip_reason(cell, device, skip_reason, spawned=False) if cell is not None
+                       else "its matrix has no such cell")
+                executor.run(cell, options.timeout, refuse=own)
+            except CellFailure:
+                pass
+            if executor.lost:
+                return 1  # no cell can run without the rank that left (or in a group that timed out)
     out = options.out_dir
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
     with outdir.locked(out, "--resume" if options.resume else "--out"), Signals() as signals:
@@ -206,7 +212,7 @@ class _Run:
     def _skip(self, cell: Cell) -> str:
         """Why ``cell`` is not run ('' when it is); asked once per cell."""
         if cell.id not in self.skips:
-            self.skips[cell.id] = _skip_reason(cell, self.device, self.skip_reason)
+            self.skips[cell.id] = _skip_reason(cell, self.device, self.skip_reason, spawned=self.executor is None)
         return self.skips[cell.id]
 
     def _launch_pools(self, stop_requested) -> None:
@@ -239,8 +245,8 @@ class _Run:
                 if self.lost:
                     break
         finally:
-            if self.executor is not None:  # torchrun peers waiting for a cell that will not run
-                self.executor.release(sum(1 for c in self.todo if not self._skip(c)))
+            if self.executor is not None:  # torchrun peers waiting for the next cell: there is none
+                self.executor.release()
             self.pools.close(kill=signals())
             self.writer.close()
 
@@ -383,12 +389,13 @@ class _Run:
         why = signals.name if stopped else ""
         also = _arrived_too(signals)
         if self.lost:
-            why = "a rank left the torchrun group" + also
+            why = self.executor.lost_how + also
         faults = [f for c in self.cells for f in c.faults]
         path = os.path.join(out, "summary.md")
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
-                                      not_run=not_run if stopped else [], interrupted=why, faults=faults))
+                                      not_run=not_run if stopped else [], interrupted=why, faults=faults,
+                                      resumable=not self.lost))
         path = os.path.join(out, "timings.json")
         with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
@@ -405,9 +412,11 @@ class _Run:
                             not_run=not_run if stopped else [])
         outdir.write_manifest(out, final())
         if self.lost:
-            print(f"parity: a rank left the torchrun group during {self.todo[self.position].id}{also}; that cell is an ERROR, the "
-                  f"{len(not_run)} cells after it were not run; finished rows kept in {out} (torchrun's log "
-                  "names the rank that left)", file=sys.stderr)
+            cell = self.todo[self.position].id
+            verdict = next((r.verdict for r in records if r.cell == cell and r.check == "run"), "an ERROR")
+            print(f"parity: {self.executor.lost_how} during {cell}{also}; that cell is {verdict}, the {len(not_run)} "
+                  f"cells after it were not run; finished rows kept in {out} (torchrun runs do not resume: run the "
+                  "matrix again)", file=sys.stderr)
             return 1
         if stopped:
             print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "

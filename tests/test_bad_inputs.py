@@ -720,3 +720,13 @@ def test_compare_flags_bench_rows_missing_now_and_an_interrupted_bench(capsys, t
     assert main(["compare", stopped, old]) == 2
     assert "that run is interrupted (SIGINT), not complete; run that bench again" in capsys.readouterr().err
     assert main(["compare", old, old]) == 0
+
+
+@pytest.mark.parametrize("argv", [["bench", "--fixtures", "kda"], ["fuzz", "--examples", "1"]])
+def test_a_command_that_starts_its_own_ranks_is_refused_under_torchrun(argv, monkeypatch, capsys):
+    """Each torchrun rank would run the whole bench (or campaign) into the same files, its figures
+    measured beside the others'."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(key, value)
+    assert main(argv) == 2
+    assert f"parity: {argv[0]} starts its own rank processes; run it without torchrun" in capsys.readouterr().err

@@ -224,11 +224,11 @@ if os.environ["RANK"] == "0":
     R.judge_cell = lambda *a, **k: (judge(*a, **k), time.sleep(1.0))[0]
 else:
     run, calls = T.TorchrunExecutor.run, []
-    def dying(self, cell, timeout):
+    def dying(self, cell, timeout, **kw):
         calls.append(cell)
         if len(calls) == 2:
             os._exit(17)
-        return run(self, cell, timeout)
+        return run(self, cell, timeout, **kw)
     T.TorchrunExecutor.run = dying
 """
     proc, out, rows, junit = _torchrun(tmp_path, script=script)
@@ -246,13 +246,49 @@ def test_under_torchrun_a_hung_rank_makes_its_cell_a_timeout_after_timeout_secon
     script = """import os, time
 import parity.execute.torchrun as T
 if os.environ["RANK"] == "1":
-    T.TorchrunExecutor.run = lambda self, cell, timeout: time.sleep(10**6)
+    T.TorchrunExecutor.run = lambda self, cell, timeout, **kw: time.sleep(10**6)
 """
     proc, out, rows, junit = _torchrun(tmp_path, "--timeout", "5", script=script)
     assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "TIMEOUT")], \
         (rows, proc.stderr[-2000:])
-    assert rows[0]["detail"].startswith("a rank did not answer within --timeout 5 s during this cell"), rows[0]["detail"]
+    assert rows[0]["detail"].startswith("a rank did not answer within --timeout 5 s"), rows[0]["detail"]
     assert '"status": "interrupted"' in (out / "run.json").read_text() and (tmp_path / "0").read_text() == "1"
+    # said as a hang, not as a rank that left, and without a --resume torchrun cannot do
+    summary = (out / "summary.md").read_text()
+    assert "**Interrupted** (a rank did not answer within --timeout 5 s)" in summary and "--resume" not in summary
+    assert "a rank did not answer within --timeout 5 s during kda/legacy/r2" in proc.stderr
+    assert "that cell is TIMEOUT" in proc.stderr and "left the torchrun group" not in proc.stderr + summary + junit
+
+
+@pytest.mark.xdist_group("runner")
+def test_under_torchrun_a_peer_that_would_skip_rank_0s_cell_makes_it_an_error_naming_it(tmp_path):
+    """Nodes may differ (a compiler, a library): each rank runs the cell rank 0 names, and one
+    whose own rules skip it says so -- that cell is an ERROR, the ones after it run. Ranks that
+    each followed their own list ran different cells and aborted gloo with nothing written."""
+    script = """import os
+import parity.runner as R
+if os.environ["RANK"] == "1":
+    skip = R._skip_reason
+    R._skip_reason = lambda cell, *a, **k: "no compiler on this node" if cell.path == "legacy" else skip(cell, *a, **k)
+"""
+    proc, out, rows, junit = _torchrun(tmp_path, script=script)
+    run = {r["path"]: (r["verdict"], r["detail"]) for r in rows if r["check"] == "run"}
+    assert run["legacy"][0] == "ERROR" and run["legacy"][1].startswith(
+        "rank 1 would not run this cell here (no compiler on this node)"), (run, proc.stderr[-2000:])
+    assert all(r["verdict"] in ("PASS", "SKIP") for r in rows if r["path"] == "native" and r["check"] != "pair")
+    assert '"status": "complete"' in (out / "run.json").read_text()
+    assert [(tmp_path / str(rank)).read_text() for rank in (0, 1)] == ["1", "1"]
+
+
+def test_under_torchrun_the_launched_world_decides_the_gpu_count_not_this_node(monkeypatch):
+    """``torchrun --nnodes 2 --nproc-per-node 2``: a 4-rank cell runs on 4 GPUs over two nodes."""
+    from parity.matrix.cell import Cell
+    from parity.runner import _skip_reason
+
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    cell = Cell(fixture="kda", path="native", ranks=4, device="cuda")
+    assert _skip_reason(cell, "cuda", None) == "needs 4 GPUs; 2 visible"
+    assert _skip_reason(cell, "cuda", None, spawned=False) == ""
 
 
 @pytest.mark.xdist_group("runner")

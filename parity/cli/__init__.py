@@ -71,10 +71,19 @@ def _one_line(exc: Exception) -> str:
     return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
+#: Commands that start their own rank processes: under torchrun each rank would run the whole
+#: command into the same files (and share the GPUs its figures measure).
+OWN_RANKS = ("bench", "fuzz")
+
+
 def _command(args) -> int:
+    from parity.execute.torchrun import under_torchrun
+
     commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "merge": cmd_merge, "bench": bench_command,
                 "compare": cmd_compare, "repro": cmd_repro,
                 "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
+    if args.command in OWN_RANKS and under_torchrun():
+        raise UsageError(f"{args.command} starts its own rank processes; run it without torchrun")
     try:
         return commands[args.command](args)
     except SystemExit as exc:  # parity returns its codes; only user code (a model) exits

@@ -11,9 +11,10 @@ no further cell starts (rank 0 writes what finished, as for a rank that dies). R
 before each cell travels on a second group with the backend's default timeout: its peers wait
 there while it judges.
 
-Before each cell rank 0 tells its peers whether it runs (:meth:`TorchrunExecutor.proceed`):
-they wait there while it judges the cell before, and a run rank 0 stops early (a signal) stops
-them too, so every rank exits with its code (:func:`agreed`). A rank that dies (a crash, a kill)
+Before each cell rank 0 names it to its peers (:meth:`TorchrunExecutor.proceed`): they wait
+there while it judges the cell before, run the cell it names (a peer whose own skip rules would
+skip it says so, and the cell is an ERROR naming that rank), and a run rank 0 ends or stops early
+(a signal) ends theirs too, so every rank exits with its code (:func:`agreed`). A rank that dies (a crash, a kill)
 takes the group with it: the survivors' next exchange fails. The cell in flight is then an
 ERROR on rank 0 naming that loss, no further cell starts, and rank 0 writes what finished, the
 summary marked interrupted and the reports before torchrun's teardown ends it; its peers stop
@@ -45,6 +46,8 @@ def writes_results() -> bool:
 
 _lost = ""
 """Why this process's group can no longer exchange ('' while it can): set by the executor."""
+_lost_how = ""
+"""The same in a few words, for a summary: a rank left, or a rank did not answer in time."""
 _control = None
 """The group rank 0's word travels on (:class:`TorchrunExecutor`; ``None``: the default group)."""
 
@@ -52,10 +55,11 @@ _control = None
 def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 0.0) -> str:
     """Record that the group is lost (``when``: during / before a cell) and return why; with
     ``timeout``, because an exchange waited that long for a rank that did not answer."""
-    global _lost
+    global _lost, _lost_how
     seen = own or f"the exchange failed: {type(exc).__name__}: {exc}"
-    head = (f"a rank did not answer within --timeout {timeout:g} s {when} (a hang; the group's exchange timed out)"
-            if timeout else f"a rank left the torchrun group {when} (torchrun's log names it and its exit code)")
+    _lost_how = f"a rank did not answer within --timeout {timeout:g} s" if timeout else "a rank left the torchrun group"
+    head = (f"{_lost_how} {when} (a hang; the group's exchange timed out)"
+            if timeout else f"{_lost_how} {when} (torchrun's log names it and its exit code)")
     _lost = f"{head}; {seen.splitlines()[0][:240] if seen else ''}"
     return _lost
 
@@ -101,44 +105,72 @@ class TorchrunExecutor:
             self.timeout = timeout
             _control = dist.new_group(timeout=dist.default_pg_timeout)
         self.mesh = init_device_mesh(device_type, (self.world,))
-        self.told = 0
-        """Cells rank 0 has told its peers about (:meth:`proceed`)."""
 
     @property
     def lost(self) -> str:
         """Why the group can no longer exchange ('' while it can)."""
         return _lost
 
+    @property
+    def lost_how(self) -> str:
+        """:attr:`lost` in a few words ('' while the group can exchange)."""
+        return _lost_how
+
     def skip_reason(self, cell: Cell) -> str:
         return "" if cell.ranks == self.world else f"needs {cell.ranks} ranks; torchrun launched {self.world}"
 
-    def proceed(self, go: bool = True) -> bool:
-        """Rank 0 tells every peer whether the next cell runs (``go``); a peer returns what it was
-        told. A failed exchange is the group's loss (:class:`CellFailure` ERROR)."""
-        box = [go if self.rank == 0 else None]
+    def proceed(self, cell_id: str | None = None) -> str | None:
+        """Rank 0 tells every peer which cell runs next (``cell_id``; ``None``: none, the run is
+        over); a peer returns what it was told, and runs that cell whatever its own plan was. A
+        failed exchange is the group's loss (:class:`CellFailure` ERROR)."""
+        box = [cell_id if self.rank == 0 else None]
         try:
             dist.broadcast_object_list(box, src=0, group=_control)
         except Exception as exc:  # noqa: BLE001 - a rank died between cells
             raise CellFailure("ERROR", _lose("before this cell started", exc)) from None
-        self.told += 1
-        return bool(box[0])
+        return box[0]
 
-    def release(self, owed: int) -> None:
-        """Rank 0, ending the run after ``self.told`` of the ``owed`` cells its peers run: tell
-        them to stop instead of waiting for the next one (nothing to say once the group is lost)."""
-        if self.rank == 0 and self.told < owed and not _lost:
+    def release(self) -> None:
+        """Rank 0, ending the run (its last cell done, or stopped early): tell the peers no cell
+        follows instead of leaving them waiting (nothing to say once the group is lost)."""
+        if self.rank == 0 and not _lost:
             try:
-                dist.broadcast_object_list([False], src=0, group=_control)
+                dist.broadcast_object_list([None], src=0, group=_control)
             except Exception:  # noqa: BLE001 - they are gone (the same signal stopped them): nothing waits
                 pass
 
-    def run(self, cell: Cell, timeout: float):
+    def _agree(self, refuse: str) -> str:
+        """Every rank says whether it can run the cell rank 0 named (``refuse``: why not, '' if it
+        can); returns the first refusal, naming its rank ('' when all can). Nodes may differ (a
+        compiler, a library) and a rank running a cell its peers do not would hang them."""
+        said = [None] * self.world
+        t0 = time.monotonic()
+        try:  # on the cell's group: its --timeout holds from here on
+            dist.all_gather_object(said, refuse)
+        except Exception as exc:  # noqa: BLE001 - a rank died or hangs as the cell starts
+            raise self._lost_in(exc, t0, "as this cell started") from None
+        return next((f"rank {r} would not run this cell here ({why}); the ranks must agree on every cell "
+                     "(the same matrix, torch build and libraries on every node)" for r, why in enumerate(said) if why), "")
+
+    def _lost_in(self, exc: BaseException, t0: float, when: str, own: str = "") -> CellFailure:
+        """The cell's failure when an exchange begun at ``t0`` failed: TIMEOUT when it waited out
+        the group's timeout (a hang), ERROR otherwise (a rank left)."""
+        hung = self.timeout and (time.monotonic() - t0 >= 0.9 * self.timeout or _timed_out(str(exc)))
+        return CellFailure("TIMEOUT" if hung else "ERROR", _lose(when, exc, own, self.timeout if hung else 0.0))
+
+    def run(self, cell: Cell | None, timeout: float, refuse: str = ""):
         """``cell`` on this rank; rank 0 returns every rank's observations (a peer ``None``), or
-        raises :class:`CellFailure`. Rank 0 tells its peers to run it first; a peer has been told."""
+        raises :class:`CellFailure`. Rank 0 names the cell to its peers first; a peer has been
+        told, and ``refuse`` says why it cannot run it (then no rank does: an ERROR)."""
         from parity.execute.worker import run_rank
 
         if self.rank == 0:
-            self.proceed()
+            self.proceed(cell.id)
+        refused = self._agree(refuse)
+        if refused:
+            if self.rank == 0:
+                raise CellFailure("ERROR", refused)
+            return None
         try:
             payload = ("ok", to_bytes(run_rank(cell, rank=self.rank, world=self.world, mesh=self.mesh, device=self.device)))
         except Exception as exc:  # noqa: BLE001
@@ -149,9 +181,7 @@ class TorchrunExecutor:
         try:
             dist.gather_object(payload, gathered, dst=0)
         except Exception as exc:  # noqa: BLE001 - a rank died or hangs: the group cannot exchange again
-            hung = self.timeout and (time.monotonic() - t0 >= 0.9 * self.timeout or _timed_out(str(exc)))
-            raise CellFailure("TIMEOUT" if hung else "ERROR",
-                              _lose("during this cell", exc, own, self.timeout if hung else 0.0)) from None
+            raise self._lost_in(exc, t0, "during this cell", own) from None
         # every rank reads the errors it has (rank 0 all of them): after a timed-out collective the
         # group is in doubt, and no further cell starts
         errors = [p[1] for p in gathered if p[0] == "error"] if self.rank == 0 else [own] if own else []

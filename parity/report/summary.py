@@ -157,7 +157,7 @@ def fault_line(records: list[Record], faults) -> str:
 
 
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
-                     not_run: list[str] = (), interrupted: str = "", faults=()) -> str:
+                     not_run: list[str] = (), interrupted: str = "", faults=(), resumable: bool = True) -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
     out = [f"# parity run: {md_text(title)}", ""]
@@ -165,7 +165,9 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out += [md_text(fault_line(records, faults)), ""]
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
-                f"{len(not_run)} not run (listed at the end). Continue with `python -m parity run --resume DIR`.", ""]
+                f"{len(not_run)} not run (listed at the end). "
+                + ("Continue with `python -m parity run --resume DIR`." if resumable
+                   else "A torchrun run does not resume: run the matrix again."), ""]
     out += ["| verdict | cells |", "|---|---|"]
     out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS]
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
