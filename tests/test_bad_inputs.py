@@ -134,7 +134,12 @@ def _files(t) -> dict[str, str]:
                 ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"),
                 ("expect_typo", "", "expect={'nativ': 'fallback:mixes'}"),
                 ("lazy", "def _build():\n    m = registered()['kda'].build()\n    m.head = nn.LazyLinear(4)\n"
-                         "    return m\n", "build=_build"))},
+                         "    return m\n", "build=_build"),
+                # what Fixture.ignored declares must be the model's parameters, or its parallelism goes untested
+                ("ignores_module", "", "ignored=lambda m: {m.head}"),
+                ("ignores_foreign", "", "ignored=lambda m: {nn.Parameter(torch.ones(3))}"),
+                ("ignores_none", "", "ignored=lambda m: None"),
+                ("builds_int", "", "build=lambda: 42"))},
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty"), "empty_toml": _write(t / "empty.toml", "# nothing else\n")}
@@ -262,6 +267,12 @@ CASES = [
      "mean 'native'? (valid here: dtype-split, per-parameter, legacy, native)"),
     (["run", "--model", "{expect_typo}", "--list"], "Fixture.expect key 'nativ'"),
     (["plan", "--model", "{lazy}"], "'head.weight' is uninitialized (a lazy module)"),
+    (["plan", "--model", "{ignores_module}"], "Fixture.ignored returned Linear among its items; return a set of "
+     "the model's own parameters"),
+    (["run", "--model", "{ignores_foreign}", "--out", "{out}"], "Fixture.ignored returned a parameter that is not "
+     "the model's among its items"),
+    (["plan", "--model", "{ignores_none}"], "Fixture.ignored returned NoneType; return a set of the model's own"),
+    (["plan", "--model", "{builds_int}"], "Fixture.build returned int, not a torch.nn.Module; return the model"),
     (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),
     (["plan", "--model", "{factory_factory}"], "returned function, not parity.model.Fixture"),
     (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),

@@ -268,3 +268,24 @@ def test_a_bf16_weight_meeting_an_fp32_activation_keeps_its_gradient_as_fsdp_doe
     failing = [f"{r.cell} {r.check} {r.name}" for r in read_records(str(out / "cells.csv")) if r.verdict != "PASS"
                and r.verdict != "SKIP"]
     assert code == 0 and not failing, failing
+
+
+@pytest.mark.parametrize("plan, said", [
+    ("raise KeyError('plan blew up')", "error: its plan() failed: KeyError: 'plan blew up' (a fault of that path's code)"),
+    ("return None", "error: its plan() failed: TypeError: path 'broken': its plan() returned NoneType, not a "
+                    "ShardReport; fix that path's plan()"),
+])
+def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_paths(plan, said, monkeypatch, capsys):
+    """One broken installed plugin must not turn ``parity plan`` into a traceback for every model."""
+    from parity.cli import main
+    from parity.paths import registry
+    from parity.paths.legacy import LegacyPath
+
+    namespace = {}
+    exec(f"def plan(self, *a, **k):\n    {plan}\n", namespace)
+    broken = type("Broken", (LegacyPath,), {"name": "broken", "plan": namespace["plan"]})()
+    monkeypatch.setattr(registry, "_extra", {})
+    registry.register(broken)
+    assert main(["plan", "--fixture", "kda"]) == 0
+    out = capsys.readouterr().out
+    assert f"path requested=broken: {said}" in out and "requested=native" in out and "requested=legacy" in out

@@ -63,8 +63,11 @@ def _describe_plan(fixture, config) -> str:
         out.append("")
         try:
             out.append(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
-        except ValueError as exc:
+        except ValueError as exc:  # an isolation error, a usage error: the path's own refusal
             out.append(f"path requested={path}: error: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a path plugin's bug: said here, the other paths still shown
+            out.append(f"path requested={path}: error: its plan() failed: {type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''} (a fault of that path's code)")
     return "\n".join(out)
 
 

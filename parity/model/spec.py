@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +157,9 @@ class Fixture:
                     model = self.build()
             else:
                 model = self.build()
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{self.name}: Fixture.build returned {type(model).__name__}, not a torch.nn.Module; "
+                             "return the model instance")
         params = dict(model.named_parameters(remove_duplicate=False))
         for fqn, dtype in self.compute_dtypes.items():
             if fqn not in params:
@@ -194,6 +197,24 @@ MIXED_FORMATS = "mixes weight formats"
 def unknown_expect_keys(spec: Fixture, expect_keys) -> list[str]:
     """``Fixture.expect`` keys naming neither a contract nor a registered path (``expect_keys``)."""
     return [k for k in spec.expect if k not in expect_keys]
+
+
+def _check_ignored(spec: Fixture, model: nn.Module, where: str) -> None:
+    """What ``Fixture.ignored`` returns must be a set (or other collection) of the model's own
+    parameters: a module, a foreign tensor or ``None`` would leave the parallelism it declares
+    untested (its parameters sharded as any other) or fail every cell."""
+    try:
+        ignored = spec.ignored(model)
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is named
+        raise UsageError(f"{where}: Fixture.ignored failed: {type(exc).__name__}: {exc}") from None
+    fix = "return a set of the model's own parameters, e.g. lambda m: set(m.experts.parameters())"
+    if isinstance(ignored, (nn.Module, torch.Tensor, str, bytes, Mapping)) or not isinstance(ignored, Iterable):
+        raise UsageError(f"{where}: Fixture.ignored returned {type(ignored).__name__}; {fix}")
+    own = {id(p) for p in model.parameters()}
+    stray = next((x for x in list(ignored) if not isinstance(x, nn.Parameter) or id(x) not in own), None)
+    if stray is not None:
+        what = "a parameter that is not the model's" if isinstance(stray, nn.Parameter) else type(stray).__name__
+        raise UsageError(f"{where}: Fixture.ignored returned {what} among its items; {fix}")
 
 
 def validate(spec: object, where: str, expect_keys=()) -> Fixture:
@@ -253,6 +274,7 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     params = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         params[n] = p
+    _check_ignored(spec, model, where)
     lazy = next((n for n, t in (*params.items(), *model.named_buffers())
                  if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
     if lazy:  # nothing can be planned, sharded or compared before its size is known

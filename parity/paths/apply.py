@@ -49,6 +49,9 @@ def plan_sharding(
             except IsolationError as exc:
                 raise IsolationError(exc.params, "; ".join(reasons), path=path, read_by=exc.read_by) from None
             else:
+                if not isinstance(report, ShardReport):  # a plugin's bug, named before replace() trips on it
+                    raise TypeError(f"path {path!r}: its plan() returned {type(report).__name__}, not a ShardReport; "
+                                    "fix that path's plan()")
                 return replace(report, requested=requested, taken=path, contract=impl.contract,
                                fallback_reason="; ".join(reasons))
         reasons.append(reason)
