@@ -741,3 +741,12 @@ def test_a_command_that_starts_its_own_ranks_is_refused_under_torchrun(argv, mon
         monkeypatch.setenv(key, value)
     assert main(argv) == 2
     assert f"parity: {argv[0]} starts its own rank processes; run it without torchrun" in capsys.readouterr().err
+
+
+def test_bench_on_fewer_gpus_than_its_ranks_is_refused_naming_the_ranks_that_fit(monkeypatch, capsys, tmp_path):
+    """One GPU per rank: a 2-rank bench on one GPU measured nothing (every rank-1 start failed)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    assert main(["bench", "--device", "cuda", "--fixtures", "kda", "--out", str(tmp_path / "b")]) == 2
+    assert "bench --ranks 2 --device cuda needs 2 GPUs; 1 visible; give --ranks 1" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

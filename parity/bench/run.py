@@ -147,7 +147,9 @@ def add_bench_arguments(sub) -> None:
 
 
 def bench_command(args) -> int:
-    from parity.arguments import MAX_STEPS, csv_list
+    import torch
+
+    from parity.arguments import MAX_STEPS, RANK_COUNTS, csv_list
     from parity.model.registry import distinct, load_source, registered
     from parity.paths import path_names
     from parity.runner import resolve_device
@@ -164,6 +166,12 @@ def bench_command(args) -> int:
         from parity.bench.harness import harness_cells
 
         harness_cells(args.harness, models, paths)
+    device = resolve_device(args.device)
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cuda" and args.ranks > gpus:  # one GPU per rank, as run's pools
+        fit = max(n for n in RANK_COUNTS if n <= max(gpus, 1))
+        raise UsageError(f"bench --ranks {args.ranks} --device cuda needs {args.ranks} GPUs; {gpus} visible; "
+                         f"give --ranks {fit}")
     return run_bench(models=models, paths=paths, ranks=args.ranks,
-                     device=resolve_device(args.device), warmup=args.warmup, steps=args.steps, out_dir=args.out,
+                     device=device, warmup=args.warmup, steps=args.steps, out_dir=args.out,
                      plots=args.plot, timeout=args.timeout, harness=args.harness)
