@@ -180,3 +180,27 @@ def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():
         # a session parametrized over torch runs once per version: one --out would be written twice
         for session in ("parity", "gate"):
             assert not (f"nox -s {session} --" in command and "--out" in command), f"name one torch: {command}"
+
+
+def test_compare_judges_one_sample_bench_figures_memory_by_growth_and_lists_the_rest():
+    """Memory and profiled packing are measured once a bench: an IQR rule never flagged them
+    (a doubled CUDA peak passed); a memory peak grown past MEMORY_GROWTH is a regression, a moved
+    packing time is listed as not judged."""
+    from parity.report.compare import MEMORY_GROWTH, compare
+
+    def bench(memory, packing, steps=(10.0, 1.0)):
+        return {"cells": {}, "checks": {}, "bench": {
+            "kda|native|memory cuda max_memory_allocated MiB": {"median": memory, "iqr": 0.0, "n": 1},
+            "kda|native|packing total": {"median": packing, "iqr": 0.0, "n": 1},
+            "kda|native|step time": {"median": steps[0], "iqr": steps[1], "n": 5}}}
+
+    old = bench(100.0, 2.0)
+    assert compare(old, bench(100.0, 2.0)) == ([], [])
+    bad, info = compare(old, bench(200.0, 20.0))
+    assert bad == [f"bench kda / native / memory cuda max_memory_allocated MiB: 100 -> 200 (grew more than "
+                   f"{MEMORY_GROWTH - 1:.0%})"]
+    assert info == ["bench kda / native / packing total: 2 -> 20 (one sample each side: not judged)"]
+    bad, info = compare(old, bench(105.0, 2.0))  # within an allocator's rounding: listed, not a regression
+    assert not bad and info == ["bench kda / native / memory cuda max_memory_allocated MiB: 100 -> 105 "
+                                "(one sample each side: not judged)"]
+    assert compare(old, bench(100.0, 2.0, steps=(13.0, 1.0)))[0]  # a timed metric keeps its IQR rule

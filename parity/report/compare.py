@@ -11,8 +11,11 @@ recorded its ``cells.csv`` (cut or appended to afterwards: exit 2). Regressions,
 - a cell whose verdict is an alarm (:data:`ALARMS`) it was not in OLD, a cell only NEW has included;
 - a check whose worst ratio (per model) grew by more than ``factor`` and now exceeds ``floor`` (a tenth
   of its allowance by default: below that, growth is rounding noise, not a trend);
-- a bench count or byte total that changed at all (they are deterministic), or a timed
-  metric whose median moved by more than the two runs' IQRs together.
+- a bench count or byte total that changed at all (they are deterministic), a timed metric
+  whose median moved by more than the two runs' IQRs together, or a memory figure (measured
+  once a bench: no spread) that grew by more than :data:`MEMORY_GROWTH` -- an allocator's peak
+  for the same program moves by its rounding, not by a tenth. Another one-sample metric
+  (profiled packing time) that moved is listed, not judged.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from parity.report.outdir import MANIFEST, read_json, read_manifest, recorded, u
 from parity.report.summary import spread
 
 DIGEST = "digest.json"
+#: A memory figure above this multiple of OLD's is a regression (see the module docstring).
+MEMORY_GROWTH = 1.10
 #: Verdicts that are a regression wherever they newly appear: in a cell OLD judged otherwise, or in
 #: one OLD does not have.
 ALARMS = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE, Verdict.UNPAIRED)
@@ -168,12 +173,19 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
         if now is None:  # measured before, not now: that evidence is missing, not better
             bad.append(f"bench {key.replace('|', ' / ')}: {was['median']:.4g} before, not measured now")
             continue
+        line = f"bench {key.replace('|', ' / ')}: {was['median']:.4g} -> {now['median']:.4g}"
         metric = key.split("|")[2]
         exact = metric.startswith(("collectives", "bytes", "units"))
         moved = abs(now["median"] - was["median"])
-        if (exact and moved > 0) or (not exact and moved > was["iqr"] + now["iqr"] and was["n"] > 1):
-            bad.append(f"bench {key.replace('|', ' / ')}: {was['median']:.4g} -> {now['median']:.4g}"
-                       + ("" if exact else f" (IQRs {was['iqr']:.3g}, {now['iqr']:.3g})"))
+        once = was["n"] <= 1 or now["n"] <= 1  # one sample: no spread to weigh a move against
+        if exact and moved > 0:
+            bad.append(line)
+        elif metric.startswith("memory") and now["median"] > MEMORY_GROWTH * was["median"]:
+            bad.append(f"{line} (grew more than {MEMORY_GROWTH - 1:.0%})")
+        elif once and moved > 0:
+            info.append(f"{line} (one sample each side: not judged)")
+        elif not once and moved > was["iqr"] + now["iqr"]:
+            bad.append(f"{line} (IQRs {was['iqr']:.3g}, {now['iqr']:.3g})")
     return bad, info
 
 
