@@ -148,6 +148,22 @@ def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     assert "## parity's own cost per cell (matrix smoke, 16 cells" in md
     harness = json.load(open(os.path.join(out, "bench.json")))["harness"]
     assert harness["cells"] == 16 and 0 < harness["reference+compare"] < harness["wall"]
+    assert sum(harness["verdicts"].values()) == 16 and "The harness run's cells: " in md
+
+
+def test_a_harness_run_that_fails_says_so_where_bench_fails(tmp_path, monkeypatch, capsys):
+    """The harness run's own table goes nowhere: a bench failing for it names how it failed."""
+    from parity.bench import harness
+    from parity.cli import main
+
+    cost = {"matrix": "smoke", "cells": 2, "verdicts": {"FAIL": 1, "PASS": 1}, **dict.fromkeys(harness.PHASES, 1.0)}
+    monkeypatch.setattr(harness, "harness_cost", lambda *a, **k: (1, cost))
+    assert main(["bench", "--fixtures", "kda", "--paths", "native", "--ranks", "1", "--warmup", "0", "--steps", "1",
+                 "--harness", "smoke", "--out", str(tmp_path / "b")]) == 1
+    out = str(tmp_path / "b" / "harness" / "summary.md")
+    assert f"parity: bench --harness smoke: the harness run did not pass (1 FAIL, 1 PASS); see {out}" \
+        in capsys.readouterr().err
+    assert "The harness run's cells: 1 FAIL, 1 PASS" in (tmp_path / "b" / "bench.md").read_text()
 
 
 @pytest.mark.xdist_group("bench")

@@ -23,7 +23,12 @@ PHASES = ("spawn", "waiting for ranks", "build", "steps", "checkpoint", "referen
 
 def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *, device: str, out_dir: str,
                  timeout: float) -> tuple[int, dict]:
-    """(the run's exit code, ``{"matrix", "cells", phase: seconds...}``)."""
+    """(the run's exit code, ``{"matrix", "cells", "verdicts", phase: seconds...}``; ``verdicts``:
+    cells per verdict, so a harness run that failed says how in ``bench.md``)."""
+    from collections import Counter
+
+    from parity.report.records import read_records
+    from parity.report.summary import cell_verdicts
     from parity.runner import RunOptions, run_cells
 
     m, cells = harness_cells(matrix, models, paths)
@@ -34,7 +39,13 @@ def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *
         code = run_cells(cells, options, skip_reason=m.skip_reason)
     with open(os.path.join(out, "timings.json")) as fh:
         timings = json.load(fh)
-    return code, {"matrix": m.name, "cells": len(cells), **{k: timings.get(k, 0.0) for k in PHASES}}
+    verdicts = dict(Counter(str(v) for v in cell_verdicts(read_records(os.path.join(out, "cells.csv"))).values()))
+    return code, {"matrix": m.name, "cells": len(cells), "verdicts": verdicts, **{k: timings.get(k, 0.0) for k in PHASES}}
+
+
+def verdict_line(cost: dict) -> str:
+    """The harness run's cells per verdict, in one line."""
+    return ", ".join(f"{n} {v}" for v, n in sorted(cost.get("verdicts", {}).items())) or "no cell recorded"
 
 
 def harness_cells(matrix: str, models: list[tuple[str, str]], paths: list[str]) -> tuple:
@@ -56,5 +67,6 @@ def markdown(cost: dict) -> list[str]:
     lines = [f"## parity's own cost per cell (matrix {cost['matrix']}, {cost['cells']} cells of these models "
              "and paths)", "", "| phase | seconds | per cell |", "|---|---|---|"]
     lines += [f"| {k} | {cost[k]:.2f} | {cost[k] / n:.3f} |" for k in PHASES]
-    return lines + ["", "Rank 0's build, steps and checkpoint overlap the parent's judging of the cell before; "
+    return lines + ["", f"The harness run's cells: {verdict_line(cost)} (its summary: harness/summary.md).", "",
+                    "Rank 0's build, steps and checkpoint overlap the parent's judging of the cell before; "
                     "the wall is spawn + waiting for ranks + reference+compare + other.", ""]

@@ -93,6 +93,11 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
             run_code, cost = harness_cost(harness, models, paths, device=device, out_dir=out_dir, timeout=timeout)
             if run_code in (130, 143):
                 signals.received = signals.received or run_code - 128
+            elif run_code:  # its table went nowhere: say why bench fails
+                from parity.bench.harness import verdict_line
+
+                print(f"parity: bench --harness {harness}: the harness run did not pass ({verdict_line(cost)}); see "
+                      f"{os.path.join(out_dir, 'harness', 'summary.md')}", file=sys.stderr)
             code = code or (1 if run_code else 0)
         _write(out_dir, rows, failures, device=device, warmup=warmup, steps=steps, ranks=ranks,
                plots=plots and not signals(), interrupted=signals.name, harness=cost)
