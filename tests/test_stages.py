@@ -105,3 +105,12 @@ def test_the_checkpoint_is_three_stages_save_load_and_the_resumed_step():
     failed = Record(**BASE, check="checkpoint.same", name="native", verdict=Verdict.ERROR,
                     detail="checkpoint from native: rank 0: loading into native failed: KeyError")
     assert stage_of(failed) == "checkpoint-load"
+
+
+def test_a_record_filed_under_another_cell_locates_nothing_here():
+    """A load of this cell's checkpoint that failed in another path is that path's ERROR (filed
+    under its cell): this cell, whose own records all held, has no divergent stage."""
+    elsewhere = Record(**{**BASE, "cell": "c-raises", "path": "raises"}, check="checkpoint.cross", name="raises",
+                       verdict=Verdict.ERROR)
+    assert first_stage([_r("grad", "w", 0, verdict=Verdict.PASS), elsewhere], 2, BASE) is None
+    assert first_stage([elsewhere, _r("grad", "w", 0)], 2, BASE).name == "gradients"

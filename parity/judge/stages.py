@@ -162,7 +162,10 @@ def _where(r: Record) -> str:
 
 
 def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
-    """The ``stage`` record of a cell whose records failed a staged check; None otherwise."""
+    """The ``stage`` record of a cell whose records failed a staged check; None otherwise. Only the
+    cell's own records count: a record judged here and filed under another cell (a load of this
+    cell's checkpoint that failed in another path is that path's ERROR) locates nothing here."""
+    records = [r for r in records if r.cell == base["cell"]]
     bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR) and stage_of(r)]
     if not bad:
         return None
