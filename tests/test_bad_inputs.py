@@ -162,7 +162,8 @@ def _files(t) -> dict[str, str]:
                        "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}',
                        "fault": '{"options": {"matrix": "smoke", "fault": null}, "status": "complete", "cells": []}',
                        "model": '{"options": {"matrix": "smoke", "model": null}, "status": "complete", "cells": []}',
-                       "environment": '{"options": {"matrix": "smoke"}, "environment": 5, "status": "complete"}'}.items():
+                       "environment": '{"options": {"matrix": "smoke"}, "environment": 5, "status": "complete"}',
+                       "warnings": '{"options": {"matrix": "smoke"}, "model_warnings": [1], "status": "complete"}'}.items():
         f[f"runjson_{name}"] = _write(t / f"runjson_{name}" / "run.json", text).removesuffix("/run.json")
         results(t / f"gate_runjson_{name}", {A: "PASS"})
         _write(t / f"gate_runjson_{name}" / "run.json", text)
@@ -299,6 +300,7 @@ CASES = [
     # gate
     (["gate", "--from", "{gate_runjson_notjson}"], "run.json is unreadable"),
     (["gate", "--from", "{gate_runjson_list}"], "run.json is not a JSON object"),
+    (["gate", "--from", "{gate_runjson_warnings}"], "run.json: model_warnings is not an object"),
     (["gate", "--from", "{gate_runjson_fault}"], "run.json records fault None, which that option cannot be"),
     (["gate", "--from", "{gate_runjson_model}"], "run.json records model None, which that option cannot be"),
     (["gate", "--from", "{gate_runjson_environment}"], "run.json: environment is not an object"),

@@ -388,3 +388,54 @@ def test_a_failed_load_of_the_baselines_checkpoint_is_charged_to_the_path_that_l
         saved = decide(healthy() + [rec("m", "legacy", 0, check="checkpoint.saved", name=name, verdict="FAIL")],
                        "m", "native")
         assert [r for r in saved.reasons if "failed" in r][0].startswith("baseline failed in 1 cells"), saved.reasons
+
+
+def test_a_class_fp32_typo_that_leaves_nothing_fp32_is_no_go_and_other_warnings_are_notes():
+    """Both paths agree on keeping nothing in FP32: a GO would say the override works where it never
+    ran. ``Fixture.expect_fp32=()`` (nothing is meant to be FP32) lets it be GO; a pattern that
+    selects nothing beside others that do is a note."""
+    from parity.report.gate import apply_model_warnings
+
+    note = "MyModel._keep_in_fp32_modules_strict pattern 'A_lgo' selects no parameter or buffer"
+    decisions = [decide(healthy("a"), "a", "native"), decide(healthy("b"), "b", "native")]
+    apply_model_warnings(decisions, {"a": {"notes": [note], "fp32_unselected": True},
+                                     "b": {"notes": [note], "fp32_unselected": False}})
+    assert decisions[0].decision == NO_GO and "declare Fixture.expect_fp32=() if nothing" in decisions[0].reasons[0]
+    assert decisions[1].decision == GO and decisions[1].notes == [f"run warned: {note}"]
+
+
+TYPO_MODEL = """import dataclasses
+import sys
+
+sys.path.insert(0, {examples!r})
+import my_model
+
+
+class Typo(my_model.MyModel):
+    _keep_in_fp32_modules_strict = {patterns!r}
+
+
+def parity_model():
+    base = my_model.parity_model()
+    return dataclasses.replace(base, build=lambda: Typo(){fields})
+"""
+
+
+@pytest.mark.parametrize("patterns, fields, decision", [
+    (["norm_wieght", "A_lgo", "dt_bais"], "", "NO-GO"),
+    (["norm_wieght", "A_lgo", "dt_bais"], ", expect_fp32=()", "GO"),
+    (["norm_weight", "A_log", "dt_bias", "not_in_this_config"], "", "GO"),
+])
+def test_the_gate_reads_what_run_warned_about_a_models_fp32_declaration(patterns, fields, decision, tmp_path):
+    from parity.cli import main
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model")
+    (tmp_path / "typo.py").write_text(TYPO_MODEL.format(examples=examples, patterns=patterns, fields=fields))
+    out = tmp_path / "run"
+    code = main(["gate", "--model", f"{tmp_path / 'typo.py'}:parity_model", "--matrix", "smoke", "-k",
+                 "ranks == 1 and microbatches == 1", "--out", str(out)])
+    gate = json.loads((out / "gate.json").read_text())
+    assert [d["decision"] for d in gate["decisions"]] == [decision if decision == "NO-GO" else "PARTIAL"], gate
+    assert code == 1
+    warned = json.loads((out / "run.json").read_text())["model_warnings"]["my_model"]
+    assert warned["fp32_unselected"] is (decision == "NO-GO") and "selects no parameter" in warned["notes"][0]

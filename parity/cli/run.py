@@ -142,7 +142,8 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         if changed:
             raise UsageError(f"--resume {args.resume}: {changed}; resume with the parity, model and matrix files "
                              "it ran with, or start a new run with --overwrite")
-    check_models(cells)
+    # the whole selection's models, so every part of a sharded run records the same
+    manifest["model_warnings"] = check_models(selection)
     options = RunOptions(out_dir=opts["out"], device=device, timeout=opts["timeout"], fp64=opts["fp64"],
                          title=matrix.name, manifest=manifest, overwrite=args.overwrite, resume=bool(args.resume),
                          require_native=opts["require_native"], junit=opts["junit"] or "", op_log=bool(opts["op_log"]))
@@ -166,18 +167,22 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
     return part, {"shard": record}
 
 
-def check_models(cells, warn: bool = True) -> None:
+def check_models(cells, warn: bool = True) -> dict[str, dict]:
     """Each model of the run, built once here before any cell: one forward and backward
     (:func:`~parity.model.registry.exercised`, a :class:`UsageError` for a model every cell would
-    fail on), then (``warn``) a warning per pattern a model class declares strict FP32 that
-    matches nothing (``Fixture.keep_fp32`` is checked when the model loads) and per
-    tensor the two FP32 name rules resolve differently (the plan follows the model's
-    ``fp32_rule``; the other reading is one a user may expect)."""
-    from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
+    fail on), then (``warn``) a warning per pattern a model class declares FP32 that matches
+    nothing (``Fixture.keep_fp32`` is checked when the model loads) and per tensor the two FP32
+    name rules resolve differently (the plan follows the model's ``fp32_rule``; the other reading
+    is one a user may expect). Returns, per model warned about, ``{"notes": [...],
+    "fp32_unselected": bool}`` for ``run.json``: the gate notes them, and ``fp32_unselected`` --
+    its class declares FP32 patterns, none selects anything and ``Fixture.expect_fp32`` does not
+    say that nothing is meant to be FP32 -- is no GO (nothing exercised the per-parameter override)."""
+    from parity.model.plan import fp32_disagreements, strict_fp32_names, unmatched_declared, unmatched_note
     from parity.model.registry import built, exercised, expect_keys, get_fixture
     from parity.model.spec import unknown_expect_keys
 
     half = {(c.fixture, c.source) for c in cells if c.param_dtype == "float16"}
+    found: dict[str, dict] = {}
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
         try:
@@ -187,15 +192,29 @@ def check_models(cells, warn: bool = True) -> None:
         exercised(fixture, model, "run")
         if not warn:
             continue
-        for key in unknown_expect_keys(fixture, expect_keys()):
-            print(f"parity: warning: {name}: Fixture.expect[{key!r}] names no path installed here nor a contract; "
-                  "it applies to no cell of this run", file=sys.stderr)
-        for owner, pattern in unmatched_declared(model, fixture.fp32_rule, (name, source) in half):
-            print(f"parity: warning: {name}: {unmatched_note(pattern, fixture.fp32_rule, owner)}", file=sys.stderr)
-        for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32):
-            print(f"parity: warning: {name}: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' "
-                  f"name rule and {'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "
-                  f"fp32_rule={fixture.fp32_rule!r} (see python -m parity plan)", file=sys.stderr)
+        notes = [f"Fixture.expect[{key!r}] names no path installed here nor a contract; it applies to no cell of "
+                 "this run" for key in unknown_expect_keys(fixture, expect_keys())]
+        unmatched = unmatched_declared(model, fixture.fp32_rule, (name, source) in half)
+        notes += [unmatched_note(pattern, fixture.fp32_rule, owner) for owner, pattern in unmatched]
+        notes += [f"{fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' name rule and "
+                  f"{'not ' if by_framework else ''}FP32 under whole name parts; the plan follows "
+                  f"fp32_rule={fixture.fp32_rule!r} (see python -m parity plan)"
+                  for fqn, by_framework, _ in fp32_disagreements(model, fixture.keep_fp32)]
+        for note in notes:
+            print(f"parity: warning: {name}: {note}", file=sys.stderr)
+        if notes:
+            patterns = strict_fp32_names(model, fixture.keep_fp32, fixture.fp32_rule, (name, source) in half)
+            unselected = bool(unmatched) and fixture.expect_fp32 is None and not _selects_any(model, patterns, fixture)
+            found[name] = {"notes": notes, "fp32_unselected": unselected}
+    return found
+
+
+def _selects_any(model, patterns, fixture) -> bool:
+    """Whether any of ``patterns`` selects a parameter or buffer of ``model`` (as the plan reads them)."""
+    from parity.model.plan import canonical_fqn, matches
+
+    names = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
+    return any(matches(n, p, fixture.fp32_rule) for n in names for p in patterns)
 
 
 def cmd_run(args) -> int:

@@ -210,13 +210,15 @@ def read_json(path: str, fix: str) -> dict:
 
 
 def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> dict:
-    """``out``'s ``run.json``: an object whose ``options`` and ``environment`` (if any) are objects,
-    ``cells`` a list and ``status`` a string; ``fix`` ends the error when it is not."""
+    """``out``'s ``run.json``: an object whose ``options``, ``environment`` and ``model_warnings``
+    (if any) are objects, ``cells`` a list and ``status`` a string; ``fix`` ends the error when it
+    is not."""
     path = os.path.join(out, MANIFEST)
     if not os.path.isfile(path):
         raise UsageError(f"{out}: no {MANIFEST} there; give the --out directory of an earlier parity run")
     manifest = read_json(path, fix)
-    for key, kind in (("options", dict), ("environment", dict), ("cells", list), ("status", str)):
+    for key, kind in (("options", dict), ("environment", dict), ("cells", list), ("status", str),
+                      ("model_warnings", dict)):
         if key in manifest and not isinstance(manifest[key], kind):
             raise UsageError(f"{path}: {key} is not {'an object' if kind is dict else 'a ' + kind.__name__}; {fix}")
     return manifest
