@@ -50,8 +50,9 @@ class _Pools:
 
     rank = 0
     lost = ""  # its pools never lose a group for good: a crashed pool restarts
+    launched = False  # its ranks are its own pools' (one GPU each), not a launcher's world
 
-    def release(self, owed: int) -> None:
+    def release(self) -> None:
         """Nothing waits on a run's end here (torchrun's peers do)."""
 
     def __init__(self, device: str, tmp: str, stop_requested):

@@ -212,7 +212,8 @@ class _Run:
     def _skip(self, cell: Cell) -> str:
         """Why ``cell`` is not run ('' when it is); asked once per cell."""
         if cell.id not in self.skips:
-            self.skips[cell.id] = _skip_reason(cell, self.device, self.skip_reason, spawned=self.executor is None)
+            launched = getattr(self.executor, "launched", False)
+            self.skips[cell.id] = _skip_reason(cell, self.device, self.skip_reason, spawned=not launched)
         return self.skips[cell.id]
 
     def _launch_pools(self, stop_requested) -> None:

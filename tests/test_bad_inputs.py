@@ -61,7 +61,7 @@ def results(d, verdicts: dict[str, str], status: str = "complete", options: dict
     os.makedirs(d, exist_ok=True)
     _recorded(d, _records(verdicts))
     manifest = {"options": options or {"matrix": "smoke"}, "status": status, "cells": sorted(verdicts),
-                "torch": torch.__version__, "device": "cpu"}
+                "torch": torch.__version__, "device": "cpu", "model_warnings": {}}
     with open(os.path.join(d, "run.json"), "w") as fh:
         json.dump(manifest, fh)
     return str(d)
@@ -605,7 +605,7 @@ def test_gate_compare_to_turns_a_new_alarm_no_go(capsys, tmp_path):
         d.mkdir()
         _recorded(d, rows)
         _write(d / "run.json", json.dumps({"options": {"matrix": "smoke"}, "status": "complete",
-                                           "cells": sorted({r.cell for r in rows})}))
+                                           "cells": sorted({r.cell for r in rows}), "model_warnings": {}}))
         return str(d)
 
     old = run_dir("old", healthy())

@@ -402,6 +402,9 @@ def test_a_class_fp32_typo_that_leaves_nothing_fp32_is_no_go_and_other_warnings_
                                      "b": {"notes": [note], "fp32_unselected": False}})
     assert decisions[0].decision == NO_GO and "declare Fixture.expect_fp32=() if nothing" in decisions[0].reasons[0]
     assert decisions[1].decision == GO and decisions[1].notes == [f"run warned: {note}"]
+    older = [decide(healthy("a"), "a", "native")]  # a run.json without the key: nothing says they were read
+    apply_model_warnings(older, None)
+    assert older[0].decision == NO_GO and older[0].reasons[0].startswith("run.json records no model_warnings")
 
 
 TYPO_MODEL = """import dataclasses
@@ -425,6 +428,8 @@ def parity_model():
     (["norm_wieght", "A_lgo", "dt_bais"], "", "NO-GO"),
     (["norm_wieght", "A_lgo", "dt_bais"], ", expect_fp32=()", "GO"),
     (["norm_weight", "A_log", "dt_bias", "not_in_this_config"], "", "GO"),
+    # FP32 by a recorded dtype, not by name: the override runs, the typo is a note
+    (["norm_wieght"], ", compute_dtypes={'layers.0.norm.norm_weight': 'float32'}", "GO"),
 ])
 def test_the_gate_reads_what_run_warned_about_a_models_fp32_declaration(patterns, fields, decision, tmp_path):
     from parity.cli import main

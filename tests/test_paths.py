@@ -197,3 +197,29 @@ def test_a_path_whose_apply_shards_less_than_its_plan_reports_is_named():
     with pytest.raises(RuntimeError, match=f"path 'legacy': apply\\(\\) did not call fully_shard on '{first}', a unit "
                                            "its plan\\(\\) reports"):
         check_applied(model, report)
+
+
+def test_a_path_whose_apply_shards_more_than_its_plan_reports_or_reports_nothing_is_named():
+    """Units apply() made but plan() did not report would be judged as plain modules, failing far
+    from the cause (a dtype check on an unreported FP32 unit); a report of no unit judges nothing."""
+    import dataclasses
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from parity.model.plan import PrecisionConfig
+    from parity.model.registry import get_fixture
+    from parity.paths.apply import check_applied, plan_sharding
+    from parity.paths.units import module_index
+
+    fixture = get_fixture("kda")
+    model = fixture.make(0)
+    report = plan_sharding(model, fixture.unit_roots, fixture.resolve(model, PrecisionConfig(), set()), "native")
+    modules = module_index(model)
+    for name in [*(m for u in report.units for m in u.modules), "blocks.0.q_proj"]:  # as fully_shard swaps classes
+        mod = modules[name]
+        mod.__class__ = type(f"FSDP{type(mod).__name__}", (FSDPModule, type(mod)), {})
+    with pytest.raises(RuntimeError, match="path 'native': apply\\(\\) called fully_shard on 'blocks.0.q_proj', which "
+                                           "no unit of its plan\\(\\) reports"):
+        check_applied(model, report)
+    with pytest.raises(RuntimeError, match="path 'native': its plan\\(\\) reports no unit"):
+        check_applied(model, dataclasses.replace(report, units=()))

@@ -440,3 +440,16 @@ def test_expected_cost_follows_the_measured_cells():
         assert cell.lifecycle == bool(int(row["lifecycle"]))
         ratio = float(row["median_seconds"]) / expected_cost(cell)
         assert 1 / 1.5 <= ratio <= 1.5, (row, expected_cost(cell))
+
+
+def test_parts_that_read_a_model_otherwise_are_refused(sharded, tmp_path, capsys):
+    """Each part records what run warned about every model of the selection: a part run where a
+    model reads otherwise (another transformers) would give the merged gate one part's view."""
+    root, whole, parts, merged, code = sharded
+    other = str(tmp_path / "other")
+    shutil.copytree(parts[1], other)
+    manifest = json.loads(_read(os.path.join(other, "run.json")))
+    manifest["model_warnings"] = {"kda": {"notes": ["a pattern selects nothing"], "fp32_unselected": True}}
+    pathlib.Path(other, "run.json").write_text(json.dumps(manifest))
+    assert main(["merge", parts[0], other, *parts[2:], "--out", str(tmp_path / "m")]) == 2
+    assert "differ in model_warnings" in capsys.readouterr().err

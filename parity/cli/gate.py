@@ -157,7 +157,7 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
             if mine:
                 d.decision = gate.NO_GO
                 d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
-    gate.apply_model_warnings(decisions, manifest.get("model_warnings") or {})
+    gate.apply_model_warnings(decisions, manifest.get("model_warnings"))
     scope = _scope(manifest.get("options"), list(manifest.get("cells") or []))
     scope["cells_skipped"] = _skipped(records)
     gate.apply_scope(decisions, scope)

@@ -175,9 +175,10 @@ def check_models(cells, warn: bool = True) -> dict[str, dict]:
     name rules resolve differently (the plan follows the model's ``fp32_rule``; the other reading
     is one a user may expect). Returns, per model warned about, ``{"notes": [...],
     "fp32_unselected": bool}`` for ``run.json``: the gate notes them, and ``fp32_unselected`` --
-    its class declares FP32 patterns, none selects anything and ``Fixture.expect_fp32`` does not
-    say that nothing is meant to be FP32 -- is no GO (nothing exercised the per-parameter override)."""
-    from parity.model.plan import fp32_disagreements, strict_fp32_names, unmatched_declared, unmatched_note
+    its class declares FP32 patterns that select nothing, its resolved plan computes nothing in
+    FP32 and ``Fixture.expect_fp32`` does not say that nothing is meant to be -- is no GO (nothing
+    exercised the per-parameter override)."""
+    from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
     from parity.model.registry import built, exercised, expect_keys, get_fixture
     from parity.model.spec import unknown_expect_keys
 
@@ -186,7 +187,7 @@ def check_models(cells, warn: bool = True) -> dict[str, dict]:
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
         try:
-            model, _ = built(fixture, "run")
+            model, ignored = built(fixture, "run")
         except UsageError:
             continue  # its cells build it on their ranks and record the failure as ERROR
         exercised(fixture, model, "run")
@@ -203,18 +204,22 @@ def check_models(cells, warn: bool = True) -> dict[str, dict]:
         for note in notes:
             print(f"parity: warning: {name}: {note}", file=sys.stderr)
         if notes:
-            patterns = strict_fp32_names(model, fixture.keep_fp32, fixture.fp32_rule, (name, source) in half)
-            unselected = bool(unmatched) and fixture.expect_fp32 is None and not _selects_any(model, patterns, fixture)
+            unselected = bool(unmatched) and fixture.expect_fp32 is None and not _plans_fp32(
+                fixture, model, ignored, (name, source) in half)
             found[name] = {"notes": notes, "fp32_unselected": unselected}
     return found
 
 
-def _selects_any(model, patterns, fixture) -> bool:
-    """Whether any of ``patterns`` selects a parameter or buffer of ``model`` (as the plan reads them)."""
-    from parity.model.plan import canonical_fqn, matches
+def _plans_fp32(fixture, model, ignored, half: bool) -> bool:
+    """Whether the model's resolved plan computes anything in FP32 -- by any rule (a declared
+    name, a marker, a recorded dtype), read from the plan itself, not from the name lists."""
+    import torch
 
-    names = [canonical_fqn(n) for n, _ in [*model.named_parameters(), *model.named_buffers()]]
-    return any(matches(n, p, fixture.fp32_rule) for n in names for p in patterns)
+    from parity.judge.plan import declared_fp32
+    from parity.model.plan import PrecisionConfig
+
+    config = PrecisionConfig(param_dtype=torch.float16 if half else torch.bfloat16)
+    return bool(declared_fp32(fixture.resolve(model, config, ignored)))
 
 
 def cmd_run(args) -> int:

@@ -88,6 +88,10 @@ def agreed(code: int) -> int:
 
 
 class TorchrunExecutor:
+    launched = True
+    """Its ranks are torchrun's world (over nodes, maybe): the world size, not this node's GPU
+    count, decides which cells run."""
+
     def __init__(self, device_type: str, timeout: float):
         global _control
         from torch.distributed.device_mesh import init_device_mesh

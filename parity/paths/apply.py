@@ -154,10 +154,14 @@ def apply_sharding(
 
 def check_applied(model: nn.Module, report: ShardReport) -> None:
     """Every module a unit of the report names is an FSDP module once the path's ``apply``
-    returned: a path (a plugin) that shards less than it reports would otherwise be judged
-    against units that do not exist, and fail somewhere far from the cause."""
+    returned, and no other is: a path (a plugin) that shards less or more than it reports (or
+    reports nothing) would otherwise be judged against units that do not exist, and fail
+    somewhere far from the cause."""
     from torch.distributed.fsdp import FSDPModule
 
+    if not report.units:
+        raise RuntimeError(f"path {report.taken!r}: its plan() reports no unit; report every module apply() "
+                           "passes to fully_shard (at least the root)")
     modules = module_index(model)
     for unit in report.units:
         missed = next((m for m in unit.modules if not isinstance(modules.get(m), FSDPModule)), None)
@@ -165,6 +169,12 @@ def check_applied(model: nn.Module, report: ShardReport) -> None:
             raise RuntimeError(f"path {report.taken!r}: apply() did not call fully_shard on "
                                f"{repr(missed) if missed else 'the root module'}, a unit its plan() reports; shard "
                                "every unit the report lists, or report only the units apply() shards")
+    reported = {m for unit in report.units for m in unit.modules}
+    extra = next((n for n, m in modules.items() if isinstance(m, FSDPModule) and n not in reported), None)
+    if extra is not None:  # judged as if it were not a unit: its policy would fail far from the cause
+        raise RuntimeError(f"path {report.taken!r}: apply() called fully_shard on "
+                           f"{repr(extra) if extra else 'the root module'}, which no unit of its plan() reports; "
+                           "report every unit apply() shards")
 
 
 def shard(

@@ -16,9 +16,9 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
     the model's declared isolation error;
   - a third path that ran beside them failed (this gate decides on the candidate only, and
     says how to decide on that path; a passing third path is a note);
-  - the model's class declares FP32 patterns of which none selects anything, and
-    ``Fixture.expect_fp32`` does not declare that nothing is FP32 (:func:`apply_model_warnings`;
-    run's other warnings about the model are notes).
+  - the model's class declares FP32 patterns that select nothing, its plan computes nothing in
+    FP32, and ``Fixture.expect_fp32`` does not declare that nothing is meant to be
+    (:func:`apply_model_warnings`; run's other warnings about the model are notes).
 - **GO** otherwise. When the baseline cannot shard the model (declared isolation error),
   the note says that the candidate was judged against the reference alone.
 - **PARTIAL** replaces GO and NOT APPLICABLE when the evidence is narrower than the matrix
@@ -220,19 +220,26 @@ def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: 
             d.notes.append(f"path {path} also ran and passed; this gate decides on {candidate} only")
 
 
-def apply_model_warnings(decisions: list[Decision], warnings: dict) -> None:
+def apply_model_warnings(decisions: list[Decision], warnings: dict | None) -> None:
     """What ``run`` warned about each model (``run.json``'s ``model_warnings``) joins its notes; a
-    model whose class declares FP32 patterns of which none selects a parameter or buffer, without
-    ``Fixture.expect_fp32`` saying nothing is meant to be FP32, is NO-GO: both paths agree on
-    keeping nothing in FP32, so nothing exercised the per-parameter override the migration is about."""
+    model whose class declares FP32 patterns that select nothing while its plan computes nothing
+    in FP32, without ``Fixture.expect_fp32`` saying nothing is meant to be, is NO-GO: both paths
+    agree on keeping nothing in FP32, so nothing exercised the per-parameter override the
+    migration is about. ``None`` (a ``run.json`` without the key, as parity before 2026-12-06
+    wrote it) is no evidence that the declarations were read: NO-GO, naming it."""
     for d in decisions:
+        if warnings is None:
+            d.decision = NO_GO
+            d.reasons.append("run.json records no model_warnings (written by an earlier parity): the model's FP32 "
+                             "declaration was not checked against its plan; rerun the matrix")
+            continue
         found = warnings.get(d.model) or {}
         d.notes += [f"run warned: {note}" for note in found.get("notes", [])]
         if found.get("fp32_unselected"):
             d.decision = NO_GO
-            d.reasons.append("its class declares FP32 patterns and none selects a parameter or buffer (a typo keeps "
-                             "nothing in FP32, on both paths alike): correct the pattern, or declare "
-                             "Fixture.expect_fp32=() if nothing is meant to be FP32")
+            d.reasons.append("its class declares FP32 patterns that select no parameter or buffer, and its plan "
+                             "computes nothing in FP32 (a typo keeps nothing in FP32, on both paths alike): correct "
+                             "the pattern, or declare Fixture.expect_fp32=() if nothing is meant to be FP32")
 
 
 def apply_scope(decisions: list[Decision], scope: dict) -> None:

@@ -33,8 +33,10 @@ from parity.report.junit import write_junit
 from parity.report.records import RecordWriter
 from parity.report.summary import summary_markdown
 
-#: run.json entries every part of one run shares (besides the shard's selection digest).
-SAME = ("torch", "device", "parity", "sources")
+#: run.json entries every part of one run shares (besides the shard's selection digest); each part
+#: records ``model_warnings`` for the whole selection, so another reading of a model (another
+#: transformers on that machine) shows as a difference.
+SAME = ("torch", "device", "parity", "sources", "model_warnings")
 
 
 def _compared(key: str, value):
