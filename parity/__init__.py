@@ -10,15 +10,15 @@ The pipeline, one subpackage per stage (data flows one way, top to bottom):
 - :mod:`parity.report` -- ``cells.csv``, summaries, output directories;
 
 :mod:`parity.runner` drives a run through them; :mod:`parity.cli` is the command line and
-:mod:`parity.api` (``parity.run``, ``parity.gate``) the same for Python;
+:mod:`parity.api` (``parity.run``, ``parity.gate``, ``parity.select``) the same for Python;
 :mod:`parity.faults` holds the deliberate faults that prove each check can fail.
 """
 
 __version__ = "0.2.0"
 
-from parity.api import Result, gate, run  # noqa: E402 - light: nothing heavy is imported until called
+from parity.api import Result, gate, run, select  # noqa: E402 - light: nothing heavy is imported until called
 
-__all__ = ["Result", "gate", "main", "run"]
+__all__ = ["Result", "gate", "main", "run", "select"]
 
 
 def main(argv: list[str] | None = None) -> int:

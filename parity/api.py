@@ -171,7 +171,10 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     else:
         if out is not None and not isinstance(out, (str, os.PathLike)):
             raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
-        out = os.fspath(out) if out else tempfile.mkdtemp(prefix=f"parity-{command}-")
+        if out is not None and not os.fspath(out):  # an empty path is a mistake, not "a new temporary one"
+            raise UsageError(f"parity.{command}(out=''): give a directory path, or leave out= out for a new "
+                             "temporary directory")
+        out = os.fspath(out) if out is not None else tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv += ["--out", out]
     from parity.runner import QUIET
 
@@ -238,6 +241,10 @@ def select(*, matrix: str = "smoke", **options):
     args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
     opts = _run_settings(args, RUN_DEFAULTS)
     found, cells = _select(opts)
+    if opts["shard"]:  # one part's cells, as run --shard I/N runs them
+        from parity.cli.run import _part_of
+
+        cells, _ = _part_of(cells, opts["shard"], found.name)
     return found, cells, opts
 
 
@@ -249,7 +256,7 @@ def run(*, matrix: str | None = None, out: str | None = None, quiet: bool = Fals
     its recorded options and matrix, as ``--resume`` does); ``quiet`` drops the table the command
     prints."""
     _recorded_matrix("run", "resume", matrix, options)
-    return _call("run", out, quiet, {"matrix": None if options.get("resume") else matrix or "smoke", **options})
+    return _call("run", out, quiet, {"matrix": None if options.get("resume") else _or(matrix, "smoke"), **options})
 
 
 def gate(*, matrix: str | None = None, out: str | None = None, quiet: bool = False, **options) -> Result:
@@ -264,7 +271,13 @@ def gate(*, matrix: str | None = None, out: str | None = None, quiet: bool = Fal
         raise UsageError(f"parity.gate(shard={options['shard']!r}) decides nothing (one part); run each part with "
                          "parity.run(shard=...) and decide on all of them: python -m parity merge PARTS... --out DIR "
                          "--gate")
-    return _call("gate", out, quiet, {"matrix": None if options.get("from_dir") else matrix or "default", **options})
+    return _call("gate", out, quiet, {"matrix": None if options.get("from_dir") else _or(matrix, "default"), **options})
+
+
+def _or(value, default):
+    """``default`` only where nothing was given: an empty or false value is the caller's, and
+    checked as given (``matrix=""`` is refused, as ``--matrix ''`` is, never read as the default)."""
+    return default if value is None else value
 
 
 def _recorded_matrix(command: str, key: str, matrix, options: dict) -> None:

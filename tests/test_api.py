@@ -110,3 +110,32 @@ def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     with pytest.raises(UsageError, match='put the call under `if __name__ == "__main__":`'):
         parity.run(matrix="smoke")
+
+
+def test_a_model_file_edited_after_this_process_imported_it_is_refused(tmp_path):
+    """In a notebook or a long pytest session the ranks would import the edited file and the
+    parent judge with the old code: a false FAIL pointing at FSDP. Refused, naming the file."""
+    import shutil
+
+    model = tmp_path / "mm.py"
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py"), model)
+    source = f"{model}:parity_model"
+    assert parity.api.select(model=source, filter="ranks == 1")[1]
+    model.write_text(model.read_text() + "\n# edited\n")
+    with pytest.raises(UsageError, match=f"{model} changed since this process imported it; the ranks would run the "
+                                         "new code and the reference the old: restart the process"):
+        parity.api.select(model=source, filter="ranks == 1")
+
+
+def test_select_is_exported_and_applies_a_shard_and_empty_values_are_refused():
+    """``parity.select`` is what the refusal of ``list=True`` names; it lists one part as ``run
+    --shard`` runs it; ``matrix=""`` / ``out=""`` are refused, never read as the defaults."""
+    _, cells, _ = parity.select(matrix="smoke")
+    _, part, _ = parity.select(matrix="smoke", shard="1/4")
+    assert 0 < len(part) < len(cells) and {c.id for c in part} <= {c.id for c in cells}
+    with pytest.raises(UsageError, match="unknown matrix ''"):
+        parity.run(matrix="", filter="ranks == 3")
+    with pytest.raises(UsageError, match="unknown matrix ''"):
+        parity.gate(matrix="", filter="ranks == 3")
+    with pytest.raises(UsageError, match=r"parity.run\(out=''\): give a directory path"):
+        parity.run(out="", filter="ranks == 3")

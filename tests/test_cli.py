@@ -166,6 +166,11 @@ def test_resume_refuses_a_changed_model_file_or_parity_version(capsys, tmp_path)
     assert str(src) in manifest["sources"] and matrix.path in manifest["sources"]
     src.write_text(src.read_text() + "\n# edited after the run was interrupted\n")
     outdir.write_manifest(str(d), manifest)
+    from parity.model import registry
+
+    assert main(["run", "--resume", str(d)]) == 2  # this process imported the file before the edit
+    assert f"{src} changed since this process imported it" in capsys.readouterr().err
+    registry._imported_digests.pop(str(src))  # as a new process resuming the run finds it
     assert main(["run", "--resume", str(d)]) == 2
     err = capsys.readouterr().err
     assert f"{src} changed since; resume with the parity, model and matrix files it ran with" in err

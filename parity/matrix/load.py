@@ -267,6 +267,11 @@ def load(name_or_path: str, models: tuple[str, ...] = ()) -> Matrix:
     key = (os.path.abspath(path), text, tuple(models), tuple(path_names()), tuple(registered()))
     if key not in _EXPANDED:
         _EXPANDED[key] = _expand(path, text, tuple(models))
+    else:  # its model files as expanded: an edit since is refused, not run half old, half new
+        from parity.model.registry import unchanged
+
+        for source in dict.fromkeys(c.source for c in _EXPANDED[key].cells if c.source):
+            unchanged(source)
     return _EXPANDED[key]
 
 

@@ -30,6 +30,8 @@ from parity.paths.registry import path_names
 
 GROUP = "parity.models"
 _loaded_sources: dict[str, list[Fixture]] = {}
+_imported_digests: dict[str, str] = {}
+"""A model file's SHA-256 when this process imported it (see :func:`_still_as_imported`)."""
 #: What user code (a model source's import, its factory, an entry point) may raise that makes it bad
 #: input: any exception, and ``sys.exit`` -- a source that exits must not end parity with its code.
 _USER_FAILURES = (Exception, SystemExit)
@@ -140,7 +142,10 @@ def _import_source(source: str, label: str = "--model"):
         if not os.path.isfile(path):
             raise UsageError(f"{label} {source!r}: no file {target}")
         name = "parity_user_model_" + str(abs(hash(path)))
-        if name not in sys.modules:
+        if name in sys.modules:
+            _still_as_imported(path, source, label)
+        else:
+            _imported_digests[path] = _digest(path)
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
@@ -162,10 +167,37 @@ def _import_source(source: str, label: str = "--model"):
     return getattr(module, attr)
 
 
+def _digest(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+
+def _still_as_imported(path: str, source: str, label: str) -> None:
+    """A model file this process imported must still read as it did: edited since (a notebook, a
+    long pytest session), the rank processes would import the new code while this process judges
+    with the old one, and their disagreement would read as FSDP's."""
+    if path in _imported_digests and os.path.isfile(path) and _digest(path) != _imported_digests[path]:
+        raise UsageError(f"{label} {source!r}: {path} changed since this process imported it; the ranks would "
+                         "run the new code and the reference the old: restart the process (a notebook: its kernel)")
+
+
+def unchanged(source: str, label: str = "--model") -> None:
+    """For a model file (``path/to/file.py:attr``) this process imported: a :class:`UsageError`
+    if it was edited since (:func:`_still_as_imported`); other sources pass."""
+    target = source.rpartition(":")[0]
+    if target.endswith(".py"):
+        _still_as_imported(os.path.abspath(target), source, label)
+
+
 def load_source(source: str, label: str = "--model") -> list[Fixture]:
     """The models a ``--model`` source describes, each remembering its source. ``label`` names
-    where the source was given in errors (``--model``, or a matrix file's ``models`` entry)."""
-    if source not in _loaded_sources:
+    where the source was given in errors (``--model``, or a matrix file's ``models`` entry); a
+    model file edited since this process imported it is a :class:`UsageError`."""
+    if source in _loaded_sources:
+        unchanged(source, label)
+    else:
         specs = _specs(_import_source(source, label), f"{label} {source}")
         if not specs:  # an empty list or mapping: the built-in models would run in their place
             raise UsageError(f"{label} {source}: describes no model (an empty list or mapping); return a "
