@@ -290,3 +290,14 @@ def test_the_readme_field_tables_callable_examples_run_as_written():
     batch = eval(rows["make_batch"], scope)(torch.Generator().manual_seed(0))
     assert isinstance(batch, Batch)
     assert eval(rows["loss"], scope)(batch.inputs[0], batch.target).ndim == 0
+    # the ignored example returns what Fixture.ignored must: the model's own parameters
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from parity.model.spec import _check_ignored
+
+    ignored = re.search(r"^\| `ignored`, `ignored_reduction` \|[^|]*\| `([^`]+)`", text, re.M).group(1)
+    model = nn.Sequential()
+    model.experts = nn.Linear(2, 2)
+    _check_ignored(SimpleNamespace(ignored=eval(ignored, scope)), model, "README")
