@@ -396,7 +396,7 @@ class _Run:
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
                                       not_run=not_run if stopped else [], interrupted=why, faults=faults,
-                                      resumable=not self.lost))
+                                      resumable=not self.lost, resume_dir=out))
         path = os.path.join(out, "timings.json")
         with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)

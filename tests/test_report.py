@@ -220,3 +220,30 @@ def test_compare_judges_one_sample_bench_figures_memory_by_growth_and_lists_the_
     assert not bad and info == ["bench kda / native / memory cuda max_memory_allocated MiB: 100 -> 105 "
                                 "(one sample each side: not judged)"]
     assert compare(old, bench(100.0, 2.0, steps=(13.0, 1.0)))[0]  # a timed metric keeps its IQR rule
+
+
+def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_say_when_a_run_is_not_green(tmp_path):
+    """A failing cell's hundred gradient rows once pushed its stage and divergence records out of
+    summary.md's first 20 and report.html's first 500, silently; an interrupted run's page and an
+    all-skipped run's summary and page read as green."""
+    from parity.judge.record import Record, Verdict
+    from parity.report.html import SHOWN_FAILING, write_html
+    from parity.report.summary import SHOWN_PER_CELL, summary_markdown
+
+    base = dict(cell="kda/native/r2", fixture="kda", path="native")
+    grads = [Record(**base, check="grad", name=f"w{i}", step=0, verdict=Verdict.FAIL, observed=2.0, allowed=1.0, ratio=2.0)
+             for i in range(SHOWN_FAILING + 5)]
+    stage = Record(**base, check="stage", name="gather", verdict=Verdict.FAIL, detail="first divergent stage: gather")
+    records = grads + [stage]
+    md = summary_markdown(records, title="t", timings={}, cells_total=1)
+    assert "FAIL stage gather" in md and f"... {len(records) - SHOWN_PER_CELL} more (cells.csv has every record)" in md
+    write_html(str(tmp_path), records, {"status": "complete", "cells": ["kda/native/r2"]})
+    page = (tmp_path / "report.html").read_text()
+    assert "first divergent stage: gather" in page and f"The first {SHOWN_FAILING}" in page and "id='banner'" not in page
+    write_html(str(tmp_path), grads[:1], {"status": "interrupted", "cells": ["kda/native/r2", "kda/legacy/r2"]})
+    assert "Run interrupted: 1 of 2 cells not run (e.g. kda/legacy/r2)" in (tmp_path / "report.html").read_text()
+    skipped = [Record(**base, check="run", name="cell", verdict=Verdict.SKIP, detail="needs 2 GPUs")]
+    assert "**Nothing was checked**: every cell was skipped (needs 2 GPUs)" in summary_markdown(
+        skipped, title="t", timings={}, cells_total=1)
+    write_html(str(tmp_path), skipped, {"status": "complete", "cells": ["kda/native/r2"]})
+    assert "Nothing was checked: every cell was skipped (needs 2 GPUs)" in (tmp_path / "report.html").read_text()

@@ -39,7 +39,8 @@ def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(faili
                           timeout=300)
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"first divergence: {_located(failing_run)}" in done.stdout
-    assert f"first divergent stage: {_located(failing_run, 'stage')}" in done.stdout
+    stage = _located(failing_run, "stage").removeprefix("first divergent stage: ")
+    assert f"first divergent stage: {stage}\n" in done.stdout and f"First divergent stage: {stage[:600]}" in text
     from torch.utils._debug_mode import DebugMode
 
     assert DebugMode.load_logs(str(ops))  # the failing step, op by op, for the bug report
@@ -138,3 +139,25 @@ def test_a_changed_model_file_is_refused_and_a_relative_one_found_from_anywhere(
     monkeypatch.chdir(tmp_path.parent)  # elsewhere: 'their_model.py' does not resolve from here
     assert _located("their_model.py:FACTORY", recorded) == f"{os.path.realpath(model)}:FACTORY"
     assert _located("pkg.module:FACTORY", recorded) == "pkg.module:FACTORY"
+
+
+def test_a_pairs_reproducer_names_each_cells_stage_and_path_and_no_heading_twice():
+    """A pair's two cells fail alike: their records are told apart by path, and each cell's first
+    divergent stage is named by its cell, said once ("First divergent stage: first divergent..." before)."""
+    from parity.judge.record import Record, Verdict
+    from parity.matrix.cell import Cell
+    from parity.report.repro import render
+
+    cells = [Cell(fixture="kda", path=p, ranks=1) for p in ("legacy", "native")]
+    bad = []
+    for c in cells:
+        base = dict(cell=c.id, fixture="kda", path=c.path)
+        bad += [Record(**base, check="grad", name="head.weight", step=0, verdict=Verdict.FAIL, observed=2.0, allowed=1.0,
+                       ratio=2.0),
+                Record(**base, check="stage", name="gradients", verdict=Verdict.FAIL,
+                       detail="first divergent stage: gradients at step 0: grad head.weight")]
+    text = render(cells, bad, "a test")
+    assert "first divergent stage: first" not in text.lower()
+    for c in cells:
+        assert f"First divergent stage: gradients at step 0: grad head.weight (in {c.id})" in text
+        assert f"  [{c.path}] FAIL grad head.weight step 0" in text

@@ -16,13 +16,13 @@ import os
 from parity.errors import UsageError
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
 from parity.report.outdir import MANIFEST, read_json, read_manifest
-from parity.report.summary import RATIO_COLUMNS, ratio_rows, verdict_counts
+from parity.report.summary import RATIO_COLUMNS, located_first, nothing_checked, ratio_rows, verdict_counts
 
 REPORT = "report.html"
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}
 table{border-collapse:collapse;margin:0.5em 0 1.5em}td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}
-th{background:#f4f4f4}.GO{color:#176f2c}.NO-GO{color:#b00020}.NA{color:#555}
+th{background:#f4f4f4}.GO{color:#176f2c}.NO-GO{color:#b00020}.NA{color:#555}.PARTIAL{color:#a15c00}.banner{background:#fff3cd;padding:.5em;border:1px solid #c9a227}
 td.h{text-align:center;min-width:3.2em}pre{background:#f7f7f7;padding:0.5em;overflow-x:auto;font-size:12px}
 """
 
@@ -103,13 +103,16 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
     so that a folder marked complete has every file); otherwise the one in ``out_dir``."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>parity report</title><style>{_STYLE}</style>"
              "</head><body>", f"<h1>parity report: {_esc(os.path.abspath(out_dir))}</h1>"]
+    run = manifest if manifest is not None else (
+        read_manifest(out_dir) if os.path.isfile(os.path.join(out_dir, MANIFEST)) else None)
+    parts += [f"<p class='banner' id='banner'>{_esc(x)}</p>" for x in _banners(records, run)]
     gate_path = os.path.join(out_dir, "gate.json")
     if os.path.isfile(gate_path):
         gate = _read_gate(gate_path)
         parts.append(f"<h2 id='gate'>Gate: enable <code>{_esc(gate.get('candidate'))}</code>?</h2>")
         rows = []
         for d in gate.get("decisions", []):
-            cls = {"GO": "GO", "NO-GO": "NO-GO"}.get(d["decision"], "NA")
+            cls = {"GO": "GO", "NO-GO": "NO-GO", "PARTIAL": "PARTIAL"}.get(d["decision"], "NA")
             why = "; ".join(d.get("reasons") or d.get("notes") or []) or "every check passed"
             rows.append([_esc(d["model"]), f"<b class='{cls}'>{_esc(d['decision'])}</b>", _esc(why[:600])])
         parts.append(_table(["model", "decision", "reasons / notes"], rows, raw=True))
@@ -118,18 +121,20 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
               "<p>observed / allowed; green: under half the allowance, yellow: over half, red: over it or "
               "marked FAIL / INCONCLUSIVE (INCO) / ERROR / TIMEOUT (TIME). Hover for the record.</p>", heatmap(records)]
     parts += ["<h2>Ratio distribution per check</h2>", _table(RATIO_COLUMNS, ratio_rows(records))]
-    failing = [r for r in records if Verdict(r.verdict) in BAD]
+    failing = located_first([r for r in records if Verdict(r.verdict) in BAD])
     parts.append(f"<h2 id='failing'>Failing records ({len(failing)})</h2>")
     if failing:
+        if len(failing) > SHOWN_FAILING:
+            parts.append(f"<p>The first {SHOWN_FAILING}, each failing cell's stage and first divergent module first; "
+                         "cells.csv has every record.</p>")
         parts.append(_table(["verdict", "cell", "check", "name", "observed", "allowed", "ratio", "dtype", "detail"],
                             [[r.verdict, r.cell, r.check, r.name, r.observed, r.allowed, r.ratio, r.dtype,
-                              str(r.detail)[:500]] for r in failing[:500]]))
+                              str(r.detail)[:500]] for r in failing[:SHOWN_FAILING]]))
     bench_md = os.path.join(out_dir, "bench.md")
     if os.path.isfile(bench_md):
         with open(bench_md, encoding="utf-8", errors="replace") as fh:
             parts += ["<h2 id='bench'>Bench</h2>", f"<pre>{_esc(fh.read())}</pre>"]
-    if manifest is not None or os.path.isfile(os.path.join(out_dir, MANIFEST)):
-        run = manifest if manifest is not None else read_manifest(out_dir)
+    if run is not None:
         env = {"torch": run.get("torch"), "device": run.get("device"), "status": run.get("status"),
                "options": json.dumps(run.get("options", {}))}
         environment = run.get("environment")
@@ -140,6 +145,27 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
     with open(path, "w") as fh:
         fh.write("\n".join(parts))
     return path
+
+
+#: Failing records the page lists (it says so when there are more).
+SHOWN_FAILING = 500
+
+
+def _banners(records: list[Record], run: dict | None) -> list[str]:
+    """What the counts below would not say: a run that stopped before every cell ran (its
+    ``run.json`` status), or one that checked nothing (every cell skipped): both exit non-zero."""
+    out = []
+    if run is not None and run.get("status") not in (None, "complete"):
+        listed = run.get("cells") if isinstance(run.get("cells"), list) else []
+        done = {r.cell for r in records}
+        missing = [c for c in listed if c not in done]
+        out.append(f"Run {run.get('status')}: {len(missing)} of {len(listed)} cells not run "
+                   f"(e.g. {missing[0]}); the counts below are of the cells that ran." if missing
+                   else f"Run {run.get('status')}: not a complete run.")
+    why = nothing_checked(records)
+    if why:
+        out.append(f"Nothing was checked: every cell was skipped ({why}); the run exits 1.")
+    return out
 
 
 def report_dir(directory: str) -> str:

@@ -91,11 +91,22 @@ def _ids(cells: list[Cell]) -> set[str]:
     return {c.id for c in cells} | ({cells[0].pair_id} if len(cells) > 1 else set())
 
 
-def _line(r) -> str:
-    """One record: verdict, check, name, step, observed / allowed (ratio) when numeric, detail."""
+def _line(r, paths: bool = False) -> str:
+    """One record: verdict, check, name, step, observed / allowed (ratio) when numeric, detail
+    (``paths``: the record's path first, where a pair's two cells are listed together)."""
     numbers = (f"observed {r.observed:.3g}, allowed {r.allowed:.3g} (ratio {r.ratio:.3g}); "
                if isinstance(r.observed, float) and isinstance(r.allowed, float) else "")
-    return f"{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
+    return f"{f'[{r.path}] ' if paths else ''}{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
+
+
+def _stages(bad: list, pair: bool) -> list[str]:
+    """Each failing cell's first divergent stage (its ``stage`` record, without the record's own
+    heading), named by cell where a pair's two cells are listed."""
+    found = [r for r in bad if r.check == "stage"]
+    if not found:
+        return ["none"]
+    text = [r.detail.removeprefix("first divergent stage: ") for r in found]
+    return [f"{t} (in {r.cell})" if pair else t for r, t in zip(found, text)]
 
 
 def script(cells: list[Cell], out: str) -> str:
@@ -116,8 +127,7 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
     cells = cell if isinstance(cell, list) else [cell]
     found = [r for r in bad if r.check not in LOCATING_CHECKS]
     where = next((r for r in bad if r.check == "divergence"), None)
-    stage = next((r for r in bad if r.check == "stage"), None)
-    lines = [f"  {_line(r)[:200]}" for r in found[:5]]
+    lines = [f"  {_line(r, len(cells) > 1)[:200]}" for r in found[:5]]
     if len(found) > 5:
         lines.append(f"  ... {len(found) - 5} more")
     header = "\n".join([
@@ -125,7 +135,7 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
         "",
         f"From {origin}:",
         *(lines or ["  nothing failed there"]),
-        f"First divergent stage: {stage.detail[:300] if stage else 'none'}",
+        *(f"First divergent stage: {text[:600]}" for text in _stages(bad, len(cells) > 1)),
         f"First divergence: {where.detail[:300] if where else 'not located'}",
         "",
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cells[0].ranks} rank(s), {cells[0].device})",
@@ -196,9 +206,9 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) ->
         else:
             print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
     for r in (r for r in bad if r.check not in LOCATING_CHECKS):
-        print(_line(r)[:300])
-    stage = next((r for r in bad if r.check == "stage"), None)
+        print(_line(r, len(cells) > 1)[:300])
     where = next((r for r in bad if r.check == "divergence"), None)
-    print(f"first divergent stage: {stage.detail if stage else 'none'}")
+    for text in _stages(bad, len(cells) > 1):
+        print(f"first divergent stage: {text}")
     print(f"first divergence: {where.detail if where else 'not located'}")
     return code

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
-from parity.judge.record import BAD, SEVERITY, VERDICTS, Record, Verdict
+from parity.judge.record import BAD, LOCATING_CHECKS, SEVERITY, VERDICTS, Record, Verdict
 
 
 def is_pair(r: Record) -> bool:
@@ -28,6 +28,16 @@ def cell_verdicts(records: list[Record]) -> dict[str, str]:
         if cur is None or SEVERITY[r.verdict] > SEVERITY[cur]:
             worst[r.cell] = r.verdict
     return worst
+
+
+#: Non-PASS records listed per cell in ``summary.md`` (the rest are counted, not dropped silently).
+SHOWN_PER_CELL = 20
+
+
+def located_first(records: list[Record]) -> list[Record]:
+    """``records`` with the ones locating a failure (the first divergent stage, the first module)
+    first: what a reader of a failing cell needs before its hundred gradient rows."""
+    return sorted(records, key=lambda r: r.check not in LOCATING_CHECKS)
 
 
 def nothing_checked(records: list[Record]) -> str:
@@ -157,7 +167,8 @@ def fault_line(records: list[Record], faults) -> str:
 
 
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
-                     not_run: list[str] = (), interrupted: str = "", faults=(), resumable: bool = True) -> str:
+                     not_run: list[str] = (), interrupted: str = "", faults=(), resumable: bool = True,
+                     resume_dir: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
     out = [f"# parity run: {md_text(title)}", ""]
@@ -166,8 +177,11 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). "
-                + ("Continue with `python -m parity run --resume DIR`." if resumable
+                + (f"Continue with `python -m parity run --resume {resume_dir or 'DIR'}`." if resumable
                    else "A torchrun run does not resume: run the matrix again."), ""]
+    elif nothing_checked(records):
+        out += [f"**Nothing was checked**: every cell was skipped ({md_text(nothing_checked(records))}); "
+                "the run exits 1.", ""]
     out += ["| verdict | cells |", "|---|---|"]
     out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS]
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
@@ -194,15 +208,20 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out.append("None.")
     for cell in sorted({r.cell for r in bad}):
         out.append(f"- `{cell}`")
-        for r in [r for r in bad if r.cell == cell][:20]:
+        mine = located_first([r for r in bad if r.cell == cell])
+        for r in mine[:SHOWN_PER_CELL]:
             where = f" step {r.step}" if r.step != "" else ""
             out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: observed {r.observed}, "
                        f"allowed {r.allowed}, {md_text(r.detail)}")
+        if len(mine) > SHOWN_PER_CELL:
+            out.append(f"  - ... {len(mine) - SHOWN_PER_CELL} more (cells.csv has every record)")
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
     if skipped:
         out += ["", "## Skipped cells", ""] + [f"- `{c}`: {md_text(d)}" for c, d in skipped]
     if not_run:
         out += ["", "## Not run (interrupted)", ""] + [f"- `{c}`" for c in not_run]
     out += ["", "## Where the time went", "", "| phase | seconds |", "|---|---|"]
-    out += [f"| {k} | {v:.2f} |" for k, v in timings.items() if isinstance(v, (int, float))]
+    out += [f"| {k} | {v:.2f} |" for k, v in timings.items() if isinstance(v, (int, float)) and k != "cells"]
+    if isinstance(timings.get("cells"), (int, float)):
+        out += ["", f"{timings['cells']:.0f} cells run; per cell: the wall over them."]
     return "\n".join(out) + "\n"
