@@ -140,7 +140,7 @@ def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go(
         d = decide(healthy() + [bad], "m", "native")
         assert d.decision == NO_GO, bad
     worst = decide(healthy() + [rec("m", "native", 0, verdict="FAIL", ratio=3.0)], "m", "native").reasons[0]
-    assert worst.startswith("native: grad: 1 FAIL, worst ratio 3")
+    assert worst.startswith("native: grad: 1 FAIL records in 1 cell, worst ratio 3")
 
 
 def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():

@@ -64,7 +64,9 @@ def _worst_failures(rows: list[Record]) -> list[str]:
         rated = [r for r in bad if isinstance(r.ratio, float)]
         worst = max(rated, key=lambda r: r.ratio) if rated else bad[0]
         ratio = f", worst ratio {worst.ratio:.3g}" if rated else ""
-        out.append(f"{check}: {len(bad)} {verdict}{ratio} ({worst.cell} {worst.name}; {clip(worst.detail, 160)})")
+        cells = len({r.cell for r in bad})
+        out.append(f"{check}: {len(bad)} {verdict} records in {cells} cell{'s' if cells != 1 else ''}{ratio} "
+                   f"({worst.cell} {worst.name}; {clip(worst.detail, 160)})")
     return out
 
 
