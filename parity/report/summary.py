@@ -183,7 +183,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out += [f"**Nothing was checked**: every cell was skipped ({md_text(nothing_checked(records))}); "
                 "the run exits 1.", ""]
     out += ["| verdict | cells |", "|---|---|"]
-    out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS]
+    out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS if v != Verdict.UNPAIRED]  # a pair's, not a cell's
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
