@@ -49,3 +49,19 @@ def test_output_dtype_that_a_path_would_ignore_raises():
     plan = resolve_plan(model, PrecisionConfig(output_dtype=torch.float32))
     with pytest.raises(UsageError, match="would be silently ignored"):
         plan_sharding(model, ("blocks.0", "blocks.1"), plan, "native")
+
+
+def test_gathered_sums_see_the_same_values_in_another_order():
+    """Shards concatenated in the wrong order hold the same values: the sums of values and of
+    their magnitudes cannot tell, the position-weighted one must (``gathered``'s docstring claims it)."""
+    import torch
+
+    from parity.execute.observation import value_sums
+    from parity.judge.gathered import _close
+
+    w = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    swapped = torch.cat([w[4:], w[:4]])
+    assert _close(value_sums(w.clone()), value_sums(w))
+    assert not _close(value_sums(swapped), value_sums(w))
+    assert value_sums(swapped)[:2] == value_sums(w)[:2] or all(
+        abs(a - b) < 1e-9 for a, b in zip(value_sums(swapped)[:2], value_sums(w)[:2]))

@@ -28,9 +28,11 @@ def rec(fixture, path, i, check="grad", verdict="PASS", taken=None, **kw):
 
 
 def healthy(fixture="m", n=2):
+    """Passing cells of both paths, each with its checkpoint lifecycle's records, and their pairs."""
     rows = []
     for i in range(n):
         rows += [rec(fixture, "legacy", i), rec(fixture, "native", i), rec(fixture, "legacy~native", i, taken="")]
+        rows += [rec(fixture, p, i, check="checkpoint.same") for p in ("legacy", "native")]
     return rows
 
 
@@ -168,8 +170,8 @@ def test_the_isolation_error_excuses_a_pair_only_where_the_candidate_trained():
     assert skipped.decision == NO_GO and any(r.startswith("1 of 2 native cells were skipped") for r in skipped.reasons)
     raised = decide(base + [rec("m", "native", 1, check="expected_error", taken="native")], "m", "native")
     assert raised.decision == NO_GO and any("1 pairs not compared" in r for r in raised.reasons), raised.reasons
-    assert raised.notes == ["the baseline cannot shard this model (declared isolation error) in 1 cells: native was "
-                            "judged against the reference alone there"]
+    assert raised.notes[0] == ("the baseline cannot shard this model (declared isolation error) in 1 cells: native "
+                               "was judged against the reference alone there")
     everywhere = [rec("m", "native", i, check="expected_error", taken="native") for i in range(2)]
     assert decide(base[1:] + everywhere, "m", "native").decision == NOT_APPLICABLE
 
@@ -287,7 +289,7 @@ def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):
                            rec("m", "native", 0, check="input_grad", verdict="SKIP", detail="tokens")]
     write_junit(str(tmp_path / "j.xml"), rows, suite="t")
     suite = ET.parse(tmp_path / "j.xml").getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("5", "1", "1")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("7", "1", "1")  # 2 checkpoint cases
     failure = suite.find("testcase[@name='param']/failure")
     assert "observed 0.003, allowed 0.001, ratio 3.0" in failure.get("message")
 
@@ -444,3 +446,12 @@ def test_the_gate_reads_what_run_warned_about_a_models_fp32_declaration(patterns
     assert code == 1
     warned = json.loads((out / "run.json").read_text())["model_warnings"]["my_model"]
     assert warned["fp32_unselected"] is (decision == "NO-GO") and "selects no parameter" in warned["notes"][0]
+
+
+def test_a_go_says_how_far_its_checkpoint_evidence_reaches():
+    """The DCP lifecycle runs only in one-micro-batch cells without activation checkpointing: a
+    decision over cells without it says how many cells held checkpoint evidence."""
+    rows = healthy() + [rec("m", "native", 9, microbatches=3), rec("m", "legacy", 9), rec("m", "legacy~native", 9, taken="")]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and d.notes[-1].startswith("checkpoint save/load/resume was checked in 2 of 3 native cells")
+    assert not [n for n in decide(healthy(), "m", "native").notes if n.startswith("checkpoint")]

@@ -218,3 +218,26 @@ def test_the_references_output_cast_keeps_the_models_containers():
     assert type(pair) is Pair and pair.a.dtype == torch.float32 and pair.b == 3
     ordered = _cast_floats(collections.OrderedDict(x=torch.ones(1, dtype=torch.float16)), torch.float32)
     assert type(ordered) is collections.OrderedDict and ordered["x"].dtype == torch.float32
+
+
+def test_a_tp_partial_is_judged_at_its_worst_ratio_not_its_largest_error():
+    """Micro-batch 0's partial is large and slightly off, micro-batch 1's small and far off: the
+    record must judge micro-batch 1 against its own allowance (it FAILs), not pass on micro-batch 0's."""
+    from types import SimpleNamespace
+
+    from parity.judge.record import Verdict
+    from parity.judge.tensor_parallel import _record
+    from parity.matrix.cell import Cell
+
+    cell = Cell(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2, sync="last")
+    topo = cell.topology()
+    big, small = torch.full((4,), 10.0), torch.full((4,), 1e-3)
+    want = {}
+    for mb, value in ((0, big), (1, small)):
+        for r in range(4):
+            want.setdefault((0, mb, topo.data_rank(r)), {}).setdefault("up", {})[r % topo.tp] = value
+    got = {(0, 0): {"up": big + 1e-3}, (0, 1): {"up": small + 1e-4}}  # ratios 0.013 and 12.8 in BF16
+    observations = [SimpleNamespace(rank=r, contracts=SimpleNamespace(tp_partials=got)) for r in range(4)]
+    row = _record(cell, observations, SimpleNamespace(tp_partials=want), "up", SimpleNamespace(compute=torch.bfloat16),
+                  0, dict(cell=cell.id, fixture="composed", path="native"))
+    assert row.verdict == Verdict.FAIL and "micro-batch 1" in row.detail, row

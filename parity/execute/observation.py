@@ -17,12 +17,15 @@ from parity.model.trace import Trace
 from parity.paths.base import ShardReport
 
 
-def value_sums(t: torch.Tensor) -> tuple[float, float]:
+def value_sums(t: torch.Tensor) -> tuple[float, float, float]:
     """How a gathered parameter is recorded and judged (:attr:`ContractsSeen.gathered`): the sum
-    of its absolute values and the sum of its values, both in FP64."""
+    of its absolute values, the sum of its values and a sum weighted by position (element ``i``
+    times ``i mod 1021 + 1``), all in FP64 -- the last changes when the same values come in
+    another order (shards concatenated wrongly), which the first two cannot see."""
     with torch.no_grad():
-        values = t.detach().double()
-        return float(values.abs().sum()), float(values.sum())
+        values = t.detach().double().flatten()
+        weights = torch.arange(values.numel(), dtype=torch.float64) % 1021 + 1
+        return float(values.abs().sum()), float(values.sum()), float((values * weights).sum())
 
 
 @dataclass(kw_only=True)

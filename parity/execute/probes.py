@@ -219,7 +219,7 @@ class Recorder:
         self.segments = collectives.Segments()
         """Collectives per (step, segment of the training loop, kind) (:mod:`.collectives`)."""
         self._fqn_of = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
-        self.gathered: dict[int, dict[str, tuple[str, float, float]]] = {}
+        self.gathered: dict[int, dict[str, tuple[str, float, float, float]]] = {}
         self._gather_step: int | None = None
         """The step whose first forward is running (its parameters are read as gathered); else None."""
         for name, mod in hookable_modules(model):  # a compiled block's: from the all-gathers
@@ -267,7 +267,7 @@ class Recorder:
 
     def _read_gathered(self, fqn: str, module: nn.Module) -> None:
         """The values of ``module``'s own parameters as its forward reads them (unsharded by FSDP),
-        once per step: their dtype and two FP64 sums (:data:`ContractsSeen.gathered`)."""
+        once per step: their dtype and three FP64 sums (:data:`ContractsSeen.gathered`)."""
         seen = self.gathered.setdefault(self._gather_step, {})
         for local, p in module._parameters.items():
             key = f"{fqn}.{local}" if fqn else local

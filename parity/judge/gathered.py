@@ -2,7 +2,8 @@
 gathered from.
 
 A rank records, in the first forward of every step, each parameter its module's forward
-reads: its dtype and two FP64 sums of its values (:attr:`ContractsSeen.gathered`); and the same
+reads: its dtype and three FP64 sums of its values, one weighted by position
+(:attr:`ContractsSeen.gathered`); and the same
 of every all-gather's output in the loop's forwards and backwards, once FSDP copied it out
 (:attr:`ContractsSeen.all_gathers`: later micro-batches, backward re-gathers). The
 expectation is the run's *own* master before that step (the initial model before step 0, the
@@ -37,7 +38,7 @@ from parity.model.plan import PrecisionPlan
 _REL = 1e-12
 
 
-def _close(got: tuple[float, float], want: tuple[float, float]) -> bool:
+def _close(got: tuple[float, ...], want: tuple[float, ...]) -> bool:
     return all(math.isclose(g, w, rel_tol=_REL, abs_tol=0.0) for g, w in zip(got, want))
 
 
@@ -63,7 +64,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                         problems.append(f"step {step} rank {o.rank}: no master recorded before the step")
                         continue
                     judged += 1
-                    got, region = got[:2], (got[2] if len(got) > 2 else ())
+                    got, region = got[:3], (got[3] if len(got) > 3 else ())
                     want = value_sums(piece(master, region).to(parse_dtype(dtype)))
                     if not _close(tuple(got), want):
                         problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "

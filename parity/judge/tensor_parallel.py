@@ -48,9 +48,11 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
 
 def _record(cell: Cell, observations: list[Observation], ref: ReferenceRun, key: str, t, step: int,
             base: dict) -> Record:
-    """The worst micro-batch and rank of one layer's reduction at ``step``."""
+    """The worst micro-batch and rank of one layer's reduction at ``step``: worst by error over
+    its own allowance (each micro-batch's partial has its own size), not by raw error, so a
+    small partial far off is not hidden behind a large one slightly off."""
     topo = cell.topology()
-    worst = None  # (error, mb, rank, got, want)
+    worst = None  # (error / allowance, mb, rank, got, want)
     for mb in range(cell.microbatches):
         for o in observations:
             want = ref.tp_partials.get((step, mb, topo.data_rank(o.rank)), {}).get(key, {}).get(o.rank % topo.tp)
@@ -60,8 +62,10 @@ def _record(cell: Cell, observations: list[Observation], ref: ReferenceRun, key:
             got, want = (torch.zeros(0) if x is None else x for x in (got, want))
             err = max_abs(got, want) if got.numel() and want.numel() else math.inf
             err = math.inf if err != err else err
-            if worst is None or err > worst[0]:
-                worst = (err, mb, o.rank, got, want)
+            allowed = tolerance.last_rounding(t.compute, amax(want)).allowed if want.numel() else 0.0
+            ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else math.inf)
+            if worst is None or ratio > worst[0]:
+                worst = (ratio, mb, o.rank, got, want)
     if worst is None:  # neither side reduced: nothing before the layer needs its gradient
         return Record(**base, step=step, check=CHECK, name=key, verdict=Verdict.SKIP,
                       detail="no all-reduce here on any rank nor in the reference (no gradient flows into it)")

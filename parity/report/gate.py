@@ -133,9 +133,22 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                        + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
     _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=set())
+    _checkpoint_scope(d, own, ran - raised, candidate)  # a cell that raised trained nothing to save
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def _checkpoint_scope(d: Decision, own: list[Record], ran: set[str], candidate: str) -> None:
+    """Says how far the checkpoint evidence reaches: the DCP lifecycle runs only in cells of one
+    micro-batch, no activation checkpointing, seed 0 and two steps or more
+    (:attr:`parity.matrix.cell.Cell.lifecycle`), so a decision over accumulation or activation
+    checkpointing alone holds no checkpoint evidence for those configurations."""
+    checked = {r.cell for r in own if r.cell in ran and r.check.startswith("checkpoint.")}
+    if ran and len(checked) < len(ran):
+        d.notes.append(f"checkpoint save/load/resume was checked in {len(checked)} of {len(ran)} {candidate} cells "
+                       "(the lifecycle runs where a cell has one micro-batch, no activation checkpointing, seed 0 "
+                       "and 2+ steps); checkpoints under the other cells' configurations are not checked")
 
 
 def _pair_reasons(d: Decision, pairs: list[Record], cand_cells: set[str], ran: set[str], raised: set[str],
