@@ -65,3 +65,27 @@ def test_gathered_sums_see_the_same_values_in_another_order():
     assert not _close(value_sums(swapped), value_sums(w))
     assert value_sums(swapped)[:2] == value_sums(w)[:2] or all(
         abs(a - b) < 1e-9 for a, b in zip(value_sums(swapped)[:2], value_sums(w)[:2]))
+
+
+def test_optim_state_holds_every_moment_to_the_plans_dtype(monkeypatch):
+    """AdamW's second moment kept in BF16 beside an FP32 first moment was read as right: only
+    the first moment's dtype was checked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from parity.judge import resumed
+    from parity.judge.record import Verdict
+    from parity.matrix.cell import Cell
+
+    w = SimpleNamespace(fqn="w", requires_grad=True, trainable_from=0, storage=torch.float32, kept_grad=torch.float32)
+    plan = SimpleNamespace(params=[w])
+    obs = [SimpleNamespace(whole=True, params={1: {"w": torch.zeros(4)}},
+                           contracts=SimpleNamespace(optim={}, resume_step=1))]
+    monkeypatch.setattr(resumed, "gather_full", lambda plan, fqn, per_rank, whole: torch.zeros(4))
+    cell = Cell(fixture="kda", path="native", ranks=1)
+    for second, verdict in ((torch.float32, Verdict.PASS), (torch.bfloat16, Verdict.FAIL)):
+        state = {"w": {"exp_avg": torch.zeros(4), "exp_avg_sq": torch.zeros(4, dtype=second), "step": torch.tensor(1.0)}}
+        monkeypatch.setattr(resumed, "_full_state", lambda *a, state=state: state)
+        [row] = resumed.optimizer_checks(cell, obs, plan, dict(cell=cell.id, fixture="kda", path="native"))
+        assert row.verdict == verdict, row

@@ -48,11 +48,13 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
             rows.append(_row(base, "optim.state", t.fqn, False, f"{recipe.name} state", "missing"))
             continue
         shape = list(gather_full(plan, t.fqn, [o.params[step] for o in observations], whole).shape)
-        first = st.get(recipe.moments[0], torch.zeros(0))
         dtype = recipe.moment_dtype(t)
+        moments = [st.get(k, torch.zeros(0)) for k in recipe.moments]  # every moment, not the first alone
+        seen = sorted({(dtype_name(m.dtype), str(list(m.shape))) for m in moments})
         want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(dtype)}; shape {shape}"
-        got = f"keys {','.join(sorted(st))}; {dtype_name(first.dtype)}; shape {list(first.shape)}"
-        ok = sorted(st) == sorted(recipe.state_keys) and first.dtype == dtype and list(first.shape) == shape
+        got = f"keys {','.join(sorted(st))}; " + " / ".join(f"{d}; shape {sh}" for d, sh in seen)
+        ok = sorted(st) == sorted(recipe.state_keys) and all(m.dtype == dtype and list(m.shape) == shape
+                                                             for m in moments)
         rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(dtype)))
     return rows
 
