@@ -135,7 +135,8 @@ def explained(verdict: Verdict, allowed: float, signal: float, detail: str) -> s
     if verdict != Verdict.INCONCLUSIVE:
         return detail
     why = (f"inconclusive: the allowance is {vacuity(allowed, signal):.2g} of the change it judges ({signal:.3g}), "
-           f"at least {BAR:g}: too small a change to tell a bug from rounding (more steps settle it)")
+           f"at least {BAR:g}: too small a change to tell a bug from rounding (a step that changes more settles "
+           "it; on BF16-stored weights later steps change less, so more steps may not)")
     return "; ".join(x for x in (why, detail) if x)
 
 
