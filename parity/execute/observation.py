@@ -24,7 +24,7 @@ def value_sums(t: torch.Tensor) -> tuple[float, float, float]:
     another order (shards concatenated wrongly), which the first two cannot see."""
     with torch.no_grad():
         values = t.detach().double().flatten()
-        weights = torch.arange(values.numel(), dtype=torch.float64) % 1021 + 1
+        weights = torch.arange(values.numel(), dtype=torch.float64, device=values.device) % 1021 + 1
         return float(values.abs().sum()), float(values.sum()), float((values * weights).sum())
 
 
