@@ -179,9 +179,8 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
                 f"{len(not_run)} not run (listed at the end). "
                 + (f"Continue with `python -m parity run --resume {resume_dir or 'DIR'}`." if resumable
                    else "A torchrun run does not resume: run the matrix again."), ""]
-    elif nothing_checked(records):
-        out += [f"**Nothing was checked**: every cell was skipped ({md_text(nothing_checked(records))}); "
-                "the run exits 1.", ""]
+    elif skipped_all := nothing_checked(records):
+        out += [f"**Nothing was checked**: every cell was skipped ({md_text(skipped_all)}); the run exits 1.", ""]
     out += ["| verdict | cells |", "|---|---|"]
     out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS if v != Verdict.UNPAIRED]  # a pair's, not a cell's
     out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
