@@ -161,3 +161,19 @@ def test_a_pairs_reproducer_names_each_cells_stage_and_path_and_no_heading_twice
     for c in cells:
         assert f"First divergent stage: gradients at step 0: grad head.weight (in {c.id})" in text
         assert f"  [{c.path}] FAIL grad head.weight step 0" in text
+
+
+def test_the_run_the_registry_and_the_reproducer_name_a_file_by_one_digest(tmp_path):
+    """``run.json``'s ``sources``, the registry's edited-since-import check and the reproducer's
+    changed-since-the-run check read one digest rule: a file over one read block names the same."""
+    import hashlib
+
+    from parity.digests import data_sha256, file_sha256
+    from parity.report.identity import identity
+
+    big = tmp_path / "big.py"
+    data = b"# padding\n" * 200_000  # 2 MB: more than one 1 MiB block
+    big.write_bytes(data)
+    expected = hashlib.sha256(data).hexdigest()
+    assert file_sha256(str(big)) == data_sha256(data) == expected
+    assert identity(str(big), [])["sources"] == {str(big.resolve()): expected}

@@ -23,6 +23,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from parity.digests import file_sha256
 from parity.errors import UsageError, plugin_fix
 from parity.model.spec import Fixture, validate
 from parity.paths.base import CONTRACTS
@@ -145,7 +146,7 @@ def _import_source(source: str, label: str = "--model"):
         if name in sys.modules:
             _still_as_imported(path, source, label)
         else:
-            _imported_digests[path] = _digest(path)
+            _imported_digests[path] = file_sha256(path)
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
@@ -167,18 +168,11 @@ def _import_source(source: str, label: str = "--model"):
     return getattr(module, attr)
 
 
-def _digest(path: str) -> str:
-    import hashlib
-
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-
-
 def _still_as_imported(path: str, source: str, label: str) -> None:
     """A model file this process imported must still read as it did: edited since (a notebook, a
     long pytest session), the rank processes would import the new code while this process judges
     with the old one, and their disagreement would read as FSDP's."""
-    if path in _imported_digests and os.path.isfile(path) and _digest(path) != _imported_digests[path]:
+    if path in _imported_digests and os.path.isfile(path) and file_sha256(path) != _imported_digests[path]:
         raise UsageError(f"{label} {source!r}: {path} changed since this process imported it; the ranks would "
                          "run the new code and the reference the old: restart the process (a notebook: its kernel)")
 

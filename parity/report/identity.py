@@ -11,13 +11,13 @@ from elsewhere (a library's classes) are not digested.
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import os
 import subprocess
 import sys
 
 import parity
+from parity.digests import file_sha256
 
 
 def parity_version() -> dict[str, str]:
@@ -42,14 +42,6 @@ def _git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _file_of(obj) -> str:
@@ -84,7 +76,7 @@ def model_files(cells) -> list[str]:
 def identity(matrix_file: str, cells) -> dict:
     """What ``run.json`` records: ``parity`` (version, commit) and ``sources`` (path -> sha256)."""
     files = ([os.path.realpath(matrix_file)] if matrix_file else []) + model_files(cells)
-    return {"parity": parity_version(), "sources": {f: _sha256(f) for f in files}}
+    return {"parity": parity_version(), "sources": {f: file_sha256(f) for f in files}}
 
 
 def _named(version: dict | None) -> str:

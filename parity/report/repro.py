@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from parity.digests import data_sha256
 from parity.errors import UsageError
 from parity.judge.record import LOCATING_CHECKS, Verdict
 from parity.matrix.cell import Cell
@@ -156,15 +157,13 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
     whose digest differs from the one the run recorded in ``sources`` is a :class:`UsageError`:
     the script would re-run another model than the one that failed. Other sources -- an
     installed ``pkg.module`` -- are named in the cell and must be installed."""
-    import hashlib
-
     target, _, attr = cell.source.rpartition(":")
     if not target.endswith(".py") or not os.path.isfile(target):
         return ""
     with open(target, "rb") as fh:
         data = fh.read()
     recorded = sources.get(os.path.realpath(target))
-    if recorded and hashlib.sha256(data).hexdigest() != recorded:
+    if recorded and data_sha256(data) != recorded:
         raise UsageError(f"repro: {target} changed since the run (its SHA-256 is not the one run.json records); "
                          "restore it, or rerun the matrix and reproduce from the new run")
     text = data.decode("utf-8")
