@@ -143,20 +143,7 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
     cells = with_crossload(order_cells([replace(c, device=device) for c in cells]))
     torch.set_num_threads(1)  # the reference must use the same kernels as the one-thread ranks
     if executor is not None and executor.rank != 0:  # torchrun peers observe; rank 0 judges and writes
-        by_id = {c.id: c for c in cells}
-        while True:  # the cells rank 0 names, in its order: a peer never runs a cell of its own choosing
-            try:
-                told = executor.proceed()
-                if told is None:
-                    return 0  # rank 0 ran its last cell or stopped the run; agreed() gives its code
-                cell = by_id.get(told)
-                own = (_skip_reason(cell, device, skip_reason, spawned=False) if cell is not None
-                       else "its matrix has no such cell")
-                executor.run(cell, options.timeout, refuse=own)
-            except CellFailure:
-                pass
-            if executor.lost:
-                return 1  # no cell can run without the rank that left (or in a group that timed out)
+        return executor.follow(cells, options.timeout, lambda c: _skip_reason(c, device, skip_reason, spawned=False))
     out = options.out_dir
     manifest = options.manifest or {"title": options.title, "cells": [c.id for c in cells]}
     with outdir.locked(out, "--resume" if options.resume else "--out"), Signals() as signals:

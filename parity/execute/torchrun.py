@@ -143,6 +143,25 @@ class TorchrunExecutor:
             except Exception:  # noqa: BLE001 - they are gone (the same signal stopped them): nothing waits
                 pass
 
+    def follow(self, cells: list[Cell], timeout: float, own_skip) -> int:
+        """A peer's whole run: the cells rank 0 names, in its order (a peer never runs a cell of
+        its own choosing); ``own_skip(cell)`` is why this rank would not run one ('' when it
+        would). Returns 0 when rank 0 says no cell follows (:func:`agreed` gives the run's code),
+        1 once the group is lost: no cell can run without the rank that left, or in a group that
+        timed out."""
+        by_id = {c.id: c for c in cells}
+        while True:
+            try:
+                told = self.proceed()
+                if told is None:
+                    return 0
+                cell = by_id.get(told)
+                self.run(cell, timeout, refuse=own_skip(cell) if cell is not None else "its matrix has no such cell")
+            except CellFailure:
+                pass
+            if self.lost:
+                return 1
+
     def _agree(self, refuse: str) -> str:
         """Every rank says whether it can run the cell rank 0 named (``refuse``: why not, '' if it
         can); returns the first refusal, naming its rank ('' when all can). Nodes may differ (a
