@@ -383,6 +383,13 @@ def test_a_failed_load_of_the_baselines_checkpoint_is_charged_to_the_path_that_l
     assert other.decision == NO_GO and not any("baseline failed" in r for r in other.reasons), other.reasons
     assert any(r.startswith("path liar, beside native (python -m parity gate --candidate liar decides on it) failed")
                for r in other.reasons), other.reasons
+    both = decide(healthy() + [rec("m", "liar", 0), rec("m", "forgets", 0)] + loaded_into("liar")
+                  + loaded_into("forgets"), "m", "native")  # two helpers beside: each its own load, not the baseline
+    assert not any("baseline failed" in r for r in both.reasons), both.reasons
+    for helper in ("liar", "forgets"):
+        assert any(r.startswith(f"path {helper}, beside native (python -m parity gate --candidate {helper} decides on "
+                                f"it) failed to resume from the baseline's checkpoint in 1 cells (e.g. m/legacy/r1/c0: "
+                                f"checkpoint.cross {helper}:grad:w") for r in both.reasons), both.reasons
     own_step = decide(healthy() + loaded_into("native") + [rec("m", "legacy", 0, verdict="FAIL", observed=1.0,
                                                                allowed=0.1, ratio=10.0)], "m", "native")
     assert any(r.startswith("baseline failed in 1 cells") for r in own_step.reasons), own_step.reasons

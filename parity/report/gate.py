@@ -191,10 +191,11 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
     paths = {r.path for r in own}
-    loads = {c: _failed_load(c, own, paths) for c in failed_base}
-    for path in sorted({p for p in loads.values() if p}):
-        cells = [c for c, p in loads.items() if p == path]
-        first = next(r for r in own if r.cell == cells[0] and r.verdict in BAD and r.check.startswith("checkpoint."))
+    loads = {c: _failed_loads(c, own, paths) for c in failed_base}
+    for path in sorted(set().union(*loads.values())):
+        cells = [c for c, targets in loads.items() if path in targets]
+        first = next(r for r in own if r.cell == cells[0] and r.verdict in BAD and r.check.startswith("checkpoint.")
+                     and r.name.startswith(f"{path}:"))
         whose = (f"{candidate} (this gate's candidate)" if path == candidate else
                  f"path {path}, beside {candidate} (python -m parity gate --candidate {path} decides on it)")
         d.reasons.append(f"{whose} failed to resume from the baseline's checkpoint in {len(cells)} cells (e.g. "
@@ -209,15 +210,17 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     _other_paths(d, rows, own, candidate, baselines)
 
 
-def _failed_load(cell: str, own: list[Record], ran: set[str]) -> str:
-    """The path a baseline cell's failures are all about ("" when not one path's): the baseline
-    saves a checkpoint and loads it into every other path (``checkpoint.*`` records named
-    ``PATH:...``); a load that fails only there is that path's failure, not the baseline's. A
-    name's prefix is a load target only if it is one of the paths that ``ran``."""
+def _failed_loads(cell: str, own: list[Record], ran: set[str]) -> frozenset[str]:
+    """The paths a baseline cell's failures are all about (empty when not only loads'): the
+    baseline saves a checkpoint and loads it into every other path (``checkpoint.*`` records
+    named ``PATH:...``); a load that fails only there is that path's failure, not the baseline's,
+    and loads into several paths that each fail are each of those paths'. A name's prefix is a
+    load target only if it is one of the paths that ``ran`` other than the baseline's own."""
     bad = [r for r in own if r.cell == cell and r.verdict in BAD and r.check not in LOCATING_CHECKS]
     targets = {r.name.split(":", 1)[0] if r.check.startswith("checkpoint.") and ":" in r.name else "" for r in bad}
-    path = next(iter(targets)) if len(targets) == 1 else ""
-    return path if path in ran and bad and all(r.path != path for r in bad) else ""
+    if not bad or not targets <= ran or any(r.path in targets for r in bad):
+        return frozenset()
+    return frozenset(targets)
 
 
 def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: str, baselines: set[str]) -> None:
