@@ -650,6 +650,10 @@ def test_unit_roots_out_of_bottom_up_order_are_one_line():
     # a tuple of tuples (one per unit) instead of FQN strings names the expected shape
     with pytest.raises(UsageError, match=r"Fixture.unit_roots = \(\('blocks.0',\),\); it is a tuple of module FQN strings"):
         validate(dataclasses.replace(spec, unit_roots=(("blocks.0",),)), "test")
+    # without the root "", a parameter outside every root would stay a plain tensor: every path refuses
+    with pytest.raises(UsageError, match=r"Fixture.unit_roots \['blocks.0', 'blocks.1'\] holds no module of "
+                                         r"parameter 'head.weight'; add its module, or the root \"\" last"):
+        validate(dataclasses.replace(spec, unit_roots=tuple(inner)), "test")
 
 
 def test_a_model_that_fails_to_build_on_the_ranks_is_an_error_per_cell_not_a_traceback(tmp_path, capsys):

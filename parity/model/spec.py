@@ -217,6 +217,19 @@ def _check_ignored(spec: Fixture, model: nn.Module, where: str) -> None:
         raise UsageError(f"{where}: Fixture.ignored returned {what} among its items; {fix}")
 
 
+def _check_covered(spec: Fixture, model: nn.Module, where: str) -> None:
+    """Every parameter FSDP manages (every one ``Fixture.ignored`` leaves) must lie under a
+    declared root: one under none would stay a plain tensor, and every path refuses the model."""
+    if "" in spec.unit_roots:
+        return
+    ignored = {id(p) for p in spec.ignored(model)}
+    loose = next((n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in ignored
+                  and not any(n.startswith(r + ".") for r in spec.unit_roots)), None)
+    if loose is not None:
+        raise UsageError(f"{where}: Fixture.unit_roots {list(spec.unit_roots)} holds no module of parameter {loose!r}; "
+                         'add its module, or the root "" last, to unit_roots')
+
+
 def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     """Check what a factory returned; raise :class:`UsageError` naming the first problem. With
     ``expect_keys`` (the contracts and registered path names), a ``Fixture.expect`` key close to one
@@ -275,6 +288,7 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     for n, p in model.named_parameters(remove_duplicate=False):
         params[n] = p
     _check_ignored(spec, model, where)
+    _check_covered(spec, model, where)
     lazy = next((n for n, t in (*params.items(), *model.named_buffers())
                  if isinstance(t, nn.parameter.UninitializedTensorMixin)), None)
     if lazy:  # nothing can be planned, sharded or compared before its size is known
