@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,21 @@ def test_plan_prints_the_table_and_both_paths(capsys):
     out = capsys.readouterr().out
     assert "blocks.0.holder.A_log" in out and "strict" in out
     assert "path requested=legacy taken=legacy" in out and "path requested=native taken=native" in out
+
+
+def test_plan_exits_1_when_a_model_declares_fp32_tensors_other_than_its_plan(tmp_path, capsys):
+    """``expect_fp32`` is the model's own word on what computes in FP32: a plan that disagrees
+    would fail every cell's ``plan`` check, and a CI step gating on ``plan`` must see it."""
+    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
+    model = tmp_path / "declared.py"
+    model.write_text(f"import dataclasses, importlib.util\n"
+                     f"spec = importlib.util.spec_from_file_location('their_model', {example!r})\n"
+                     "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+                     "def wrong():\n"
+                     "    return dataclasses.replace(mod.parity_model(), expect_fp32=('layers.0.norm.norm_weight',))\n")
+    assert main(["plan", "--model", f"{model}:wrong"]) == 1
+    assert "(the plan check fails)" in capsys.readouterr().out
+    assert main(["plan", "--model", f"{example}:parity_model"]) == 0  # nothing declared: nothing to disagree with
 
 
 def test_plan_shows_fallback_and_isolation_error(capsys):

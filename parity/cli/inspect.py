@@ -25,14 +25,18 @@ def cmd_plan(args) -> int:
         reduce_dtype=parse_dtype(args.reduce_dtype, what="--reduce-dtype", allow_natural=True),
         output_dtype=parse_dtype(args.output_dtype, what="--output-dtype", allow_natural=True),
     )
+    code = 0
     for i, fixture in enumerate(_models_for_plan(args)):
-        print(("\n" if i else "") + _describe_plan(fixture, config))
-    return 0
+        text, differs = _describe_plan(fixture, config)
+        print(("\n" if i else "") + text)
+        code = code or int(differs)
+    return code  # 1: a model declares FP32 tensors other than its plan's (the plan check of every cell would fail)
 
 
-def _describe_plan(fixture, config) -> str:
+def _describe_plan(fixture, config) -> tuple[str, bool]:
     """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
-    FP32 name rules resolve differently, and every path's units."""
+    FP32 name rules resolve differently, and every path's units; and whether the declaration
+    (``Fixture.expect_fp32``) differs from the plan."""
     import torch
 
     from parity.judge.plan import declared_fp32
@@ -46,6 +50,7 @@ def _describe_plan(fixture, config) -> str:
     plan = fixture.resolve(model, config, ignored)
     out = [f"fixture {fixture.name}: {fixture.description}", "", plan.table(), ""]
     resolved = declared_fp32(plan)
+    differ = []
     if fixture.expect_fp32 is None:
         out.append(f"FP32 (rule {fixture.fp32_rule}): {', '.join(sorted(resolved)) or 'none'}; "
                    "declared: not declared (Fixture.expect_fp32)")
@@ -68,7 +73,7 @@ def _describe_plan(fixture, config) -> str:
         except Exception as exc:  # noqa: BLE001 - a path plugin's bug: said here, the other paths still shown
             out.append(f"path requested={path}: error: its plan() failed: {type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''} (a fault of that path's code)")
-    return "\n".join(out)
+    return "\n".join(out), bool(differ)
 
 
 def cmd_fixtures(args) -> int:
