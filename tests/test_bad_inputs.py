@@ -69,7 +69,7 @@ def results(d, verdicts: dict[str, str], status: str = "complete", options: dict
 
 def _recorded(d, records: list[Record]) -> None:
     """``cells.csv`` and ``progress.jsonl`` as a run leaves them (one group per cell)."""
-    from parity.report.outdir import write_progress
+    from parity.report.outdir import with_digests, write_progress
 
     writer = RecordWriter(os.path.join(d, "cells.csv"))
     progress = []
@@ -77,7 +77,7 @@ def _recorded(d, records: list[Record]) -> None:
         writer.write([r])
         progress.append({"group": r.cell, "bytes": writer.tell()})
     writer.close()
-    write_progress(str(d), progress)
+    write_progress(str(d), with_digests(str(d), progress))
 
 
 def _write(path, text: str | bytes) -> str:
@@ -100,9 +100,16 @@ def _resumable(d, progress: str, cells_csv: str | None = None) -> str:
     _write(os.path.join(d, "run.json"), json.dumps(manifest))
     if cells_csv is not None:
         _write(os.path.join(d, "cells.csv"), cells_csv)
-        progress = progress.replace("SIZE", str(len(cells_csv.encode())))
+        progress = progress.replace("SIZE", str(len(cells_csv.encode()))).replace("SHA", _sha(cells_csv))
     _write(os.path.join(d, "progress.jsonl"), progress)
     return str(d)
+
+
+def _sha(text: str | bytes) -> str:
+    """The digest ``progress.jsonl`` records of a group's bytes."""
+    from parity.digests import data_sha256
+
+    return data_sha256(text.encode() if isinstance(text, str) else text)
 
 
 HEADER = ",".join(asdict(Record(cell="c", fixture="f", path="p"))) + "\n"
@@ -187,7 +194,9 @@ def _files(t) -> dict[str, str]:
         text = HEADER + ",".join(bad) + "\n" + ",".join(good) + "\n"
         _write(os.path.join(d, "cells.csv"), text if name != "binary" else HEADER.encode() + b"\xff\n")
         size = os.path.getsize(os.path.join(d, "cells.csv"))  # progress.jsonl agrees: only the row is wrong
-        _write(os.path.join(d, "progress.jsonl"), json.dumps({"group": A, "bytes": size}) + "\n")
+        with open(os.path.join(d, "cells.csv"), "rb") as fh:
+            digest = _sha(fh.read())
+        _write(os.path.join(d, "progress.jsonl"), json.dumps({"group": A, "bytes": size, "sha256": digest}) + "\n")
         f[f"csv_{name}"] = d
     for name, text in {"notjson": "{", "shape": '{"decisions": [{"model": 1}]}'}.items():
         d = results(t / f"gatejson_{name}", {A: "PASS"})
@@ -297,6 +306,9 @@ CASES = [
     (["run", "--resume", "{resume_progress_shape}"], "progress.jsonl line 2 is not a progress entry"),
     (["run", "--resume", "{resume_cells}"], "cells.csv row 2: not a parity record"),
     (["run", "--resume", "{resume_claimed}"], "progress.jsonl records 2 cells as done that cells.csv holds no records"),
+    # rows edited after they were recorded, or their digest gone: a resumed run would judge rows it never wrote
+    (["run", "--resume", "{resume_edited}"], "cells.csv: the rows of group g (bytes 0-"),
+    (["run", "--resume", "{resume_undigested}"], "progress.jsonl line 1 is not a progress entry parity writes"),
     # gate
     (["gate", "--from", "{gate_runjson_notjson}"], "run.json is unreadable"),
     (["gate", "--from", "{gate_runjson_list}"], "run.json is not a JSON object"),
@@ -394,12 +406,15 @@ def files(tmp_path_factory):
     f = _files(tmp_path)
     f["resume_progress"] = _resumable(tmp_path / "resume_progress", "not json\n")
     f["resume_progress_shape"] = _resumable(tmp_path / "resume_progress_shape",
-                                            '{"group": "g", "bytes": SIZE}\n{"group": 1}\n', HEADER)
-    f["resume_cells"] = _resumable(tmp_path / "resume_cells", '{"group": "g", "bytes": SIZE}\n',
+                                            '{"group": "g", "bytes": SIZE, "sha256": "SHA"}\n{"group": 1}\n', HEADER)
+    f["resume_cells"] = _resumable(tmp_path / "resume_cells", '{"group": "g", "bytes": SIZE, "sha256": "SHA"}\n',
                                    HEADER + "a,b,c\n")
     first = _select({**RUN_DEFAULTS, "filter": FILTER})[1][0]  # progress claims its group, no row of it exists
-    f["resume_claimed"] = _resumable(tmp_path / "resume_claimed", f'{{"group": "{first.pair_id}", "bytes": SIZE}}\n',
+    f["resume_claimed"] = _resumable(tmp_path / "resume_claimed", f'{{"group": "{first.pair_id}", "bytes": SIZE, "sha256": "SHA"}}\n',
                                      HEADER)
+    f["resume_edited"] = _resumable(tmp_path / "resume_edited", '{"group": "g", "bytes": SIZE, "sha256": "%s"}\n'
+                                    % ("0" * 64), HEADER)
+    f["resume_undigested"] = _resumable(tmp_path / "resume_undigested", '{"group": "g", "bytes": SIZE}\n', HEADER)
     f["out"] = str(tmp_path / "out")
     return f
 
@@ -679,7 +694,7 @@ def test_a_class_declared_fp32_pattern_that_selects_nothing_is_noted_by_plan_and
     """A model class's ``_keep_in_fp32_modules_strict`` with a typo keeps nothing in FP32, silently
     in the framework: ``plan`` notes it and ``run`` warns, naming the class."""
     source = _write(tmp_path / "class_typo.py", CLASS_TYPO) + ":model"
-    assert main(["plan", "--model", source]) == 0
+    assert main(["plan", "--model", source]) == 1  # kda's expect_fp32 names A_log / dt_bias: the plan disagrees
     note = "Typo._keep_in_fp32_modules_strict pattern 'A_lgo' selects no parameter or buffer"
     assert f"note: {note}" in capsys.readouterr().out
     assert main(["run", "--model", source, "-k", "ranks == 1 and microbatches == 1 and path == 'native'",

@@ -17,6 +17,7 @@ from parity.matrix import load
 from parity.matrix.cell import Cell
 from parity.matrix.shard import SLACK, Shard, assign, expected_cost, parse_shard, select_part
 from parity.errors import UsageError
+from parity.report.outdir import with_digests
 
 pytestmark = pytest.mark.xdist_group("shard")  # one worker runs the slice and its parts once
 
@@ -263,6 +264,14 @@ def test_rows_edited_in_place_are_refused_by_their_groups_digest(sharded, tmp_pa
     assert len((part / "cells.csv").read_bytes()) == len(data)
     assert main(["merge", parts[0], str(part), *parts[2:], "--out", str(tmp_path / "m2")]) == 2
     assert "differ from what the run recorded" in capsys.readouterr().err
+    # the digests dropped beside the edit: no digest, no check -- and a merge would stamp new ones on it
+    lines = [json.loads(line) for line in _read(os.path.join(part, "progress.jsonl")).splitlines()]
+    (part / "progress.jsonl").write_text("".join(json.dumps({k: v for k, v in e.items() if k != "sha256"}) + "\n"
+                                                 for e in lines))
+    for argv in (["merge", parts[0], str(part), *parts[2:], "--out", str(tmp_path / "m3")], ["gate", "--from", str(part)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "progress.jsonl line 1 is not a progress entry parity writes" in err, err
 
 
 def test_a_part_whose_run_json_is_torn_is_refused_with_the_parts_fix(sharded, tmp_path, capsys):
@@ -286,7 +295,7 @@ def test_a_run_missing_a_cells_records_is_refused_by_merge_and_gate(sharded, tmp
     with open(os.path.join(copy, "progress.jsonl")) as fh:
         entries = [json.loads(line) for line in fh]
     entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
-    entries[-1].pop("sha256")  # as a forger would: the digest alone would refuse it (test above)
+    entries[-1] = with_digests(str(copy), entries)[-1]  # as a forger would: the old digest alone refuses it
     with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     assert main(["merge", parts[0], str(copy), *parts[2:], "--out", str(tmp_path / "m")]) == 2
@@ -311,7 +320,7 @@ def test_a_judged_cell_without_its_coverage_record_is_refused(sharded, tmp_path,
     with open(os.path.join(copy, "progress.jsonl")) as fh:
         entries = [json.loads(line) for line in fh]
     entries[-1]["bytes"] = os.path.getsize(os.path.join(copy, "cells.csv"))
-    entries[-1].pop("sha256")  # as a forger would: the digest alone would refuse it (test above)
+    entries[-1] = with_digests(str(copy), entries)[-1]  # as a forger would: the old digest alone refuses it
     with open(os.path.join(copy, "progress.jsonl"), "w") as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
     assert main(["gate", "--from", str(copy)]) == 2
@@ -453,3 +462,20 @@ def test_parts_that_read_a_model_otherwise_are_refused(sharded, tmp_path, capsys
     pathlib.Path(other, "run.json").write_text(json.dumps(manifest))
     assert main(["merge", parts[0], other, *parts[2:], "--out", str(tmp_path / "m")]) == 2
     assert "differ in model_warnings" in capsys.readouterr().err
+
+
+def test_a_merge_keeps_the_traces_of_the_parts_failing_cells(tmp_path, capsys):
+    """A failing cell's trace (``traces/<cell>.json``) lands beside ``cells.csv``: a merged run
+    holds the ones its parts wrote, as a single run would."""
+    picked = ["--matrix", "smoke", "-k", "ranks == 1 and microbatches == 1 and fixture == 'kda'", "--steps", "1",
+              "--fault", "perturb_param"]
+    parts = [str(tmp_path / f"part{i}") for i in (1, 2)]
+    for i, part in enumerate(parts, 1):
+        main(["run", *picked, "--shard", f"{i}/2", "--out", part])
+    held = next(p for p in parts if os.path.isdir(os.path.join(p, "traces")))  # the other part is empty
+    written = sorted(os.listdir(os.path.join(held, "traces")))
+    assert written and all(name.endswith(".json") for name in written), written
+    assert main(["merge", *parts, "--out", str(tmp_path / "merged")]) == 1
+    merged = tmp_path / "merged" / "traces"
+    assert sorted(os.listdir(merged)) == written
+    assert all((merged / n).read_bytes() == pathlib.Path(held, "traces", n).read_bytes() for n in written)

@@ -194,6 +194,8 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
             writer.sync()
         writer.close()
         outdir.write_progress(out, outdir.with_digests(out, progress))
+        for d, m in zip(ordered, manifests):
+            outdir.copy_traces(d, out, m["cells"])
         title = str(shard.get("title") or options.get("matrix") or "run")
         with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w") as fh:
             fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"]),

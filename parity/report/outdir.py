@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 
+from parity.digests import data_sha256
 from parity.errors import UsageError, writing
 
 MANIFEST = "run.json"
@@ -146,6 +146,18 @@ def trace_path(out: str, cell_id: str) -> str:
     return os.path.join(out, TRACES, cell_id.replace("/", "__") + ".json")
 
 
+def copy_traces(source: str, out: str, cell_ids) -> None:
+    """The traces (and operator logs) ``source`` holds of ``cell_ids``, copied into ``out`` (a
+    merge: a part's failing cells keep the trace a single run would have written)."""
+    for cell_id in cell_ids:
+        for name in (trace_path, op_log_path):
+            src, dst = name(source, cell_id), name(out, cell_id)
+            if os.path.isfile(src):
+                with writing(dst):
+                    os.makedirs(os.path.dirname(dst), exist_ok=True)
+                    shutil.copyfile(src, dst)
+
+
 def write_trace(out: str, cell_id: str, document: dict) -> None:
     """Write one failing cell's trace document (:func:`parity.judge.divergence.trace_document`)."""
     path = trace_path(out, cell_id)
@@ -224,10 +236,6 @@ def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> di
     return manifest
 
 
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _recorded_end(path: str) -> int:
     """The byte length of ``cells.csv`` the last line of ``progress.jsonl`` records (0: none yet)."""
     try:
@@ -248,7 +256,7 @@ def mark_group_done(out: str, group: str) -> None:
     with open(cells, "rb") as fh:
         fh.seek(start)
         block = fh.read()
-    entry = {"group": group, "bytes": start + len(block), "sha256": _sha256(block)}
+    entry = {"group": group, "bytes": start + len(block), "sha256": data_sha256(block)}
     with writing(progress), open(progress, "a") as fh:
         fh.write(json.dumps(entry) + "\n")
         fh.flush()
@@ -261,7 +269,7 @@ def _blocks(cells: str, entries: list[dict]) -> list[tuple[int, str]]:
     with open(cells, "rb") as fh:
         data = fh.read()
     starts = [0] + [e["bytes"] for e in entries[:-1]]
-    return [(a, _sha256(data[a:e["bytes"]])) for a, e in zip(starts, entries)]
+    return [(a, data_sha256(data[a:e["bytes"]])) for a, e in zip(starts, entries)]
 
 
 def with_digests(out: str, entries: list[dict]) -> list[dict]:
@@ -272,7 +280,7 @@ def with_digests(out: str, entries: list[dict]) -> list[dict]:
 def _edited_group(cells: str, entries: list[dict]) -> str:
     """The first group whose bytes of ``cells`` differ from the digest the run recorded ("" none)."""
     for e, (start, digest) in zip(entries, _blocks(cells, entries)):
-        if "sha256" in e and digest != e["sha256"]:
+        if digest != e["sha256"]:
             return f"{e.get('group')} (bytes {start}-{e['bytes']})"
     return ""
 
@@ -286,8 +294,9 @@ def write_progress(out: str, entries: list[dict]) -> None:
 
 
 def _progress(path: str, who: str = "--resume", fix: str = "start a new run with --overwrite") -> list[dict]:
-    """The entries of ``progress.jsonl``: ``{"group": str, "bytes": int}`` each, in growing byte order. A
-    torn last line (a killed run) ends them; any other malformed line is a :class:`UsageError`."""
+    """The entries of ``progress.jsonl``: ``{"group": str, "bytes": int, "sha256": str}`` each, in growing
+    byte order. A torn last line (a killed run) ends them; any other malformed line -- one without its
+    digest included: without it an edit of the group's rows could not be found -- is a :class:`UsageError`."""
     if not os.path.exists(path):
         return []
     try:
@@ -305,7 +314,7 @@ def _progress(path: str, who: str = "--resume", fix: str = "start a new run with
             entry = None
         ok = (isinstance(entry, dict) and isinstance(entry.get("group"), str) and type(entry.get("bytes")) is int
               and entry["bytes"] >= (entries[-1]["bytes"] if entries else 0)
-              and (isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64 if "sha256" in entry else True))
+              and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64)
         if not ok:
             raise UsageError(f"{who}: {path} line {n} is not a progress entry parity writes; {fix}")
         entries.append(entry)
@@ -330,6 +339,10 @@ def resume_point(out: str) -> tuple[set[str], set[str]]:
     if size < entries[-1]["bytes"]:
         raise UsageError(f"--resume {out}: {CELLS} is missing or shorter than {PROGRESS} records; "
                          "start a new run with --overwrite")
+    edited = _edited_group(cells, entries)
+    if edited:  # a resumed run would judge, summarize and exit on rows it never wrote
+        raise UsageError(f"--resume {out}: {CELLS}: the rows of group {edited} differ from what the run recorded "
+                         f"(their digest in {PROGRESS}): they were edited after the run; start a new run with --overwrite")
     with writing(cells), open(cells, "r+b") as fh:
         fh.truncate(entries[-1]["bytes"])
     held = {r.cell for r in read_records(cells, whole=True)}
@@ -350,7 +363,8 @@ def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the m
     entries = _progress(os.path.join(out, PROGRESS), who, fix)
     size = os.path.getsize(cells) if os.path.isfile(cells) else None
     if not entries and not manifest.get("cells") and size is not None:  # an empty part of a sharded run
-        entries = [{"bytes": size}] if not read_records(cells, whole=True) else []
+        entries = [{"bytes": size, "sha256": _blocks(cells, [{"bytes": size}])[0][1]}] if not read_records(
+            cells, whole=True) else []
     if not entries or size != entries[-1]["bytes"]:
         recorded = f"{entries[-1]['bytes']} bytes" if entries else "nothing (no progress.jsonl)"
         held = "no file" if size is None else f"{size} bytes"
