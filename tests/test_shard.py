@@ -215,6 +215,20 @@ def test_a_parts_malformed_shard_entry_is_one_line(sharded, tmp_path, capsys, ke
     assert err.count("\n") == 1 and "run.json: shard." in err and "Traceback" not in err, err
 
 
+def test_a_selection_edited_under_its_digest_is_refused(sharded, tmp_path, capsys):
+    """A part's ``shard.selection`` is what the merged run must hold: one shortened by hand (its
+    digest left) would merge as a smaller run. The digest is recomputed from the list."""
+    root, whole, parts, merged, code = sharded
+    bad = str(tmp_path / "bad")
+    shutil.copytree(parts[2], bad)
+    manifest = json.loads(pathlib.Path(bad, "run.json").read_text())
+    manifest["shard"]["selection"] = manifest["shard"]["selection"][:-1]
+    pathlib.Path(bad, "run.json").write_text(json.dumps(manifest))
+    assert main(["merge", bad, parts[0], parts[1], parts[3], "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.json: shard.selection is not the selection its digest" in err, err
+
+
 def _cut(path: str, keep) -> None:
     """Rewrite ``cells.csv`` at ``path`` keeping the header and the rows ``keep(row)`` accepts."""
     with open(path, newline="") as fh:

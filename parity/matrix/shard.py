@@ -86,7 +86,12 @@ def select_part(cells: list[Cell], shard: Shard) -> list[Cell]:
 
 def selection_digest(cells: list[Cell]) -> str:
     """Names a matrix selection (its cell ids, in run order): parts of one selection share it."""
-    return hashlib.sha256("\n".join(c.id for c in cells).encode()).hexdigest()[:16]
+    return ids_digest([c.id for c in cells])
+
+
+def ids_digest(cell_ids: list[str]) -> str:
+    """:func:`selection_digest` of cells by their ids (a part's ``run.json`` lists them)."""
+    return hashlib.sha256("\n".join(cell_ids).encode()).hexdigest()[:16]
 
 
 def part_of(cells: list[Cell], shard: Shard, title: str) -> tuple[list[Cell], dict]:

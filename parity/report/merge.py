@@ -27,6 +27,7 @@ from collections import Counter
 
 from parity.errors import UsageError, writing
 from parity.judge.record import Record
+from parity.matrix.shard import ids_digest
 from parity.report import fuzz_merge, outdir
 from parity.report.html import write_html
 from parity.report.junit import write_junit
@@ -81,6 +82,8 @@ def _malformed(shard: dict, cells) -> str:
             return f"{key} must be a list of strings, not {_short(shard[key])}"
     if isinstance(cells, list) and len(shard["cell_groups"]) != len(cells):
         return f"cell_groups holds {len(shard['cell_groups'])} groups for {len(cells)} cells"
+    if ids_digest(shard["selection"]) != shard["digest"]:  # an edited list would merge as a smaller run
+        return f"selection is not the selection its digest {_short(shard['digest'])} names"
     return ""
 
 
