@@ -286,10 +286,33 @@ def _run_group(options: dict, cell, tmp_path_factory) -> dict:
         if code in (130, 143):  # SIGINT / SIGTERM reached the run: the session stops, as the CLI does
             raise KeyboardInterrupt
         records = read_records(f"{out}/cells.csv")
-        _GROUPS[key] = {c.id: CellOutcome(c, [r for r in records if r.cell == c.id
-                                               or (r.cell == c.pair_id and c.path != c.baseline)], out)
-                        for c in group}
+        held = {c.id: [r for r in records if r.cell == c.id or (r.cell == c.pair_id and c.path != c.baseline)]
+                for c in group}
+        _charge_loads(group, held)
+        _GROUPS[key] = {c.id: CellOutcome(c, held[c.id], out) for c in group}
     return _GROUPS[key]
+
+
+def _charge_loads(group, held: dict) -> None:
+    """A baseline cell whose only failures are the loads of its checkpoint into other paths
+    (:func:`parity.report.gate.failed_loads`): those records, and the ``stage`` / ``divergence``
+    rows that locate them, fail the loading paths' tests, as the gate charges them -- a bug in a
+    team's own sharding helper does not fail their baseline's test. Kept on the baseline when a
+    loading path's own cell was skipped (its test would read SKIP, and the failure be lost)."""
+    from parity.judge.record import BAD, LOCATING_CHECKS, Verdict
+    from parity.report.gate import failed_loads
+
+    cell_of = {c.path: c.id for c in group}
+    ran = {p for p, i in cell_of.items() if any(r.cell == i and r.verdict != Verdict.SKIP for r in held[i])}
+    for c in (c for c in group if c.path == c.baseline):
+        targets = failed_loads(c.id, held[c.id], set(cell_of) - {c.path})
+        if not targets or not targets <= ran:
+            continue
+        for r in [r for r in held[c.id] if r.cell == c.id and r.verdict in BAD]:
+            named = r.name.split(":", 1)[0]
+            for path in sorted(targets if r.check in LOCATING_CHECKS else {named} & targets):
+                held[cell_of[path]].append(r)
+            held[c.id].remove(r)
 
 
 def pytest_collection_modifyitems(config, items):

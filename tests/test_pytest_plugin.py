@@ -238,3 +238,35 @@ def test_a_marker_asking_for_a_gpu_where_there_is_none_is_refused_at_collection(
 
     with pytest.raises(UsageError, match="--device cuda: torch .* sees no GPU"):
         _selection({"matrix": "smoke", "device": "cuda", "filter": "fixture == 'kda' and ranks == 1"})
+
+
+def test_a_failed_load_into_a_teams_helper_fails_the_helpers_test_not_the_baselines():
+    """The baseline's checkpoint loads into every other path; a load only the helper's path fails
+    is the helper's failure (as the gate charges it): the baseline's test stays green."""
+    from types import SimpleNamespace
+
+    from parity.judge.record import Record, Verdict
+    from parity.pytest_plugin import _charge_loads
+
+    group = [SimpleNamespace(id=f"m/{p}/r1", path=p, baseline="legacy") for p in ("legacy", "native", "helper")]
+
+    def rec(cell, check="grad", name="w", verdict=Verdict.PASS):
+        return Record(cell=cell, fixture="m", path=cell.split("/")[1], check=check, name=name, verdict=verdict)
+
+    def held(helper_skipped=False, own_failure=False):
+        base = [rec("m/legacy/r1"), rec("m/legacy/r1", "checkpoint.cross", "helper:grad:w", Verdict.FAIL),
+                rec("m/legacy/r1", "checkpoint.cross", "native:grad:w"),
+                rec("m/legacy/r1", "stage", "resumed", Verdict.FAIL)]
+        base += [rec("m/legacy/r1", "param", "w", Verdict.FAIL)] if own_failure else []
+        return {"m/legacy/r1": base, "m/native/r1": [rec("m/native/r1")],
+                "m/helper/r1": [rec("m/helper/r1", "run", "cell", Verdict.SKIP) if helper_skipped else rec("m/helper/r1")]}
+
+    charged = held()
+    _charge_loads(group, charged)
+    assert {r.verdict for r in charged["m/legacy/r1"]} == {Verdict.PASS} and charged["m/native/r1"] == [rec("m/native/r1")]
+    assert [(r.check, r.name) for r in charged["m/helper/r1"] if r.verdict == Verdict.FAIL] == [
+        ("checkpoint.cross", "helper:grad:w"), ("stage", "resumed")]
+    for kept in (held(helper_skipped=True), held(own_failure=True)):  # a skipped helper; the baseline's own failure
+        before = {k: list(v) for k, v in kept.items()}
+        _charge_loads(group, kept)
+        assert kept == before

@@ -191,7 +191,7 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     d.reasons += [f"{candidate}: {x}" for x in _worst_failures([r for r in own if r.cell in ran])]
     failed_base = sorted({r.cell for r in own if r.cell in base_cells and r.verdict in BAD})
     paths = {r.path for r in own}
-    loads = {c: _failed_loads(c, own, paths) for c in failed_base}
+    loads = {c: failed_loads(c, own, paths) for c in failed_base}
     for path in sorted(set().union(*loads.values())):
         cells = [c for c, targets in loads.items() if path in targets]
         first = next(r for r in own if r.cell == cells[0] and r.verdict in BAD and r.check.startswith("checkpoint.")
@@ -210,7 +210,7 @@ def _failures(d: Decision, rows: list[Record], own: list[Record], ran: set[str],
     _other_paths(d, rows, own, candidate, baselines)
 
 
-def _failed_loads(cell: str, own: list[Record], ran: set[str]) -> frozenset[str]:
+def failed_loads(cell: str, own: list[Record], ran: set[str]) -> frozenset[str]:
     """The paths a baseline cell's failures are all about (empty when not only loads'): the
     baseline saves a checkpoint and loads it into every other path (``checkpoint.*`` records
     named ``PATH:...``); a load that fails only there is that path's failure, not the baseline's,
