@@ -329,3 +329,22 @@ def test_a_rank_sends_only_messages_one_atomic_pipe_write_carries(tmp_path):
         assert len(pickle.dumps(message)) <= select.PIPE_BUF
         assert _received(message, str(deep)) == ("error", 1, payload)
     assert not os.listdir(deep)  # every file read and removed
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_torchrun_rank_0_refusing_its_out_stops_every_rank_with_exit_2(tmp_path):
+    """An ``--out`` holding another run's results is found by rank 0 after the group started: its
+    peers, waiting for a cell, are told none follows and exit 2 with it (not 1 at teardown)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.md").write_text("another run's\n")
+    (tmp_path / "entry.py").write_text(
+        "import os, sys\nfrom parity.cli import main\ncode = main(sys.argv[1:])\n"
+        "open(os.path.join(os.environ['PARITY_TEST_CODES'], os.environ['RANK']), 'w').write(str(code))\n"
+        "sys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(tmp_path / "entry.py"), "run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 2",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd(), "PARITY_TEST_CODES": str(tmp_path)})
+    codes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
+    assert codes == ["2", "2"], proc.stderr[-3000:]
+    assert "holds another run's results" in proc.stderr and (tmp_path / "run" / "summary.md").read_text() == "another run's\n"

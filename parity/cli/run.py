@@ -12,7 +12,7 @@ import sys
 from parity.arguments import RANK_COUNTS
 from parity.arguments import csv_list as _csv
 from parity.cli.parser import AXIS_OPTIONS, RUN_DEFAULTS, RUN_IDENTITY, _run_arguments
-from parity.errors import UsageError
+from parity.errors import EXIT_OUTPUT, OutputError, UsageError
 
 def _run_settings(args, defaults: dict) -> dict:
     """The effective run options: given > recorded (``--resume``) > defaults."""
@@ -150,7 +150,11 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     if under_torchrun():
         executor = TorchrunExecutor(device, opts["timeout"])
         skip = lambda c: matrix.skip_reason(c) or executor.skip_reason(c)  # noqa: E731
-        code = run_cells(cells, options, skip_reason=skip, executor=executor)
+        try:
+            code = run_cells(cells, options, skip_reason=skip, executor=executor)
+        except (UsageError, OutputError) as exc:
+            executor.refuse(2 if isinstance(exc, UsageError) else EXIT_OUTPUT)
+            raise
         return code if executor.rank == 0 else -1
     return run_cells(cells, options, skip_reason=matrix.skip_reason)
 

@@ -14,7 +14,8 @@ there while it judges.
 Before each cell rank 0 names it to its peers (:meth:`TorchrunExecutor.proceed`): they wait
 there while it judges the cell before, run the cell it names (a peer whose own skip rules would
 skip it says so, and the cell is an ERROR naming that rank), and a run rank 0 ends or stops early
-(a signal) ends theirs too, so every rank exits with its code (:func:`agreed`). A rank that dies (a crash, a kill)
+(a signal) ends theirs too, so every rank exits with its code (:func:`agreed`); so does a run rank 0
+refuses once the group exists (an ``--out`` in use: :meth:`TorchrunExecutor.refuse`). A rank that dies (a crash, a kill)
 takes the group with it: the survivors' next exchange fails. The cell in flight is then an
 ERROR on rank 0 naming that loss, no further cell starts, and rank 0 writes what finished, the
 summary marked interrupted and the reports before torchrun's teardown ends it; its peers stop
@@ -104,6 +105,7 @@ class TorchrunExecutor:
             self.device = torch.device("cpu")
         self.timeout = 0.0
         """The group's timeout when parity set it (0: a group the caller started keeps its own)."""
+        self._released = False
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
             self.timeout = timeout
@@ -137,11 +139,20 @@ class TorchrunExecutor:
     def release(self) -> None:
         """Rank 0, ending the run (its last cell done, or stopped early): tell the peers no cell
         follows instead of leaving them waiting (nothing to say once the group is lost)."""
-        if self.rank == 0 and not _lost:
+        if self.rank == 0 and not _lost and not self._released:
+            self._released = True  # once: the peers' next exchange is agreed()'s
             try:
                 dist.broadcast_object_list([None], src=0, group=_control)
             except Exception:  # noqa: BLE001 - they are gone (the same signal stopped them): nothing waits
                 pass
+
+    def refuse(self, code: int) -> None:
+        """Rank 0 refusing the run after the group started (an ``--out`` in use or holding another
+        run's results): its peers, waiting for a cell, are told none follows and exit with
+        ``code`` as rank 0 does, instead of failing at torchrun's teardown."""
+        if self.rank == 0:
+            self.release()
+            agreed(code)
 
     def follow(self, cells: list[Cell], timeout: float, own_skip) -> int:
         """A peer's whole run: the cells rank 0 names, in its order (a peer never runs a cell of
