@@ -89,3 +89,26 @@ def test_optim_state_holds_every_moment_to_the_plans_dtype(monkeypatch):
         monkeypatch.setattr(resumed, "_full_state", lambda *a, state=state: state)
         [row] = resumed.optimizer_checks(cell, obs, plan, dict(cell=cell.id, fixture="kda", path="native"))
         assert row.verdict == verdict, row
+
+
+@pytest.mark.xdist_group("contracts")
+def test_an_expert_no_token_reaches_is_skipped_only_where_the_reference_agrees(run_matrix):
+    """``routed`` at seed 1: expert 3 is first reached after the first forward on one rank and
+    never on the other. ``dtype.compute`` notes every forward of the loop, and a rank whose
+    forwards never read it is SKIP only because the reference's forwards of its batches did not
+    either -- a correct torch is not NO-GO (review, 2026-12-06)."""
+    from types import SimpleNamespace
+
+    from parity.judge.contracts import _compute_row
+
+    code, records = run_matrix([Cell(fixture="routed", path="native", ranks=2, seed=1)])
+    assert code == 0, [(r["check"], r["name"], r["detail"][:200]) for r in records if r["verdict"] not in ("PASS", "SKIP")]
+    expert = [r for r in records if r["check"] == "dtype.compute" and "experts.3" in r["name"]]
+    assert expert and all(r["verdict"] == "PASS" and "in the reference either" in r["detail"] for r in expert), expert
+    # the reference read it on this rank's batches but the rank's forwards did not: FAIL, as ever
+    base = dict(cell="c", fixture="routed", path="native")
+    t, unread = SimpleNamespace(compute=torch.bfloat16), SimpleNamespace(compute={})
+    alias = "blocks.0.moe.experts.3.weight"
+    assert _compute_row(base, unread, t, alias, (), {alias}).verdict == "FAIL"
+    assert _compute_row(base, unread, t, alias, (), None).verdict == "FAIL"  # no reference word: never a skip
+    assert _compute_row(base, unread, t, alias, (), set()).verdict == "SKIP"

@@ -195,6 +195,9 @@ class Recorder:
     def __init__(self, model: nn.Module, report: ShardReport):
         self.model = model
         self.active = False
+        self.reading = False
+        """Set during every forward of the training loop: the parameters its modules read are
+        noted (``compute``), whichever micro-batch first reaches them (a routed expert)."""
         self.at: tuple[int, int] | None = None
         """(step, micro-batch) while a forward of the loop runs (:meth:`phase`)."""
         self.compute: dict[str, str] = {}
@@ -247,11 +250,11 @@ class Recorder:
 
     def _read_params(self, fqn: str):
         def hook(module, args):
-            if not self.active and self._gather_step is None:  # every later forward: nothing to read
+            if not self.reading and self._gather_step is None:  # outside the loop's forwards: nothing to read
                 return
             if self._gather_step is not None:
                 self._read_gathered(fqn, module)
-            if self.active:
+            if self.reading:
                 for local, p in module._parameters.items():
                     if p is not None:
                         self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
@@ -259,7 +262,7 @@ class Recorder:
                 prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
                 if self._gather_step is not None and child is not None:
                     self._read_gathered(prefix, child)  # read by this module directly (F.conv1d(x, child.weight))
-                if self.active:
+                if self.reading:
                     for local, p in (child._parameters.items() if child is not None else ()):
                         if p is not None:
                             self._via_parent.setdefault(f"{prefix}.{local}", dtype_name(p.dtype))
@@ -368,15 +371,17 @@ class Recorder:
 
     @contextlib.contextmanager
     def phase(self, step: int, mb: int):
-        """Record forward observations during the first forward only, and the parameters as
-        gathered during each step's first forward."""
+        """Record forward observations during the first forward only, the parameters each
+        forward reads (their compute dtype, once), and the parameters as gathered during each
+        step's first forward."""
         self.active = step == 0 and mb == 0
+        self.reading = True
         self.at = (step, mb)
         self._gather_step = step if mb == 0 else None
         try:
             yield
         finally:
-            self.active = False
+            self.active = self.reading = False
             self.at = None
             self._gather_step = None
         if step == 0 and mb == 0:

@@ -46,13 +46,19 @@ def _grad_dtype_row(obs: Observation, t, base: dict) -> Record:
     return _row(base, "dtype.grad", t.fqn, got == want, want, got, "the gradient the optimizer steps with", want)
 
 
-def _compute_row(base: dict, c, t, alias: str, compiled: tuple[str, ...]) -> Record:
-    """``dtype.compute``: the dtype ``alias``'s module reads inside forward. Inside a compiled block
-    no hook runs eagerly (:mod:`parity.model.compiling`): what the first forward's all-gathers
-    produced for it is read instead; one FSDP does not manage (ignored) is SKIP, a managed one
-    nothing gathered there is a FAIL."""
+def _compute_row(base: dict, c, t, alias: str, compiled: tuple[str, ...], read: set[str] | None = None) -> Record:
+    """``dtype.compute``: the dtype ``alias``'s module reads inside forward, in whichever forward
+    of the loop first read it. One no forward of this rank read is SKIP where the reference's
+    forwards of the same batches (``read``: :attr:`ReferenceRun.read`) did not read it either (a
+    routed expert no token reached), a FAIL otherwise. Inside a compiled block no hook runs
+    eagerly (:mod:`parity.model.compiling`): what the first forward's all-gathers produced for it
+    is read instead; one FSDP does not manage (ignored) is SKIP, a managed one nothing gathered
+    there is a FAIL."""
     want = dtype_name(t.compute)
     if not inside(alias.rpartition(".")[0], compiled):
+        if alias not in c.compute and read is not None and alias not in read:
+            return _skip(base, "dtype.compute", alias, "no forward read it, in the reference either (its batches "
+                         "never reached its module, e.g. an expert no token was routed to): nothing to observe")
         seen = c.compute.get(alias, "<not used in forward>")
         return _row(base, "dtype.compute", alias, seen == want, want, seen, "as all-gathered, read inside forward", want)
     first = c.all_gathers.get(min(c.all_gathers, default=0), {}).get("mb0/forward", {})
@@ -68,9 +74,12 @@ def _compute_row(base: dict, c, t, alias: str, compiled: tuple[str, ...]) -> Rec
                 "inside a compiled block: as the first forward's all-gathers produced it", want)
 
 
-def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict,
+                 ref: ReferenceRun | None = None) -> list[Record]:
     c = obs.contracts
     compiled = compiled_names(cell)
+    data_rank = cell.topology().data_rank(obs.rank)
+    read = ref.read[data_rank] if ref is not None and data_rank < len(ref.read) else None
     rows = []
     for t in plan.params:
         storage = dtype_name(t.storage)
@@ -78,7 +87,7 @@ def dtype_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict) 
             seen = getattr(c, stage).storage.get(t.fqn, "<missing>")
             rows.append(_row(base, "dtype.storage", f"{t.fqn}@{stage}", seen == storage, storage, seen, label, storage))
         for alias in t.tie_group or (t.fqn,):  # each module using a tied weight reads it itself
-            rows.append(_compute_row(base, c, t, alias, compiled))
+            rows.append(_compute_row(base, c, t, alias, compiled, read))
         if t.grad is not None and t.trainable_from < cell.steps:
             rows.append(_grad_dtype_row(obs, t, base))
         if not t.trainable:
@@ -312,7 +321,12 @@ def on_every_rank(per_rank: list[list[Record]]) -> list[Record]:
         bad = [(rank, r) for rank, r in seen if r is not None and r.verdict != Verdict.PASS and r.verdict != Verdict.SKIP]
         if not bad and not silent:
             n = len(per_rank)
-            merged.append(replace(worst, detail=f"{worst.detail}; on all {n} ranks" if n > 1 else worst.detail))
+            skipped = [(rank, r) for rank, r in seen if r.verdict == Verdict.SKIP]
+            if skipped and worst.verdict != Verdict.SKIP:  # witnessed by some ranks: say which skipped, and why
+                detail = "; ".join([worst.detail] + [f"rank {rank}: {r.detail}" for rank, r in skipped])
+            else:
+                detail = f"{worst.detail}; on all {n} ranks" if n > 1 else worst.detail
+            merged.append(replace(worst, detail=detail[:1000]))
             continue
         detail = "; ".join([f"rank {rank}: {r.detail}" for rank, r in bad] + [f"rank {rank}: no record" for rank in silent])
         verdict = worst.verdict if bad else Verdict.FAIL
@@ -399,7 +413,7 @@ def _entry_problems(masters: dict, entries: dict | None, plan: PrecisionPlan) ->
 def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
-    return (dtype_checks(cell, obs, plan, base) + boundary_checks(cell, obs, ref, plan, base)
+    return (dtype_checks(cell, obs, plan, base, ref) + boundary_checks(cell, obs, ref, plan, base)
             + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base)

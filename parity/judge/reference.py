@@ -96,6 +96,28 @@ class ReferenceRun:
     rank (``mb{k}/forward``, ``eval``)."""
     buffers: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """``initial`` / ``trained`` -> floating buffer FQN -> value (the unsharded model's)."""
+    read: list[set[str]] = field(default_factory=list)
+    """Per emulated data rank, the parameters the training forwards of its batches read, by the
+    name the reading module gives them (tied aliases apart): a module's own and its children's
+    (``F.conv1d(x, self.conv.weight)``), as a rank notes them for ``dtype.compute``. A routed
+    expert no token of a rank's batches reaches is not among them."""
+
+
+def _readers(model: nn.Module, read: list[set[str]], reading: list) -> list:
+    """Pre-hooks filling ``read[reading[0]]`` while ``reading[0]`` names the data rank whose
+    training forward runs (None: no forward of the loop runs)."""
+    def hook(name: str):
+        def note(module, args):
+            if reading[0] is None:
+                return
+            seen = read[reading[0]]
+            seen.update(f"{name}.{k}" if name else k for k, p in module._parameters.items() if p is not None)
+            for child_name, child in module._modules.items():
+                prefix = f"{name}.{child_name}" if name else child_name
+                seen.update(f"{prefix}.{k}" for k, p in (child._parameters.items() if child is not None else ())
+                            if p is not None)
+        return note
+    return [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()]
 
 
 def _cast_floats(obj, dtype):
@@ -285,6 +307,10 @@ def run_reference(
     handles += [] if fp64 else emulate_tensor_parallel(model, plan, topo.tp, tp_partials)
     run = ReferenceRun(grad_terms=world * micro)
     run.buffers["initial"] = float_buffers(model)
+    reading: list[int | None] = [None]
+    if not fp64:
+        run.read = [set() for _ in range(world)]
+        handles += _readers(model, run.read, reading)
 
     def compute_dtype(f):
         return torch.float64 if fp64 else entries[f].compute
@@ -346,7 +372,9 @@ def run_reference(
                 if trace is not None and step == trace_step:
                     rec += install_trace(model, trace.setdefault((rank, mb), Trace()))
                 where[0] = (step, f"mb{mb}/forward")
+                reading[0] = rank
                 out = fixture.output(functional_call(model, {**copies, **uses}, inputs, tie_weights=not uses))
+                reading[0] = None
                 for h in rec:
                     h.remove()
                 loss = fixture.loss(out, batch.target) / micro
