@@ -348,3 +348,24 @@ def test_a_torchrun_rank_0_refusing_its_out_stops_every_rank_with_exit_2(tmp_pat
     codes = [(tmp_path / str(rank)).read_text() for rank in (0, 1)]
     assert codes == ["2", "2"], proc.stderr[-3000:]
     assert "holds another run's results" in proc.stderr and (tmp_path / "run" / "summary.md").read_text() == "another run's\n"
+
+
+FORK_SERVER_SIGINT = """
+import signal
+from multiprocessing import forkserver
+from parity.execute.starting import context, ensure_server, stop_server
+ensure_server(context())
+status = open(f"/proc/{forkserver._forkserver._forkserver_pid}/status").read()
+ignored = int(next(l for l in status.splitlines() if l.startswith("SigIgn:")).split()[1], 16)
+print(bool(ignored & (1 << (signal.SIGINT - 1))), signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+stop_server()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's")
+def test_the_fork_server_ignores_sigint_from_its_start_and_the_parent_keeps_its_handler():
+    """A Ctrl-C to the process group while the fork server imports torch (the first second of
+    every command that runs cells) printed the server's KeyboardInterrupt traceback before
+    parity's one line (review, 2026-12-06): the server starts with SIGINT ignored."""
+    done = subprocess.run([sys.executable, "-c", FORK_SERVER_SIGINT], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]

@@ -49,15 +49,24 @@ def context():
 def ensure_server(ctx) -> None:
     """Start ``ctx``'s fork server if it is one and is not running, with SIGINT blocked: the
     server and every rank it forks inherit the mask, and a rank ignores SIGINT before it
-    unblocks it (the parent handles a Ctrl-C for the whole run)."""
+    unblocks it (the parent handles a Ctrl-C for the whole run). From the main thread SIGINT is
+    also ignored while the server starts, a disposition it keeps through its exec: a Ctrl-C
+    while it imports torch (:data:`PRELOAD`) is the parent's alone, never a traceback of the
+    server's (a Ctrl-C that arrives meanwhile stays pending for the parent, blocked)."""
     if ctx.get_start_method() != "forkserver":
         return
+    import threading
     from multiprocessing import forkserver
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
+        if handler is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         forkserver.ensure_running()
     finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
