@@ -13,7 +13,11 @@ reproducer file (``parity run --model FILE:parity_model`` replays it).
 and I/N (:func:`part_seed`), so the parts draw different models; ``fuzz.md`` names the part.
 
 With ``--fault NAME`` the property is not asserted: every example runs with the fault and the
-campaign counts the examples whose records flag it (sensitivity per 100 examples).
+campaign counts the examples whose records flag it (sensitivity per 100 examples); it exits 1
+when no example flagged it (nothing showed the checks can fail under it), 0 otherwise.
+
+A later part (I > 1) skips hypothesis's first draw, its simplest example whatever the seed,
+which part 1 runs: the parts would otherwise each run it (:func:`examples_of`).
 
 SIGINT/SIGTERM (:mod:`parity.interrupt`) end the campaign after the example in progress is
 abandoned: the pools are killed, the temporary folder removed, the examples that finished are
@@ -80,6 +84,31 @@ def part_seed(seed: int, index: int, count: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}/{count}".encode()).digest()[:4], "big")
 
 
+def examples_of(examples: int, seed: int, *, later_part: bool = False):
+    """The decorator running ``body(spec, values)`` over ``examples`` generated models and axis
+    values drawn with ``seed`` (a failing body is shrunk by hypothesis). Hypothesis draws its
+    simplest example first whatever the seed: part 1 of a split campaign runs it, a
+    ``later_part`` skips it (the parts would otherwise each run it instead of a model of their own)."""
+    from hypothesis import HealthCheck, assume, given, settings
+    from hypothesis import seed as fixed_seed
+
+    from parity_fixtures.generated import axes, specs
+
+    def wrap(body):
+        drawn = [0]
+
+        @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+                  suppress_health_check=list(HealthCheck))
+        @fixed_seed(seed)
+        @given(spec=specs(), values=axes())
+        def example(spec, values):
+            drawn[0] += 1
+            assume(not (later_part and drawn[0] == 1))
+            body(spec, values)
+        return example
+    return wrap
+
+
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
              timeout: float = 120.0, shard: tuple[int, int] = (1, 1)) -> int:
     os.makedirs(out_dir, exist_ok=True)
@@ -98,10 +127,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
 
 def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str, timeout: float,
               signals: Signals, campaign_of: dict, part: str = "") -> int:
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import seed as fixed_seed
-
-    from parity_fixtures.generated import axes, replay_matrix, reproducer, source_for, specs
+    from parity_fixtures.generated import replay_matrix, reproducer, source_for
 
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
     pools = _Pools(device, tmp, signals)
@@ -110,10 +136,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     ran, tries = [0], [0]
     written: list[str] = []  # this campaign's reproducer files (fuzz.json lists these, no others)
 
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
-    @fixed_seed(seed)
-    @given(spec=specs(), values=axes())
+    @examples_of(examples, seed, later_part=campaign_of["index"] > 1)
     def example(spec, values):
         signals.check()
         tries[0] += 1
@@ -152,25 +175,30 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             example()
     except Interrupted:
         if last_failure:  # interrupted while shrinking: the smallest failure found so far
-            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout, fault=fault)
     except OutputError:  # a full disk is not a generated model's failure: exit 74
         raise
     except Exception as exc:  # noqa: BLE001 - a failing property, or hypothesis giving up on a flaky one
         code = 1
         if last_failure:
-            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
+            written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout, fault=fault)
         print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     if fault and last_failure:  # the fault's first failing example, in the same format
-        written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout)
+        written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout,
+                                     fault=fault)
+    missed = bool(fault) and code == 0 and not signals() and not any(caught)
+    code = 1 if missed else code  # a fault no example flagged: nothing here showed the checks can fail under it
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
     if fault:
         lines.append(f"fault {fault} flagged in {sum(caught)} of {len(caught)} examples "
-                     f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)")
+                     f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)"
+                     + ("; flagged in none: exit 1 (no example gave it a place to show, or no check saw it)"
+                        if missed else ""))
     lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}"
                  + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
@@ -185,7 +213,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     write_manifest(out_dir, {
         **campaign_of, "status": "complete", "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
         "interrupted": signals.name if signals() else "", "verdicts": dict(sorted(verdicts.items())),
-        "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "text": text,
+        "inconclusive": inconclusive, "caught": sum(caught) if fault else None, "missed": missed, "text": text,
         "reproducers": sorted(set(written))})
     if signals():
         print(f"parity: interrupted by {signals.name} after {ran[0]} fuzz runs; what finished is in {path}",
@@ -196,7 +224,8 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
 
 def _not_a_run(out: str) -> None:
     """A campaign's files beside a run's results would make ``merge`` and ``report`` read the folder
-    as either: refused (one line, exit 2). A previous campaign's files are replaced, as ``fuzz.md`` is."""
+    as either: refused (one line, exit 2). A previous campaign's files are removed first
+    (:func:`parity.report.fuzz_merge.clear_campaign`)."""
     from parity.errors import UsageError
     from parity.report.outdir import run_files_in
 
@@ -221,8 +250,20 @@ def write_manifest(out_dir: str, fields: dict) -> None:
 
     path = os.path.join(out_dir, MANIFEST)
     with writing(path), open(path, "w") as fh:
-        json.dump({"kind": "parity-fuzz/1", "reproducers": [], **fields, "torch": torch.__version__,
-                   "parity": parity_version()}, fh, indent=1)
+        json.dump({"kind": "parity-fuzz/1", "reproducers": [], "generator": generator_digest(), **fields,
+                   "torch": torch.__version__, "parity": parity_version()}, fh, indent=1)
+
+
+def generator_digest() -> str:
+    """Names the model generator's source: the SHA-256 of every file of ``parity_fixtures`` (the
+    generated models reuse the hand-written fixtures' modules). Parts of one campaign share it."""
+    import parity_fixtures
+
+    from parity.digests import data_sha256, file_sha256
+
+    folder = os.path.dirname(parity_fixtures.__file__)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
+    return data_sha256("\n".join(f"{n} {file_sha256(os.path.join(folder, n))}" for n in names).encode())
 
 
 def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
@@ -235,7 +276,7 @@ def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
 
 
 def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: list, reproducer, replay_matrix,
-                      origin: str, timeout: float) -> list[str]:
+                      origin: str, timeout: float, fault: str = "") -> list[str]:
     """The failing example as a model file (``parity run --model FILE:parity_model``), a matrix
     replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell
     under the campaign's ``timeout`` (a TIMEOUT re-run under the default could pass). Returns the
@@ -250,8 +291,9 @@ def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: l
         fh.write(reproducer(spec))
     with writing(stem + ".toml"), open(stem + ".toml", "w") as fh:
         fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
+    replay = f"python -m parity run --matrix {stem}.toml --timeout {timeout:g}" + (f" --fault {fault}" if fault else "")
     print(f"fuzz: a generated model failed; reproducer: python {os.path.join(out_dir, 'repro_' + spec['name'])}.py "
-          f"(model: {stem}.py; replay both paths: python -m parity run --matrix {stem}.toml)")
+          f"(model: {stem}.py; replay both paths: {replay})")
     return [f"repro_{spec['name']}.py", *(os.path.basename(stem) + ext for ext in (".py", ".toml"))]
 
 
@@ -288,6 +330,9 @@ def fuzz_command(args) -> int:
     device = resolve_device(args.device)
     usable(args.out)  # before the campaign: its results must have somewhere to go
     _not_a_run(args.out)
+    from parity.report.fuzz_merge import clear_campaign
+
+    clear_campaign(args.out)  # an earlier campaign's report or reproducers never read as this one's
     return campaign(examples=args.examples, seed=args.seed, out_dir=args.out, fault=args.fault or "",
                     device=device, timeout=args.timeout,
                     shard=(shard.index, shard.count) if shard else (1, 1))

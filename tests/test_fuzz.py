@@ -64,6 +64,8 @@ def test_the_campaign_catches_a_deliberate_fault(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "parity", "fuzz", "--examples", "4", "--seed", "0", "--fault",
                            "perturb_grad", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert "fault perturb_grad flagged in 4 of 4 examples" in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 0  # flagged: the checks can fail under it (none flagged would be exit 1)
+    assert "replay both paths: python -m parity run --matrix " in proc.stdout and "--fault perturb_grad" in proc.stdout
     # the first failing example's reproducer, in `parity repro`'s format, finds the same first stage
     repro = next(tmp_path.glob("repro_*.py"))
     header = repro.read_text()
@@ -120,3 +122,16 @@ def test_a_fuzz_reproducer_carries_the_campaigns_timeout(tmp_path):
         script = (tmp_path / files[0]).read_text()
         run = script.split("raise SystemExit(")[1]
         assert (carried in run if carried else "timeout" not in run), run
+
+
+def test_the_parts_of_a_split_campaign_draw_models_of_their_own():
+    """Hypothesis draws its simplest example first whatever the seed: every part of an 8-part
+    nightly ran it (review, 2026-12-06). Parts after the first skip it."""
+    from parity.fuzz import examples_of, part_seed
+
+    drawn = []
+    for index in (1, 2, 3):
+        def body(spec, values):
+            drawn.append((index, spec["name"]))
+        examples_of(2, part_seed(0, index, 3), later_part=index > 1)(body)()
+    assert len(drawn) == 6 and len({name for _, name in drawn}) == 6, drawn

@@ -429,6 +429,48 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
     assert "holds a run's results (run.json)" in capsys.readouterr().err
 
 
+def test_a_fuzz_merge_refuses_short_shares_lost_reproducers_another_generator_and_a_used_out(tmp_path, capsys):
+    """Review, 2026-12-06: a part claiming a smaller share, a listed reproducer gone, a part run
+    with an edited generator, each merged as a whole campaign; a merge wrote beside an earlier
+    campaign's report and reproducers. Each is now one line, exit 2."""
+    parts = [_fuzz_part(tmp_path, 1), _fuzz_part(tmp_path, 2)]
+    cases = (("short", dict(asked=1, ran=1), "asked 1 examples, its share of 5 is 2"),
+             ("lost", dict(reproducers=["repro_gen_gone.py"]), "lists reproducer repro_gen_gone.py in fuzz.json, but the "
+                                                               "file is not there"),
+             ("generator", dict(generator="0" * 64), "differ in generator"))
+    for name, changes, said in cases:
+        (tmp_path / name).mkdir()
+        capsys.readouterr()
+        assert main(["merge", parts[0], _fuzz_part(tmp_path / name, 2, **changes), "--out", str(tmp_path / name / "m")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, err
+    used = tmp_path / "used"
+    assert main(["merge", *parts, "--out", str(used)]) == 0
+    (used / "part-9").mkdir()
+    (used / "part-9" / "repro_gen_old.py").write_text("# an earlier campaign's\n")
+    capsys.readouterr()
+    assert main(["merge", *parts, "--out", str(used)]) == 2
+    assert "holds another campaign's files (fuzz.json, fuzz.md, part-9)" in capsys.readouterr().err
+    assert main(["merge", *parts, "--out", str(used), "--overwrite"]) == 0
+    assert not (used / "part-9").exists()
+
+
+def test_a_fault_campaign_exits_1_only_when_no_example_flagged_its_fault(tmp_path):
+    """A ``--fault`` campaign shows the checks can fail under the fault: a part that flagged it
+    in none of its examples exits 1 (``missed``), and the merge exits 0 when some part flagged it."""
+    def part(root, index, caught):
+        root.mkdir(exist_ok=True)
+        return _fuzz_part(root, index, fault="perturb_grad", caught=caught, missed=not caught, code=0 if caught else 1)
+
+    some = [part(tmp_path / "some", 1, 0), part(tmp_path / "some", 2, 2)]
+    assert main(["merge", *some, "--out", str(tmp_path / "some" / "m")]) == 0
+    text = (tmp_path / "some" / "m" / "fuzz-perturb_grad.md").read_text()
+    assert "fault perturb_grad flagged in 2 of 5 examples" in text and "its fault flagged in none" in text
+    none = [part(tmp_path / "none", 1, 0), part(tmp_path / "none", 2, 0)]
+    assert main(["merge", *none, "--out", str(tmp_path / "none" / "m")]) == 1
+    assert "flagged in none: exit 1" in (tmp_path / "none" / "m" / "fuzz-perturb_grad.md").read_text()
+
+
 def test_a_fuzz_part_replaces_an_earlier_campaigns_manifest_before_its_first_example(tmp_path, monkeypatch):
     """A part killed before it finishes leaves a manifest saying it is running, not the finished one
     an earlier campaign left in the same --out (which a merge would count as this part's)."""

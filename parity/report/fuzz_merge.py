@@ -6,7 +6,10 @@ line and exit code 2, parts of another campaign or split, another torch or parit
 twice or missing, or a directory that is not a fuzz part. The merged directory holds one
 ``fuzz.md`` (the campaign's totals, then each part's line), ``fuzz.json`` and every part's
 reproducers under ``part-I/``; the exit code is 0 only when every part finished its share with
-exit code 0 (a part that failed, stopped or ran fewer examples than it asked makes it 1).
+exit code 0 (a part that failed, stopped or ran fewer examples than it asked makes it 1), and for
+a ``--fault`` campaign only when some example flagged the fault. A part whose share is not its
+due of ``examples``, or whose listed reproducer is gone, is refused (exit 2); an ``--out``
+holding another campaign's files needs ``--overwrite``, which removes them first.
 """
 
 from __future__ import annotations
@@ -19,8 +22,28 @@ from collections import Counter
 from parity.errors import UsageError, writing
 
 MANIFEST = "fuzz.json"
-#: Entries every part of one campaign shares.
-SAME = ("seed", "examples", "fault", "count", "torch", "parity")
+#: Entries every part of one campaign shares (``generator``: the digest of the model generator's
+#: source, which an uncommitted edit changes where ``parity``'s commit does not).
+SAME = ("seed", "examples", "fault", "count", "torch", "parity", "generator")
+#: What a campaign (or a merge of one) writes into its ``--out``: a later campaign there replaces
+#: all of it, so no earlier campaign's report or reproducer reads as this one's.
+CAMPAIGN_FILES = ("fuzz.json", "fuzz.md", "fuzz-*.md", "repro_*.py", "reproducer_*.py", "reproducer_*.toml", "part-*")
+
+
+def campaign_files_in(out: str) -> list[str]:
+    """The names in ``out`` an earlier campaign (or merge) wrote (:data:`CAMPAIGN_FILES`)."""
+    import fnmatch
+
+    names = os.listdir(out) if os.path.isdir(out) else []
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in CAMPAIGN_FILES))
+
+
+def clear_campaign(out: str) -> None:
+    """Remove what an earlier campaign wrote into ``out`` (:func:`campaign_files_in`)."""
+    for name in campaign_files_in(out):
+        path = os.path.join(out, name)
+        with writing(path):
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 #: Options every part shares too, compared where written (a part from before they were written
 #: has neither, and matches only another such part).
 SAME_OPTIONS = ("device", "timeout")
@@ -91,18 +114,30 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
     if missing:
         raise UsageError(f"merge: fuzz part {missing[0]}/{first['count']} is missing ({len(missing)} of "
                          f"{first['count']} parts not given); give every part's directory")
+    for d, m in parts:
+        share = m["examples"] // m["count"] + (1 if m["index"] <= m["examples"] % m["count"] else 0)
+        if m["asked"] != share:  # the parts' shares must add up to the campaign
+            raise UsageError(f"merge: {d}/{MANIFEST}: part {m['index']}/{m['count']} asked {m['asked']} examples, its "
+                             f"share of {m['examples']} is {share}; rerun that fuzz part")
+        gone = [f for f in m.get("reproducers", []) if not os.path.isfile(os.path.join(d, f))]
+        if gone:  # the part's evidence of a failure: never merged away in silence
+            raise UsageError(f"merge: {d} lists reproducer {gone[0]} in {MANIFEST}, but the file is not there; "
+                             "rerun that fuzz part")
     return sorted(parts, key=lambda p: p[1]["index"])
 
 
 def _finished(m: dict) -> bool:
-    return m.get("status") == "complete" and m["code"] == 0 and not m.get("interrupted") and m["ran"] >= m["asked"]
+    """The part ran its share to the end: exit 0, or 1 only because its fault was flagged in none
+    of its examples (``missed``: the merge weighs the campaign's catches as a whole)."""
+    clean = m["code"] == 0 or (m["code"] == 1 and m.get("missed") is True)
+    return m.get("status") == "complete" and clean and not m.get("interrupted") and m["ran"] >= m["asked"]
 
 
 def _state(m: dict) -> str:
     if m.get("status") != "complete":
         return "never finished (killed, or still running)"
     if _finished(m):
-        return "finished"
+        return "finished" + (" (its fault flagged in none of its examples)" if m.get("missed") else "")
     return "interrupted by " + m["interrupted"] if m.get("interrupted") else f"exit {m['code']}"
 
 
@@ -119,21 +154,25 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     parts = check_parts(directories)
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
-    if os.path.exists(os.path.join(out, name)) and not overwrite:
-        raise UsageError(f"merge: --out {out} holds another campaign's {name}; pass --overwrite or choose another --out")
+    earlier = campaign_files_in(out)
+    if earlier and not overwrite:
+        raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(earlier[:3])}); pass "
+                         "--overwrite or choose another --out")
+    clear_campaign(out)
     verdicts, inconclusive = Counter(), []
     for _, m in parts:
         verdicts.update(m.get("verdicts", {}))
         inconclusive += m.get("inconclusive", [])
     ran = sum(m["ran"] for _, m in parts)
-    code = 0 if all(_finished(m) for _, m in parts) else 1
     fault = first["fault"]
+    caught = sum(m.get("caught") or 0 for _, m in parts)
+    code = 0 if all(_finished(m) for _, m in parts) and not (fault and not caught) else 1
     lines = [f"fuzz: {ran} runs of a campaign of {first['examples']} examples (seed {first['seed']}"
              f"{', fault ' + fault if fault else ''}; torch {first['torch']}), merged from {len(parts)} parts: "
              + ("every part finished" if code == 0 else "NOT every part finished clean")]
     if fault:
-        caught = sum(m.get("caught") or 0 for _, m in parts)
-        lines.append(f"fault {fault} flagged in {caught} of {ran} examples ({100 * caught / max(1, ran):.0f} per 100)")
+        lines.append(f"fault {fault} flagged in {caught} of {ran} examples ({100 * caught / max(1, ran):.0f} per 100)"
+                     + ("; flagged in none: exit 1" if not caught else ""))
     lines.append(f"runs with an INCONCLUSIVE record: {len(inconclusive)}" + "".join(f"\n  {x}" for x in inconclusive[:20]))
     lines.append("records by verdict: " + ", ".join(f"{k} {v}" for k, v in sorted(verdicts.items())))
     for d, m in parts:
@@ -143,14 +182,14 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     text = "\n".join(lines)
     os.makedirs(out, exist_ok=True)
     for d, m in parts:
-        for f in m.get("reproducers", []):
-            if os.path.isfile(os.path.join(d, f)):
-                os.makedirs(os.path.join(out, f"part-{m['index']}"), exist_ok=True)
-                shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
+        for f in m.get("reproducers", []):  # each there (check_parts)
+            os.makedirs(os.path.join(out, f"part-{m['index']}"), exist_ok=True)
+            shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
     with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
         fh.write(text + "\n")
-    merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1", "status": "complete", "index": None, "asked": first["examples"],
-              "ran": ran, "code": code, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
+    merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1",
+              "status": "complete", "index": None, "asked": first["examples"], "ran": ran, "code": code,
+              "caught": caught if fault else None, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
               "parts": [os.path.abspath(d) for d, _ in parts]}
     with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w") as fh:
         json.dump(merged, fh, indent=1)
