@@ -112,3 +112,24 @@ def test_an_expert_no_token_reaches_is_skipped_only_where_the_reference_agrees(r
     assert _compute_row(base, unread, t, alias, (), {alias}).verdict == "FAIL"
     assert _compute_row(base, unread, t, alias, (), None).verdict == "FAIL"  # no reference word: never a skip
     assert _compute_row(base, unread, t, alias, (), set()).verdict == "SKIP"
+
+
+def test_the_references_forward_readers_stay_out_of_compiled_blocks():
+    """A pre-hook inside a compiled block runs in the graph: dynamo guarded on the rank it noted
+    and recompiled the block per emulated rank until its limit, running it eagerly after (a
+    ``compile.graphs`` FAIL on correct torch; review, 2026-12-06)."""
+    from torch import nn
+
+    from parity.judge.reference import _readers
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    model[1].compile(backend="eager")
+    read = [set()]
+    handles = _readers(model, read, [0])
+    try:
+        assert model[0]._forward_pre_hooks and not model[1]._forward_pre_hooks and not model[1][0]._forward_pre_hooks
+        model(torch.ones(1, 2))
+        assert read == [{"0.weight", "0.bias"}]
+    finally:
+        for h in handles:
+            h.remove()

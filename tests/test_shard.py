@@ -453,6 +453,15 @@ def test_a_fuzz_merge_refuses_short_shares_lost_reproducers_another_generator_an
     assert "holds another campaign's files (fuzz.json, fuzz.md, part-9)" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(used), "--overwrite"]) == 0
     assert not (used / "part-9").exists()
+    inside = tmp_path / "inside"  # parts kept as out/part-I: the merge's own inputs, never removed
+    inside.mkdir()
+    kept = [_fuzz_part(inside, 1), _fuzz_part(inside, 2, reproducer=True)]
+    for i, part in enumerate(kept, 1):
+        os.rename(part, inside / f"part-{i}")
+    kept = [str(inside / "part-1"), str(inside / "part-2")]
+    for overwrite in ([], ["--overwrite"]):
+        assert main(["merge", *kept, "--out", str(inside), *overwrite]) == 0
+        assert (inside / "part-2" / "repro_gen_7.py").is_file() and (inside / "part-1" / "fuzz.json").is_file()
 
 
 def test_a_fault_campaign_exits_1_only_when_no_example_flagged_its_fault(tmp_path):

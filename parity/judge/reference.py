@@ -39,7 +39,7 @@ from torch.func import functional_call
 
 from parity.judge.emulate import Partials, emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
-from parity.model.boundaries import float_buffers, record_boundaries
+from parity.model.boundaries import float_buffers, hookable_modules, record_boundaries
 from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan
@@ -117,7 +117,9 @@ def _readers(model: nn.Module, read: list[set[str]], reading: list) -> list:
                 seen.update(f"{prefix}.{k}" for k, p in (child._parameters.items() if child is not None else ())
                             if p is not None)
         return note
-    return [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()]
+    # not in compiled blocks: a hook there would run inside the graph and recompile it per rank
+    # (``dtype.compute`` reads those modules from the all-gathers instead)
+    return [m.register_forward_pre_hook(hook(n)) for n, m in hookable_modules(model)]
 
 
 def _cast_floats(obj, dtype):

@@ -27,7 +27,10 @@ MANIFEST = "fuzz.json"
 SAME = ("seed", "examples", "fault", "count", "torch", "parity", "generator")
 #: What a campaign (or a merge of one) writes into its ``--out``: a later campaign there replaces
 #: all of it, so no earlier campaign's report or reproducer reads as this one's.
-CAMPAIGN_FILES = ("fuzz.json", "fuzz.md", "fuzz-*.md", "repro_*.py", "reproducer_*.py", "reproducer_*.toml", "part-*")
+CAMPAIGN_FILES = ("fuzz.json", "fuzz.md", "fuzz-*.md", "repro_*.py", "reproducer_*.py", "reproducer_*.toml")
+#: What a merge adds: each part's reproducers under ``part-I/`` (removed by a later merge there,
+#: unless it is one of that merge's own parts).
+MERGED_DIRS = "part-*"
 
 
 def campaign_files_in(out: str) -> list[str]:
@@ -154,11 +157,19 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     parts = check_parts(directories)
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
-    earlier = campaign_files_in(out)
+    inputs = {os.path.realpath(d) for d in directories}
+    import fnmatch
+
+    merged_dirs = [n for n in (os.listdir(out) if os.path.isdir(out) else []) if fnmatch.fnmatch(n, MERGED_DIRS)
+                   and os.path.isdir(os.path.join(out, n)) and os.path.realpath(os.path.join(out, n)) not in inputs]
+    earlier = campaign_files_in(out) + merged_dirs
     if earlier and not overwrite:
-        raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(earlier[:3])}); pass "
+        raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(sorted(earlier)[:3])}); pass "
                          "--overwrite or choose another --out")
     clear_campaign(out)
+    for folder in merged_dirs:
+        with writing(os.path.join(out, folder)):
+            shutil.rmtree(os.path.join(out, folder))
     verdicts, inconclusive = Counter(), []
     for _, m in parts:
         verdicts.update(m.get("verdicts", {}))
@@ -184,7 +195,9 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     for d, m in parts:
         for f in m.get("reproducers", []):  # each there (check_parts)
             os.makedirs(os.path.join(out, f"part-{m['index']}"), exist_ok=True)
-            shutil.copy2(os.path.join(d, f), os.path.join(out, f"part-{m['index']}", f))
+            target = os.path.join(out, f"part-{m['index']}", f)
+            if os.path.realpath(target) != os.path.realpath(os.path.join(d, f)):  # a part kept as out/part-I
+                shutil.copy2(os.path.join(d, f), target)
     with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
         fh.write(text + "\n")
     merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1",
