@@ -111,9 +111,11 @@ def examples_of(examples: int, seed: int, *, later_part: bool = False):
 
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
              timeout: float = 120.0, shard: tuple[int, int] = (1, 1)) -> int:
+    from parity.report.fuzz_merge import share_of
+
     os.makedirs(out_dir, exist_ok=True)
     index, count = shard
-    share = examples // count + (1 if index <= examples % count else 0)
+    share = share_of(examples, index, count)
     campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count,
                    "device": device, "timeout": timeout}
     # until this part ends, its manifest says so: a part killed mid-way never leaves an earlier

@@ -14,6 +14,7 @@ holding another campaign's files needs ``--overwrite``, which removes them first
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -33,20 +34,26 @@ CAMPAIGN_FILES = ("fuzz.json", "fuzz.md", "fuzz-*.md", "repro_*.py", "reproducer
 MERGED_DIRS = "part-*"
 
 
-def campaign_files_in(out: str) -> list[str]:
-    """The names in ``out`` an earlier campaign (or merge) wrote (:data:`CAMPAIGN_FILES`)."""
-    import fnmatch
+def share_of(examples: int, index: int, count: int) -> int:
+    """Part ``index`` of ``count``'s due of a campaign's ``examples`` (the remainder to the first parts)."""
+    return examples // count + (1 if index <= examples % count else 0)
 
+
+def campaign_files_in(out: str, patterns: tuple[str, ...] = CAMPAIGN_FILES) -> list[str]:
+    """The names in ``out`` an earlier campaign wrote (:data:`CAMPAIGN_FILES`), or ``patterns``."""
     names = os.listdir(out) if os.path.isdir(out) else []
-    return sorted(n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in CAMPAIGN_FILES))
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in patterns))
 
 
-def clear_campaign(out: str) -> None:
-    """Remove what an earlier campaign wrote into ``out`` (:func:`campaign_files_in`)."""
-    for name in campaign_files_in(out):
+def clear_campaign(out: str, names: list[str] | None = None) -> None:
+    """Remove ``names`` from ``out`` (files or folders; default: what an earlier campaign wrote,
+    :func:`campaign_files_in`)."""
+    for name in campaign_files_in(out) if names is None else names:
         path = os.path.join(out, name)
         with writing(path):
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+
+
 #: Options every part shares too, compared where written (a part from before they were written
 #: has neither, and matches only another such part).
 SAME_OPTIONS = ("device", "timeout")
@@ -118,7 +125,7 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
         raise UsageError(f"merge: fuzz part {missing[0]}/{first['count']} is missing ({len(missing)} of "
                          f"{first['count']} parts not given); give every part's directory")
     for d, m in parts:
-        share = m["examples"] // m["count"] + (1 if m["index"] <= m["examples"] % m["count"] else 0)
+        share = share_of(m["examples"], m["index"], m["count"])
         if m["asked"] != share:  # the parts' shares must add up to the campaign
             raise UsageError(f"merge: {d}/{MANIFEST}: part {m['index']}/{m['count']} asked {m['asked']} examples, its "
                              f"share of {m['examples']} is {share}; rerun that fuzz part")
@@ -158,18 +165,12 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
     inputs = {os.path.realpath(d) for d in directories}
-    import fnmatch
-
-    merged_dirs = [n for n in (os.listdir(out) if os.path.isdir(out) else []) if fnmatch.fnmatch(n, MERGED_DIRS)
-                   and os.path.isdir(os.path.join(out, n)) and os.path.realpath(os.path.join(out, n)) not in inputs]
-    earlier = campaign_files_in(out) + merged_dirs
+    earlier = sorted(campaign_files_in(out) + [n for n in campaign_files_in(out, (MERGED_DIRS,))
+                                               if os.path.realpath(os.path.join(out, n)) not in inputs])
     if earlier and not overwrite:
-        raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(sorted(earlier)[:3])}); pass "
+        raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(earlier[:3])}); pass "
                          "--overwrite or choose another --out")
-    clear_campaign(out)
-    for folder in merged_dirs:
-        with writing(os.path.join(out, folder)):
-            shutil.rmtree(os.path.join(out, folder))
+    clear_campaign(out, earlier)
     verdicts, inconclusive = Counter(), []
     for _, m in parts:
         verdicts.update(m.get("verdicts", {}))
