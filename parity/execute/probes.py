@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from parity.execute import collectives
 from parity.execute.evaluation import post_forward
 from parity.execute.observation import BufferSeen, ContractsSeen, NamesSnapshot, PackedShards, value_sums
-from parity.model.boundaries import float_buffers, hookable_modules, record_boundaries, record_boundary_variants
+from parity.model.boundaries import float_buffers, hookable_modules, params_read, record_boundaries, record_boundary_variants
 from parity.model.dtypes import dtype_name
 from parity.model.plan import canonical_fqn
 from parity.model.topology import local_region
@@ -254,18 +254,12 @@ class Recorder:
                 return
             if self._gather_step is not None:
                 self._read_gathered(fqn, module)
+                for child_name, child in module._modules.items():  # read by this module directly too
+                    if child is not None:
+                        self._read_gathered(canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name), child)
             if self.reading:
-                for local, p in module._parameters.items():
-                    if p is not None:
-                        self.compute.setdefault(f"{fqn}.{local}" if fqn else local, dtype_name(p.dtype))
-            for child_name, child in module._modules.items():
-                prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
-                if self._gather_step is not None and child is not None:
-                    self._read_gathered(prefix, child)  # read by this module directly (F.conv1d(x, child.weight))
-                if self.reading:
-                    for local, p in (child._parameters.items() if child is not None else ()):
-                        if p is not None:
-                            self._via_parent.setdefault(f"{prefix}.{local}", dtype_name(p.dtype))
+                for key, own, p in params_read(fqn, module):
+                    (self.compute if own else self._via_parent).setdefault(key, dtype_name(p.dtype))
         return hook
 
     def _read_gathered(self, fqn: str, module: nn.Module) -> None:

@@ -39,10 +39,10 @@ from torch.func import functional_call
 
 from parity.judge.emulate import Partials, emulate_tensor_parallel, ordered_sum, shard_group_divisor
 from parity.matrix.cell import Cell
-from parity.model.boundaries import float_buffers, hookable_modules, record_boundaries
+from parity.model.boundaries import float_buffers, hookable_modules, params_read, record_boundaries
 from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.model.formats import fake_quantize
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,
                                  rescales_gradients, state_tensors)
 from parity.model.spec import Fixture
@@ -108,18 +108,12 @@ def _readers(model: nn.Module, read: list[set[str]], reading: list) -> list:
     training forward runs (None: no forward of the loop runs)."""
     def hook(name: str):
         def note(module, args):
-            if reading[0] is None:
-                return
-            seen = read[reading[0]]
-            seen.update(f"{name}.{k}" if name else k for k, p in module._parameters.items() if p is not None)
-            for child_name, child in module._modules.items():
-                prefix = f"{name}.{child_name}" if name else child_name
-                seen.update(f"{prefix}.{k}" for k, p in (child._parameters.items() if child is not None else ())
-                            if p is not None)
+            if reading[0] is not None:
+                read[reading[0]].update(key for key, _, _ in params_read(name, module))
         return note
     # not in compiled blocks: a hook there would run inside the graph and recompile it per rank
     # (``dtype.compute`` reads those modules from the all-gathers instead)
-    return [m.register_forward_pre_hook(hook(n)) for n, m in hookable_modules(model)]
+    return [m.register_forward_pre_hook(hook(canonical_fqn(n))) for n, m in hookable_modules(model)]
 
 
 def _cast_floats(obj, dtype):

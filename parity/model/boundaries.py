@@ -38,6 +38,23 @@ def hookable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, mod) for name, mod in named if not any(under(name, c) for c in compiled)]
 
 
+def params_read(fqn: str, module: nn.Module):
+    """The parameters ``module``'s forward reads, as ``(name, own, parameter)``: its own
+    (``own``), then each child's, which a parent may read directly (``F.conv1d(x,
+    self.conv.weight)``) while the child's own forward never runs. ``fqn``: the module's
+    canonical name. The sharded run and the reference note what forward read by this one rule."""
+    for local, p in module._parameters.items():
+        if p is not None:
+            yield (f"{fqn}.{local}" if fqn else local), True, p
+    for child_name, child in module._modules.items():
+        if child is None:
+            continue
+        prefix = canonical_fqn(f"{fqn}.{child_name}" if fqn else child_name)
+        for local, p in child._parameters.items():
+            if p is not None:
+                yield f"{prefix}.{local}", False, p
+
+
 def record_boundaries(model: nn.Module, sink: dict, when=lambda: True) -> list:
     """Hooks recording each module's floating input/output dtypes into ``sink`` (canonical
     FQN -> {"in": [...], "out": [...]}) while ``when()`` holds. Used by the sharded run and
