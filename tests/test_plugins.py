@@ -276,7 +276,8 @@ def test_a_bf16_weight_meeting_an_fp32_activation_keeps_its_gradient_as_fsdp_doe
                     "ShardReport; fix that path's plan()"),
 ])
 def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_paths(plan, said, monkeypatch, capsys):
-    """One broken installed plugin must not turn ``parity plan`` into a traceback for every model."""
+    """One broken installed plugin must not turn ``parity plan`` into a traceback for every model,
+    nor into exit 0: its crash is a finding (exit 1), named beside the other paths' plans."""
     from parity.cli import main
     from parity.paths import registry
     from parity.paths.legacy import LegacyPath
@@ -286,6 +287,9 @@ def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_
     broken = type("Broken", (LegacyPath,), {"name": "broken", "plan": namespace["plan"]})()
     monkeypatch.setattr(registry, "_extra", {})
     registry.register(broken)
-    assert main(["plan", "--fixture", "kda"]) == 0
+    assert main(["plan", "--fixture", "kda"]) == 1
     out = capsys.readouterr().out
     assert f"path requested=broken: {said}" in out and "requested=native" in out and "requested=legacy" in out
+    monkeypatch.setattr(registry, "_extra", {})
+    assert main(["plan", "--fixture", "unisolatable"]) == 0  # legacy's isolation error is its answer, not a crash
+    assert "requested=legacy: error: legacy dtype-split cannot isolate" in capsys.readouterr().out

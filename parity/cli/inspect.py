@@ -30,13 +30,15 @@ def cmd_plan(args) -> int:
         text, differs = _describe_plan(fixture, config)
         print(("\n" if i else "") + text)
         code = code or int(differs)
-    return code  # 1: a model declares FP32 tensors other than its plan's (the plan check of every cell would fail)
+    return code  # 1: a declaration other than the plan, or a path whose plan() crashed
 
 
 def _describe_plan(fixture, config) -> tuple[str, bool]:
     """The resolved plan, the model's own FP32 declaration beside it, the tensors the two
-    FP32 name rules resolve differently, and every path's units; and whether the declaration
-    (``Fixture.expect_fp32``) differs from the plan."""
+    FP32 name rules resolve differently, and every path's units; and whether something is
+    wrong: the declaration (``Fixture.expect_fp32``) differs from the plan, or a path's own
+    ``plan()`` crashed (a bug of that path's code; a path's refusal, e.g. an isolation error,
+    is its answer and shown, not a failure of ``plan``)."""
     import torch
 
     from parity.judge.plan import declared_fp32
@@ -64,6 +66,7 @@ def _describe_plan(fixture, config) -> tuple[str, bool]:
     for fqn, by_framework, by_tokens in fp32_disagreements(model, fixture.keep_fp32):
         out.append(f"rules disagree: {fqn} is {'FP32' if by_framework else 'not FP32'} under transformers' rule, "
                    f"{'FP32' if by_tokens else 'not FP32'} under whole name parts (Fixture.fp32_rule)")
+    crashed = False
     for path in path_names():
         out.append("")
         try:
@@ -71,9 +74,10 @@ def _describe_plan(fixture, config) -> tuple[str, bool]:
         except ValueError as exc:  # an isolation error, a usage error: the path's own refusal
             out.append(f"path requested={path}: error: {exc}")
         except Exception as exc:  # noqa: BLE001 - a path plugin's bug: said here, the other paths still shown
+            crashed = True
             out.append(f"path requested={path}: error: its plan() failed: {type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''} (a fault of that path's code)")
-    return "\n".join(out), bool(differ)
+    return "\n".join(out), bool(differ) or crashed
 
 
 def cmd_fixtures(args) -> int:
