@@ -31,6 +31,18 @@ def positive(value: str) -> float:
     return x
 
 
+def growth_factor(value: str) -> float:
+    """``compare --factor``: how much a check's worst ratio may grow; finite and >= 1 (below 1 a
+    run compared with itself would regress)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not x >= 1 or not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (a ratio's allowed growth), got {value!r}")
+    return x
+
+
 def max_norm(value: str) -> float:
     """A gradient clipping max-norm: finite and >= 0 (0: no clipping)."""
     try:

@@ -333,6 +333,7 @@ CASES = [
     (["gate", "--from", "{complete}", "-k", "ranks == 2"], "-k does not apply"),
     (["gate", "--from", "{complete}", "--out", "{out}"], "--out does not apply"),
     (["gate", "--from", "{complete}", "--fp64"], "--fp64 does not apply"),
+    (["gate", "--from", "{complete}", "--junit", "{complete}"], "--junit"),
     (["run", "--shard", "1/99999999999999999999", "--out", "{out}"], "at most 1024 parts"),
     (["run", "--shard", "1/1025", "--list"], "at most 1024 parts"),
     (["run", "--matrix", "{matrix_microbatches}", "--out", "{out}"], "(1 <= K <= 64)"),
@@ -364,7 +365,8 @@ CASES = [
     (["compare", "{digest_notjson}", "{complete}"], "digest.json is unreadable"),
     (["compare", "{digest_shape}", "{complete}"], "not a digest as parity writes it"),
     (["compare", "{bench_row}", "{bench_row}"], "bench.csv row 2: not a bench row"),
-    (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a positive number"),
+    (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a finite number >= 1"),
+    (["compare", "{complete}", "{complete}", "--factor", "0.5"], "--factor: must be a finite number >= 1"),  # a run regresses from itself
     (["compare", "{complete}", "{complete}", "--write-digest", "{afile}"], "--write-digest {afile}: is a file"),
     # report
     (["report", "{csv_verdict}"], "cells.csv row 2: not a parity record"),

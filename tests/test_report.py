@@ -26,7 +26,7 @@ def gated(tmp_path_factory):
     proc = _parity("run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
                    "--fault", "perturb_grad", "--out", out)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    proc = _parity("gate", "--from", out)
+    proc = _parity("gate", "--from", out, "--junit", os.path.join(out, "gate-junit.xml"))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
 
@@ -44,6 +44,8 @@ def test_a_gate_over_a_filtered_faulted_run_records_what_it_left_out(gated):
     assert meta["versions"]["torch"] and meta["device"] == "cpu"
     assert [d["decision"] for d in meta["decisions"]] == ["NO-GO"]
     assert "complete: **no**" in open(os.path.join(gated, "gate.md")).read()
+    junit = open(os.path.join(gated, "gate-junit.xml")).read()  # gate --from writes the decisions' cases too
+    assert 'type="NO-GO"' in junit and 'name="kda"' in junit, junit[-1500:]
     assert "Injected fault perturb_grad: flagged in 2 of 2 cells that ran." in open(os.path.join(gated, "summary.md")).read()
 
 
@@ -95,7 +97,7 @@ def test_report_renders_in_headless_chromium(gated):
 @pytest.mark.slow
 @pytest.mark.xdist_group("report")
 def test_compare_passes_identical_results_and_flags_a_worsened_copy(gated, tmp_path):
-    same = _parity("compare", gated, gated)
+    same = _parity("compare", gated, gated, "--write-digest", str(tmp_path / "baseline"))
     assert same.returncode == 0 and "NO REGRESSION" in same.stdout
     worse = tmp_path / "worse"
     worse.mkdir()
@@ -108,12 +110,41 @@ def test_compare_passes_identical_results_and_flags_a_worsened_copy(gated, tmp_p
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    flagged = _parity("compare", gated, str(worse), "--write-digest", str(tmp_path / "baseline"))
+    flagged = _parity("compare", gated, str(worse))
     assert flagged.returncode == 1
     assert f"cell {victim['cell']}: PASS -> FAIL" in flagged.stdout and "worst ratio" in flagged.stdout
+    # a cells.csv without run.json: nothing says it holds every row (a cut copy read as green)
+    assert "the new run is of unknown status (no run.json beside its cells.csv)" in flagged.stdout
     # a committed baseline is just the digest: comparing against it works the same
     again = _parity("compare", str(tmp_path / "baseline"), str(worse))
-    assert again.returncode == 0, again.stdout
+    assert again.returncode == 1 and f"cell {victim['cell']}: PASS -> FAIL" in again.stdout, again.stdout
+    refused = _parity("compare", str(worse), gated)  # such a directory is no baseline
+    assert refused.returncode == 2 and "of unknown status (no run.json" in refused.stderr, refused.stderr
+
+
+def test_compare_keeps_cross_path_ratios_apart_and_flags_a_pair_that_stopped_being_compared(tmp_path):
+    """A cross-path row's ratio grew unseen under the same check's own-cell maximum (one key per
+    fixture and check), and a FAIL pair that turned UNPAIRED read as an improvement (review)."""
+    from parity.judge.record import Record, Verdict
+    from parity.report.compare import compare, digest
+    from parity.report.records import RecordWriter
+
+    rows = [Record(cell="kda/native/r1", fixture="kda", path="native", check="grad_norm", verdict=Verdict.PASS,
+                   observed=0.1, allowed=1.0, ratio=0.1),
+            Record(cell="kda/native/r1", fixture="kda", path="legacy~native", check="grad_norm",
+                   verdict=Verdict.PASS, observed=0.02, allowed=1.0, ratio=0.02)]
+    writer = RecordWriter(str(tmp_path / "cells.csv"))
+    writer.write(rows)
+    writer.close()
+    checks = digest(str(tmp_path))["checks"]
+    assert checks == {"kda|grad_norm": 0.1, "kda|grad_norm (cross-path)": 0.02}
+    old = {"cells": {"m/r1/s0": "FAIL"}, "checks": checks, "status": "complete"}
+    new = {"cells": {"m/r1/s0": "UNPAIRED"}, "status": "complete",
+           "checks": {**checks, "kda|grad_norm (cross-path)": 0.105}}
+    bad, _ = compare(old, new)
+    assert bad == ["cell m/r1/s0: FAIL -> UNPAIRED",
+                   "check kda / grad_norm (cross-path): worst ratio 0.02 -> 0.105 (grew more than 2x)"], bad
+    assert compare(new, {**new, "cells": {"m/r1/s0": "PASS"}})[0] == []  # compared again: no regression
 
 
 def test_bench_trains_a_model_keeping_other_gradient_dtypes_with_sgd():
@@ -240,6 +271,10 @@ def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_
     write_html(str(tmp_path), records, {"status": "complete", "cells": ["kda/native/r2"]})
     page = (tmp_path / "report.html").read_text()
     assert "first divergent stage: gather" in page and f"The first {SHOWN_FAILING}" in page and "id='banner'" not in page
+    write_html(str(tmp_path), records)  # no run.json in tmp_path: nothing says these are every cell's rows
+    assert "How this run ended is not recorded (no run.json)" in (tmp_path / "report.html").read_text()
+    write_html(str(tmp_path), records, {"cells": ["kda/native/r2"]})
+    assert "How this run ended is not recorded (run.json records no status)" in (tmp_path / "report.html").read_text()
     write_html(str(tmp_path), grads[:1], {"status": "interrupted", "cells": ["kda/native/r2", "kda/legacy/r2"]})
     assert "Run interrupted: 1 of 2 cells not run (e.g. kda/legacy/r2)" in (tmp_path / "report.html").read_text()
     skipped = [Record(**base, check="run", name="cell", verdict=Verdict.SKIP, detail="needs 2 GPUs")]

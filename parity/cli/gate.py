@@ -129,12 +129,18 @@ def _after_run(args, opts: dict, code: int, candidate: str, baseline: dict | Non
 
 def _only_judging(args) -> None:
     """``gate --from DIR`` judges that run as it ran and writes beside it: an option that selects,
-    runs or places cells would be ignored, so it is refused instead (one line, exit 2)."""
-    given = [k for k in (*RUN_DEFAULTS, "overwrite", "resume") if getattr(args, k, None) not in (None, [], False)]
+    runs or places cells would be ignored, so it is refused instead (one line, exit 2). ``--junit``
+    applies: the gate writes that run's cases and its decisions there (checked writable first)."""
+    given = [k for k in (*RUN_DEFAULTS, "overwrite", "resume") if getattr(args, k, None) not in (None, [], False)
+             and k != "junit"]
     if given:
         flag = "-k" if given[0] == "filter" else "--" + given[0].replace("_", "-")
         raise UsageError(f"gate --from {args.from_dir} judges that run as it ran (its gate files go beside it): "
                          f"{flag} does not apply; drop it, or run a new gate with it (gate {flag} ... --out DIR)")
+    if args.junit is not None:
+        from parity.report.outdir import writable_file
+
+        writable_file(args.junit, "--junit")
 
 
 def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | None, signals: Signals) -> int:

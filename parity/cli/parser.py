@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from parity.arguments import growth_factor as _growth_factor
 from parity.arguments import max_norm as _max_norm
 from parity.arguments import path as _path
 from parity.arguments import positive as _positive
@@ -138,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="two result directories side by side; exit 1 on a regression")
     cmp.add_argument("old", type=_path, help="baseline results directory (cells.csv / bench.csv, or a digest.json)")
     cmp.add_argument("new", type=_path, help="results directory to judge")
-    cmp.add_argument("--factor", type=_positive, default=2.0, help="a check's worst ratio may grow this much (2)")
+    cmp.add_argument("--factor", type=_growth_factor, default=2.0, help="a check's worst ratio may grow this much (2; >= 1)")
     cmp.add_argument("--write-digest", type=_path, metavar="DIR", help="also write NEW's digest.json into DIR (a baseline)")
     add_bench_arguments(sub)
     return p

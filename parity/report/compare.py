@@ -28,7 +28,7 @@ import os
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
 from parity.report.outdir import MANIFEST, read_json, read_manifest, recorded, usable
-from parity.report.summary import spread
+from parity.report.summary import check_label, spread
 
 DIGEST = "digest.json"
 #: A memory figure above this multiple of OLD's is a regression (see the module docstring).
@@ -92,7 +92,7 @@ def digest(directory: str) -> dict:
         if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
             cells[r.cell] = str(r.verdict)
         if isinstance(r.ratio, float) and math.isfinite(r.ratio):
-            key = f"{r.fixture}|{r.check}"
+            key = f"{r.fixture}|{check_label(r)}"
             checks[key] = max(checks.get(key, 0.0), r.ratio)
     out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory)}
     if os.path.isfile(bench_csv):
@@ -102,26 +102,35 @@ def digest(directory: str) -> dict:
     return out
 
 
+#: The status of a ``cells.csv`` with no ``run.json`` beside it: nothing records how that run ended
+#: or how many rows it wrote, so a cut file would read as a run of fewer cells.
+UNRECORDED = "of unknown status (no run.json beside its cells.csv)"
+
+
 def _run_of(directory: str) -> dict:
     """The matrix and status ``run.json`` records; a bench's status from its ``bench.json`` (a
-    bench a signal stopped is interrupted); nothing for a hand-made directory."""
+    bench a signal stopped is interrupted); :data:`UNRECORDED` for cells without ``run.json``."""
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
         bench = os.path.join(directory, "bench.json")
         if os.path.isfile(bench):
             stopped = read_json(bench, "rerun parity bench").get("interrupted")
             return {"matrix": "", "status": f"interrupted ({stopped})" if stopped else "complete"}
-        return {"matrix": ""}
+        return {"matrix": "", "status": UNRECORDED} if os.path.isfile(os.path.join(directory, "cells.csv")) else {
+            "matrix": ""}
     manifest = read_manifest(directory)
     return {"matrix": str((manifest.get("options") or {}).get("matrix", "")), "status": manifest.get("status", "")}
 
 
 def _worse(old: str | None, new: str) -> bool:
     """Whether verdict ``new`` is a regression from ``old`` (``None``: OLD lacks the cell): more severe,
-    an alarm OLD did not have, or a SKIP where OLD checked the cell (what it showed is gone)."""
+    an alarm OLD did not have, or a SKIP / UNPAIRED where OLD checked the cell or compared the pair
+    (what it showed is gone: a FAIL that turns UNPAIRED was not fixed, it is no longer looked at)."""
     if new == old:
         return False
+    if Verdict(new) in (Verdict.SKIP, Verdict.UNPAIRED) and old is not None:
+        return True
     if Verdict(new) == Verdict.SKIP:
-        return old is not None
+        return False
     if old is None:
         return Verdict(new) in ALARMS
     return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or (
@@ -130,14 +139,16 @@ def _worse(old: str | None, new: str) -> bool:
 
 def _unfinished(d: dict) -> str:
     """Why digest ``d`` holds no finished run ('' when it does): its run's status other than
-    ``complete`` (a bench or hand-made directory without ``run.json`` counts as complete)."""
+    ``complete`` (a bench without ``bench.json`` counts as complete: its rows are its counts)."""
     status = d.get("status", "complete")
     return "" if status == "complete" else f"{status or 'of unknown status'}, not complete"
 
 
 def _finish(d: dict, directory: str) -> str:
     """How an unfinished run of digest ``d`` is finished: a matrix run resumes, a bench runs again."""
-    return f"finish it with parity run --resume {directory}" if d.get("matrix") else "run that bench again"
+    if d.get("matrix"):
+        return f"finish it with parity run --resume {directory}"
+    return "rerun the matrix into a new --out" if d.get("status") == UNRECORDED else "run that bench again"
 
 
 def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) -> tuple[list[str], list[str]]:

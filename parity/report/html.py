@@ -155,7 +155,10 @@ def _banners(records: list[Record], run: dict | None) -> list[str]:
     """What the counts below would not say: a run that stopped before every cell ran (its
     ``run.json`` status), or one that checked nothing (every cell skipped): both exit non-zero."""
     out = []
-    if run is not None and run.get("status") not in (None, "complete"):
+    if run is None or not run.get("status"):  # nothing says the rows below are every cell of a run
+        out.append("How this run ended is not recorded (" + ("no run.json" if run is None else "run.json records no "
+                   "status") + "): the counts below are of the rows cells.csv holds, not known to be every cell.")
+    elif run.get("status") != "complete":
         listed = run.get("cells") if isinstance(run.get("cells"), list) else []
         done = {r.cell for r in records}
         missing = [c for c in listed if c not in done]

@@ -17,6 +17,12 @@ def is_pair(r: Record) -> bool:
     return "~" in r.path
 
 
+def check_label(r: Record) -> str:
+    """The check a record's ratio is reported under: a cross-path row's apart from the cell's own
+    (their allowances differ, so one's growth must not hide under the other's maximum)."""
+    return f"{r.check} (cross-path)" if is_pair(r) else r.check
+
+
 def cell_verdicts(records: list[Record]) -> dict[str, str]:
     """A cell's verdict is its worst record's (TIMEOUT/ERROR > FAIL > PASS > SKIP); cross-path
     comparisons are counted per pair (:func:`pair_verdicts`)."""
@@ -54,7 +60,7 @@ def worst_ratios(records: list[Record]) -> dict[str, Record]:
     for r in records:
         if not isinstance(r.ratio, float) or math.isnan(r.ratio):
             continue
-        key = f"{r.check} (cross-path)" if is_pair(r) else r.check
+        key = check_label(r)
         if key not in worst or r.ratio > worst[key].ratio:
             worst[key] = r
     return dict(sorted(worst.items()))
@@ -120,7 +126,7 @@ def ratio_rows(records: list[Record]) -> list[list[str]]:
     vacuity: dict[str, list[float]] = defaultdict(list)
     for r in records:
         if isinstance(r.ratio, float) and not math.isnan(r.ratio):
-            key = f"{r.check} (cross-path)" if is_pair(r) else r.check
+            key = check_label(r)
             ratios[key].append(r.ratio)
             if isinstance(r.allowed_over_signal, float) and not math.isnan(r.allowed_over_signal):
                 vacuity[key].append(r.allowed_over_signal)
