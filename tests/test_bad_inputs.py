@@ -138,6 +138,9 @@ def _files(t) -> dict[str, str]:
                  "build=_build"),
                 ("frozen", PATCHED_FORWARD.format(forward="f\n    m.requires_grad_(False)"), "build=_build"),
                 ("loss_shape", "", "loss=lambda out, target: (out - target) ** 2"),
+                # a loss no gradient flows from: backward raises in every cell (review)
+                ("loss_cut", "", "loss=lambda out, target: ((out - target) ** 2).mean().detach()"),
+                ("output_cut", "", "output=lambda out: out.detach()"),
                 ("compute_typo", "", "compute_dtypes={'nope.weight': 'float32'}"),
                 ("expect_typo", "", "expect={'nativ': 'fallback:mixes'}"),
                 ("lazy", "def _build():\n    m = registered()['kda'].build()\n    m.head = nn.LazyLinear(4)\n"
@@ -206,6 +209,7 @@ def _files(t) -> dict[str, str]:
     f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv",
                                             "fixture,path,metric,value\nkda,legacy,units,x\n"))
     f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
+    f["no_cells"] = results(t / "no_cells", {})  # a complete run of no cell (an empty part): no baseline
     return f
 
 
@@ -270,6 +274,10 @@ CASES = [
     (["run", "--model", "{tuple_out}", "--out", "{out}"], "its forward returns tuple, not a tensor; set Fixture.output"),
     (["plan", "--model", "{tuple_out}"], "plan: model 'tuple_out': its forward returns tuple"),
     (["run", "--model", "{ignores_input}", "--out", "{out}"], "does not differentiate Batch.inputs[0]"),
+    (["plan", "--model", "{loss_cut}"], "Fixture.loss returns a tensor cut off from the output's graph "
+                                        "(requires_grad False)"),
+    (["run", "--model", "{output_cut}", "--out", "{out}"], "Fixture.output returns a tensor no trainable parameter "
+                                                          "reaches"),
     (["gate", "--model", "{loss_shape}", "--matrix", "smoke", "--out", "{out}"], "Fixture.loss returns (2, 8, 32), not one number"),
     (["plan", "--model", "{frozen}"], "no parameter of the model is trainable"),
     (["plan", "--model", "{compute_typo}"], "Fixture.compute_dtypes names 'nope.weight', which is not a parameter"),
@@ -358,7 +366,8 @@ CASES = [
     # compare
     (["compare", "{interrupted}", "{complete}"], "compare {interrupted}: that run is interrupted, not complete"),
     (["compare", "{empty}", "{complete}"], "no cells.csv, bench.csv or digest.json"),
-    (["compare", "{header_only}", "{complete}"], "holds no results"),
+    (["compare", "{header_only}", "{complete}"], "of unknown status (no run.json beside its cells.csv)"),
+    (["compare", "{no_cells}", "{complete}"], "holds no results"),
     (["compare", "{csv_verdict}", "{complete}"], "cells.csv row 2: not a parity record"),
     (["compare", "{complete}", "{csv_number}"], "cells.csv row 2: not a parity record"),
     (["compare", "{gate_runjson_notjson}", "{complete}"], "run.json is unreadable"),

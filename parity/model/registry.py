@@ -57,8 +57,9 @@ def built(fixture: Fixture, where: str):
 
 def exercised(fixture: Fixture, model, where: str) -> None:
     """One forward and backward of ``model`` (a fresh build) on the first batch, as the reference
-    runs it: a forward whose result is not a tensor, a loss that is not one number, or a first
-    input the forward never differentiates would fail every cell (or judge nothing), so it is a
+    runs it: a forward whose result is not a tensor, a loss that is not one number or that no
+    gradient flows from, or a first input the forward never differentiates would fail every cell
+    (or judge nothing), so it is a
     :class:`UsageError` naming the field and the fix now. A forward, loss or backward that
     raises is left to the cells, which record it with the rank."""
     batch = fixture.batch(0, 0, 0, 0)
@@ -78,8 +79,13 @@ def exercised(fixture: Fixture, model, where: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise UsageError(f"{name}: Fixture.loss returns {shape}, not one number; return a scalar loss (e.g. .mean())")
-    if fixture.token_input or not loss.requires_grad:
-        return  # integer input; or nothing differentiable: the cells report which parameters get no gradient
+    if not loss.requires_grad:  # backward would raise in every cell: no step could be judged
+        what = ("Fixture.loss returns a tensor cut off from the output's graph" if out.requires_grad else
+                f"{'its forward' if out is raw else 'Fixture.output'} returns a tensor no trainable parameter reaches")
+        raise UsageError(f"{name}: {what} (requires_grad False), so no gradient can be computed; compute the loss "
+                         "from the output without .detach(), .item() or torch.no_grad()")
+    if fixture.token_input:
+        return  # integer input: no input gradient to look for
     try:
         loss.backward()
     except _USER_FAILURES:
