@@ -40,7 +40,7 @@ from parity.execute import knobs
 from parity.execute.pool import CellFailure
 from parity.execute.pools import Pools
 from parity.interrupt import Interrupted, Signals, exit_code
-from parity.judge.cell import base_fields, failure_record, judge_cell
+from parity.judge.cell import base_fields, failure_record, judge_cell, still_judged
 from parity.judge.compare import cross_path
 from parity.judge.divergence import NUMERIC, locate, traced_step
 from parity.judge.record import BAD, Record, Unpaired, Verdict
@@ -262,7 +262,8 @@ class _Run:
                                 require_native=self.options.require_native)
         except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.NOT_JUDGED, f"{cell.path} could not be judged")
-            return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}")]
+            return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}"),
+                    *still_judged(cell, observations)]
         new = judged.records
         if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):
             new = new + self._divergence(cell, signals, new)

@@ -138,3 +138,42 @@ def test_same_seed_gives_identical_cells_csv(run_matrix, tmp_path):
     run_matrix(cells, name="a")
     run_matrix(cells, name="b")
     assert filecmp.cmp(tmp_path / "a" / "cells.csv", tmp_path / "b" / "cells.csv", shallow=False)
+
+
+#: Imported by every process of a run: the ranks' ``fully_shard`` drops ``ignored_params`` (a
+#: bug sharding what the model keeps out of FSDP). The parent never shards, so its reference is
+#: untouched.
+SHARDS_IGNORED = (
+    "import torch.distributed as dist\n"
+    "import torch.distributed.fsdp as fsdp\n"
+    "_orig = fsdp.fully_shard\n\n\n"
+    "def fully_shard(module, *args, **kwargs):\n"
+    "    if dist.is_initialized() and kwargs.get('ignored_params'):\n"
+    "        kwargs['ignored_params'] = None\n"
+    "    return _orig(module, *args, **kwargs)\n\n\n"
+    "fsdp.fully_shard = fully_shard\n")
+
+
+@pytest.mark.xdist_group("isolation")
+def test_a_cell_whose_judging_crashes_keeps_the_checks_that_need_no_reference(tmp_path):
+    """FSDP sharding an ignored parameter made the reference's shapes disagree and judging raise:
+    the cell was one ERROR naming a shape, no parameter (review). The checks that read only the
+    ranks' observations are kept beside that ERROR: ``ownership`` FAILs naming the parameter."""
+    import os
+    import subprocess
+    import sys
+
+    from parity.report.records import read_records
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SHARDS_IGNORED)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "default", "--paths", "native", "-k",
+                           "fixture == 'ignored' and ranks == 2 and microbatches == 1 and checkpointing == 'none'",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    records = read_records(str(out / "cells.csv"))
+    assert any(r.check == "run" and r.verdict == "ERROR" and "judging failed" in r.detail for r in records)
+    owned = {r.name.split("@")[0] for r in records if r.check == "ownership" and r.verdict == "FAIL"}
+    assert owned, sorted({(r.check, r.verdict) for r in records})

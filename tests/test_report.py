@@ -210,6 +210,14 @@ def test_bench_that_measured_nothing_fails_and_a_fallback_is_named_beside_its_ro
     with open(tmp_path / "fell" / "bench.csv") as fh:
         assert {r["path_taken"] for r in csv.DictReader(fh)} == {"legacy"}
     assert "mixed_storage / native: took legacy (fell back)" in (tmp_path / "fell" / "bench.md").read_text()
+    # the same isolation error, not declared by the model: a failure, as its matrix cell is (review)
+    source = tmp_path / "undeclared.py"
+    source.write_text("import dataclasses\nfrom parity.model.registry import registered\n\n\ndef model():\n"
+                      "    return dataclasses.replace(registered()['unisolatable'], name='undeclared', expect={})\n")
+    assert main(["bench", "--model", f"{source}:model", "--paths", "legacy,native", "--ranks", "1", "--warmup",
+                 "0", "--steps", "1", "--out", str(tmp_path / "undeclared")]) == 1
+    md = (tmp_path / "undeclared" / "bench.md").read_text()
+    assert "undeclared / legacy: ERROR: " in md and "declared isolation error" not in md, md
 
 
 def test_the_workflow_is_valid_yaml_and_runs_only_documented_commands():
@@ -251,6 +259,17 @@ def test_compare_judges_one_sample_bench_figures_memory_by_growth_and_lists_the_
     assert not bad and info == ["bench kda / native / memory cuda max_memory_allocated MiB: 100 -> 105 "
                                 "(one sample each side: not judged)"]
     assert compare(old, bench(100.0, 2.0, steps=(13.0, 1.0)))[0]  # a timed metric keeps its IQR rule
+    # ... for growth only (a faster step is not a regression), and not on CPU, where times only
+    # order the paths (the exit code followed the machine's noise); a newly failing model is
+    bad, info = compare(old, bench(100.0, 2.0, steps=(7.0, 1.0)))
+    assert not bad and info[-1].endswith("(less)"), info
+    on_cpu = [{**b, "bench": {k: {**v, "device": "cpu"} for k, v in b["bench"].items()}} for b in (old, bench(
+        100.0, 2.0, steps=(13.0, 1.0)))]
+    bad, info = compare(*on_cpu)
+    assert not bad and info[-1].endswith("(a CPU time: listed, not judged)"), info
+    bad, _ = compare(old, {**old, "bench_failed": ["broken|native"]})
+    assert bad == ["bench broken / native: not measured now (bench.md says why)"]
+    assert compare({**old, "bench_failed": ["broken|native"]}, {**old, "bench_failed": ["broken|native"]}) == ([], [])
 
 
 def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_say_when_a_run_is_not_green(tmp_path):

@@ -31,6 +31,16 @@ def bench_optimizer(name: str, source: str) -> str:
     return "sgd" if get_fixture(name, source).grad_dtypes else "adamw"
 
 
+def declared_isolation(name: str, source: str, path: str, reason: str) -> bool:
+    """Whether a failed bench run is the isolation error the model declares for ``path``
+    (``Fixture.expect``), as a matrix cell judges it; an undeclared one is a failure."""
+    from parity.model.registry import get_fixture
+    from parity.paths import get_path
+
+    return "IsolationError" in reason and get_fixture(name, source).expects(
+        path, get_path(path).contract)[0] == "isolation-error"
+
+
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
               steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
@@ -44,7 +54,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
     usable(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     todo = [(name, source, path) for name, source in models for path in paths]
-    rows, failures, code, ran = [], [], 0, 0
+    rows, failures, failed, fell_back, code, ran = [], [], [], [], 0, 0
     with Signals() as signals:
         tmp = tempfile.mkdtemp(prefix="parity-bench-")
         pool = RankPool(ranks, device, tmp=tmp, stop_requested=signals)
@@ -62,15 +72,17 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                     if signals():  # a rank killed by the same signal is not this model's failure
                         break
                     ran += 1
-                    declared = "IsolationError" in exc.reason
+                    declared = declared_isolation(name, source, path, exc.reason)
                     failures.append(f"{name} / {path}: {exc.verdict}"
                                     + (" (declared isolation error: this path cannot shard it)" if declared
                                        else f": {exc.reason.splitlines()[0][:300]}"))
-                    code = code if declared else 1
+                    if not declared:
+                        failed.append(f"{name}|{path}")
+                        code = 1
                     continue
                 if results[0].taken != path:  # its rows are another path's cost: say so where they are read
-                    failures.append(f"{name} / {path}: took {results[0].taken} (fell back); the rows labelled "
-                                    f"{path} measure {results[0].taken}")
+                    fell_back.append(f"{name} / {path}: took {results[0].taken} (fell back); the rows labelled "
+                                     f"{path} measure {results[0].taken}")
                 new = rows_for(name, path, ranks, device, results)
                 rows += new
                 ran += 1
@@ -83,6 +95,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
         if signals():
             failures += [f"{n} / {p}: not run (interrupted by {signals.name})" for n, _, p in todo[ran:]]
         if not rows and not signals():  # nothing measured is not a measurement, declared or not
+            failed += [f"{n}|{p}" for n, _, p in todo if f"{n}|{p}" not in failed]
             print(f"parity: bench measured nothing: none of the {len(todo)} model x path runs could be "
                   "measured (bench.md lists why)", file=sys.stderr)
             code = 1
@@ -99,7 +112,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                 print(f"parity: bench --harness {harness}: the harness run did not pass ({verdict_line(cost)}); see "
                       f"{os.path.join(out_dir, 'harness', 'summary.md')}", file=sys.stderr)
             code = code or (1 if run_code else 0)
-        _write(out_dir, rows, failures, device=device, warmup=warmup, steps=steps, ranks=ranks,
+        _write(out_dir, rows, failures, device=device, failed=failed, fell_back=fell_back, warmup=warmup, steps=steps, ranks=ranks,
                plots=plots and not signals(), interrupted=signals.name, harness=cost)
         if signals():
             print(f"parity: interrupted by {signals.name} after {ran} of {len(todo)} model x path "
@@ -109,16 +122,20 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
 
 
 def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, warmup: int, steps: int,
-           ranks: int, plots: bool, interrupted: str, harness: dict | None = None) -> None:
+           ranks: int, plots: bool, interrupted: str, harness: dict | None = None, failed: list[str] = (),
+           fell_back: list[str] = ()) -> None:
+    """``failures``: why each model x path has no rows; ``failed``: the ``model|path`` keys of those
+    that make bench exit 1 (``compare`` reads them: a new one is a regression); ``fell_back``: paths
+    whose rows measure the path they fell back to."""
     env = environment(device)
     meta = {"environment": env, "warmup": warmup, "steps": steps, "ranks": ranks, "not_measured": failures,
-            **({"harness": harness} if harness else {})}
+            "failed": list(failed), "fell_back": list(fell_back), **({"harness": harness} if harness else {})}
     path = os.path.join(out_dir, "bench.csv")
     with writing(path):
         write_csv(path, rows)
     path = os.path.join(out_dir, "bench.md")
     with writing(path), open(path, "w") as fh:
-        text = markdown(rows, env, warmup=warmup, steps=steps, failures=failures)
+        text = markdown(rows, env, warmup=warmup, steps=steps, failures=failures, fell_back=fell_back)
         if harness:
             from parity.bench.harness import markdown as harness_markdown
 

@@ -58,7 +58,8 @@ def _fmt(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def markdown(rows: list[dict], env: dict[str, str], *, warmup: int, steps: int, failures: list[str]) -> str:
+def markdown(rows: list[dict], env: dict[str, str], *, warmup: int, steps: int, failures: list[str],
+             fell_back: list[str] = ()) -> str:
     lines = ["# parity bench", "", "## Environment", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     lines += ["", f"{warmup} warm-up steps, then {steps} measured steps between barriers (step time: median, "
@@ -91,6 +92,8 @@ def markdown(rows: list[dict], env: dict[str, str], *, warmup: int, steps: int, 
         lines.append("")
     if failures:
         lines += ["## Not measured", ""] + [f"- {f}" for f in failures] + [""]
+    if fell_back:
+        lines += ["## Measured as another path (fell back)", ""] + [f"- {f}" for f in fell_back] + [""]
     return "\n".join(lines)
 
 

@@ -77,6 +77,30 @@ def _expected_error_records(cell: Cell, observations: list[Observation], fixture
                    detail=f"on all {len(observations)} rank(s): {first}")]
 
 
+def reference_free(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
+    """The checks that read only the ranks' observations and the plan they reported -- the plan,
+    the ranks' agreement, each unit's composition (ownership, placement) -- and no reference:
+    what a cell whose numeric judging crashed can still say (a parameter FSDP sharded that the
+    model ignores is an ``ownership`` FAIL, not only the shape error it causes downstream)."""
+    plan = observations[0].plan
+    records = plan_check.check(cell, get_fixture(cell.fixture, cell.source), observations, base)
+    if cell.ranks > 1:
+        records += agreement_records(observations, plan, base)
+    return records + composition.check(cell, observations, plan, base)
+
+
+def still_judged(cell: Cell, observations: list[Observation]) -> list[Record]:
+    """:func:`reference_free` for a cell whose judging raised; nothing when those checks raise too
+    (or the ranks reported no plan): the cell's ERROR record stands alone."""
+    first = observations[0] if observations else None
+    if first is None or first.plan is None or first.report is None or first.expected_error:
+        return []
+    try:
+        return reference_free(cell, observations, base_fields(cell, first.report.taken, first.report.fallback_reason))
+    except Exception:  # noqa: BLE001 - the judging error is the finding; these are extra evidence
+        return []
+
+
 def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = False, device="cpu",
                require_native: bool = False) -> Judged:
     """Records for one cell. ``require_native``: a fallback the fixture does not declare
@@ -117,15 +141,12 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))
-    records += plan_check.check(cell, fixture, observations, base)
-    if cell.ranks > 1:
-        records += agreement_records(observations, plan, base)
+    records += reference_free(cell, observations, base)
     records += contracts.check(cell, observations, ref, base)
     records += accumulation.check(cell, observations, ref, base)
     records += shards.check(cell, observations, ref, plan, base)
     records += partials.check(cell, observations, ref, plan, base)
     records += tensor_parallel.check(cell, observations, ref, plan, base)
-    records += composition.check(cell, observations, plan, base)
     befores = [before for before, _ in replayed]
     records += quantized.check(cell, observations, plan, befores, base)
     # what each step gathered from: the initial model, then the masters the ranks held after each step

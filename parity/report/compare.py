@@ -11,8 +11,10 @@ recorded its ``cells.csv`` (cut or appended to afterwards: exit 2). Regressions,
 - a cell whose verdict is an alarm (:data:`ALARMS`) it was not in OLD, a cell only NEW has included;
 - a check whose worst ratio (per model) grew by more than ``factor`` and now exceeds ``floor`` (a tenth
   of its allowance by default: below that, growth is rounding noise, not a trend);
+- a model x path NEW's bench could not measure (its ``bench.json`` lists it as failed) and OLD's could;
 - a bench count or byte total that changed at all (they are deterministic), a timed metric
-  whose median moved by more than the two runs' IQRs together, or a memory figure (measured
+  whose median grew by more than the two runs' IQRs together (a CPU time is listed, not judged:
+  on CPU times only order the paths), or a memory figure (measured
   once a bench: no spread) that grew by more than :data:`MEMORY_GROWTH` -- an allocator's peak
   for the same program moves by its rounding, not by a tenth. Another one-sample metric
   (profiled packing time) that moved is listed, not judged.
@@ -60,20 +62,23 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _bench_values(path: str) -> dict[str, list[float]]:
-    """``bench.csv``'s values per fixture|path|metric; a malformed row is a :class:`UsageError`."""
+def _bench_values(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """``bench.csv``'s values and device per fixture|path|metric; a malformed row is a :class:`UsageError`."""
     values: dict[str, list[float]] = {}
+    devices: dict[str, str] = {}
     try:
         with open(path, newline="", encoding="utf-8") as fh:
             for n, row in enumerate(csv.DictReader(fh), 2):
                 try:
-                    values.setdefault(f"{row['fixture']}|{row['path']}|{row['metric']}", []).append(float(row["value"]))
+                    key = f"{row['fixture']}|{row['path']}|{row['metric']}"
+                    values.setdefault(key, []).append(float(row["value"]))
+                    devices[key] = str(row.get("device") or "")
                 except (KeyError, TypeError, ValueError) as exc:
                     raise UsageError(f"{path} row {n}: not a bench row ({type(exc).__name__}: {exc}); "
                                      "rerun parity bench") from None
     except (OSError, ValueError, csv.Error) as exc:  # ValueError: not UTF-8
         raise UsageError(f"{path} is unreadable ({exc}); rerun parity bench") from None
-    return values
+    return values, devices
 
 
 def digest(directory: str) -> dict:
@@ -96,10 +101,21 @@ def digest(directory: str) -> dict:
             checks[key] = max(checks.get(key, 0.0), r.ratio)
     out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory)}
     if os.path.isfile(bench_csv):
-        for key, v in _bench_values(bench_csv).items():
+        values, devices = _bench_values(bench_csv)
+        for key, v in values.items():
             s = spread(v)
-            out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v)}
+            out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v), "device": devices[key]}
+        out["bench_failed"] = _bench_failed(directory)
     return out
+
+
+def _bench_failed(directory: str) -> list[str]:
+    """The ``model|path`` runs a bench could not measure and exits 1 for (``bench.json``'s ``failed``)."""
+    path = os.path.join(directory, "bench.json")
+    failed = read_json(path, "rerun parity bench").get("failed", []) if os.path.isfile(path) else []
+    if not isinstance(failed, list) or not all(isinstance(f, str) for f in failed):
+        raise UsageError(f"{path}: failed is not a list of model|path names; rerun parity bench")
+    return sorted(failed)
 
 
 #: The status of a ``cells.csv`` with no ``run.json`` beside it: nothing records how that run ended
@@ -179,6 +195,9 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
             bad.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g} (grew more than {factor:g}x)")
         elif abs(now - was) > 1e-12:
             info.append(f"check {check.replace('|', ' / ')}: worst ratio {was:.3g} -> {now:.3g}")
+    was_failed = set(old.get("bench_failed", ()))
+    bad += [f"bench {f.replace('|', ' / ')}: not measured now (bench.md says why)"
+            for f in new.get("bench_failed", ()) if f not in was_failed]
     for key, was in sorted(old.get("bench", {}).items()):
         now = new.get("bench", {}).get(key)
         if now is None:  # measured before, not now: that evidence is missing, not better
@@ -189,14 +208,17 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
         exact = metric.startswith(("collectives", "bytes", "units"))
         moved = abs(now["median"] - was["median"])
         once = was["n"] <= 1 or now["n"] <= 1  # one sample: no spread to weigh a move against
+        cpu = "cpu" in (was.get("device"), now.get("device"))  # CPU times only order the paths
         if exact and moved > 0:
             bad.append(line)
         elif metric.startswith("memory") and now["median"] > MEMORY_GROWTH * was["median"]:
             bad.append(f"{line} (grew more than {MEMORY_GROWTH - 1:.0%})")
         elif once and moved > 0:
             info.append(f"{line} (one sample each side: not judged)")
-        elif not once and moved > was["iqr"] + now["iqr"]:
-            bad.append(f"{line} (IQRs {was['iqr']:.3g}, {now['iqr']:.3g})")
+        elif moved > was["iqr"] + now["iqr"]:
+            slower = now["median"] > was["median"] and not metric.startswith("memory")
+            note = " (a CPU time: listed, not judged)" if cpu and slower else "" if slower else " (less)"
+            (bad if slower and not cpu else info).append(f"{line} (IQRs {was['iqr']:.3g}, {now['iqr']:.3g}){note}")
     return bad, info
 
 
