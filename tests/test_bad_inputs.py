@@ -209,6 +209,7 @@ def _files(t) -> dict[str, str]:
     f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv",
                                             "fixture,path,metric,value\nkda,legacy,units,x\n"))
     f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
+    f["bench"] = os.path.dirname(_write(t / "bench" / "bench.csv", "fixture,path,metric,value\nkda,legacy,units,5\n"))
     f["no_cells"] = results(t / "no_cells", {})  # a complete run of no cell (an empty part): no baseline
     return f
 
@@ -374,6 +375,8 @@ CASES = [
     (["compare", "{digest_notjson}", "{complete}"], "digest.json is unreadable"),
     (["compare", "{digest_shape}", "{complete}"], "not a digest as parity writes it"),
     (["compare", "{bench_row}", "{bench_row}"], "bench.csv row 2: not a bench row"),
+    (["compare", "{bench}", "{complete}"], "not the same kind of results; compare a run with a run"),
+    (["compare", "{complete}", "{bench}"], "holds a matrix run's cells, {bench} a bench's rows"),
     (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a finite number >= 1"),
     (["compare", "{complete}", "{complete}", "--factor", "0.5"], "--factor: must be a finite number >= 1"),  # a run regresses from itself
     (["compare", "{complete}", "{complete}", "--write-digest", "{afile}"], "--write-digest {afile}: is a file"),

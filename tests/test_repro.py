@@ -177,3 +177,26 @@ def test_the_run_the_registry_and_the_reproducer_name_a_file_by_one_digest(tmp_p
     expected = hashlib.sha256(data).hexdigest()
     assert file_sha256(str(big)) == data_sha256(data) == expected
     assert identity(str(big), [])["sources"] == {str(big.resolve()): expected}
+
+
+def test_a_hand_edited_reproducer_asking_for_what_no_run_can_do_is_one_line_exit_2(capsys):
+    """A reproducer is meant to be edited down for a bug report; an edit no run can honour was a
+    traceback deep in the runner (``ranks=0``, ``microbatches='x'``) or an ERROR cell and a fault
+    summary claiming a cell that never trained (an unknown model or fault). Found by review."""
+    import dataclasses
+
+    from parity.errors import UsageError
+    from parity.matrix.cell import Cell
+    from parity.report.repro import rerun
+
+    cell = Cell(fixture="kda", path="native")
+    for edit, said in (({"ranks": 0}, "ranks 0: write an integer >= 1"),
+                       ({"microbatches": "x"}, "microbatches 'x': write an integer"),
+                       ({"steps": 1.5}, "steps 1.5: write an integer")):
+        with pytest.raises(UsageError, match=said):
+            dataclasses.replace(cell, **edit)
+    for edit, said in (({"fixture": "nope"}, "nope"), ({"faults": ("nope",)}, "unknown value 'nope'")):
+        assert rerun(dataclasses.replace(cell, **edit)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("parity: ") and err.count("\n") == 1 and said in err, err
+    assert rerun("kda") == 2 and "is not a parity Cell" in capsys.readouterr().err

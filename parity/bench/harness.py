@@ -69,4 +69,7 @@ def markdown(cost: dict) -> list[str]:
     lines += [f"| {k} | {cost[k]:.2f} | {cost[k] / n:.3f} |" for k in PHASES]
     return lines + ["", f"The harness run's cells: {verdict_line(cost)} (its summary: harness/summary.md).", "",
                     "Rank 0's build, steps and checkpoint overlap the parent's judging of the cell before; "
-                    "the wall is spawn + waiting for ranks + reference+compare + other.", ""]
+                    "the wall is spawn + waiting for ranks + reference+compare + other. Spawn is the time the "
+                    "parent is blocked starting ranks: they start at the run's start from a fork server that "
+                    "imported torch while the parent read the matrix, and are usually ready by their first "
+                    "cell, so it is small.", ""]

@@ -260,12 +260,23 @@ def digest_of(directory: str, what: str, *, baseline: bool = False) -> dict:
     return d
 
 
+def _same_kind(old: dict, new: dict, old_dir: str, new_dir: str) -> None:
+    """A run's cells against a bench's rows would list every one of them as a regression: two
+    digests holding results of no common kind are a :class:`UsageError`."""
+    kinds = [{k for k in ("cells", "bench") if d.get(k)} for d in (old, new)]
+    if all(kinds) and not kinds[0] & kinds[1]:
+        what = {"cells": "a matrix run's cells", "bench": "a bench's rows"}
+        raise UsageError(f"compare: {old_dir} holds {what[min(kinds[0])]}, {new_dir} {what[min(kinds[1])]}: not "
+                         "the same kind of results; compare a run with a run, a bench with a bench")
+
+
 def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str = "") -> int:
     """``parity compare``: print the report; 1 on a regression. ``write_digest``: also store
     NEW's digest there (a baseline for ``results/baselines/``)."""
     if write_digest:
         usable(write_digest, "--write-digest")  # before the comparison: its output must have somewhere to go
     old, new = digest_of(old_dir, "compare", baseline=True), digest_of(new_dir, "compare")
+    _same_kind(old, new, old_dir, new_dir)
     bad, info = compare(old, new, factor=factor)
     print(report(old_dir, new_dir, bad, info))
     if write_digest:

@@ -179,6 +179,20 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
             f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
+def _rerunnable(cells: list) -> None:
+    """A :class:`UsageError` for what a hand-edited reproducer asks that no run can do: something
+    other than a cell, a model no source describes, an unknown fault (each would be an ERROR cell
+    that says the model or fault is wrong, and a fault summary claiming a cell that never trained)."""
+    from parity.faults import check_faults
+    from parity.model.registry import get_fixture
+
+    for c in cells:
+        if not isinstance(c, Cell):
+            raise UsageError(f"reproducer: {c!r} is not a parity Cell; restore the script's CELL / CELLS")
+        get_fixture(c.fixture, c.source)
+        check_faults(c.faults)
+
+
 def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) -> int:
     """Run ``cell`` alone, or a pair's cells together (traced where they fail), print what failed
     and where it diverged first; the verdict code (0: it passed now). ``argv`` (the script's arguments): ``--op-log
@@ -194,6 +208,11 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) ->
         print(f"usage: python <reproducer> [--op-log FILE]; got {' '.join(argv)}", file=sys.stderr)
         return 2
     cells = cell if isinstance(cell, list) else [cell]
+    try:
+        _rerunnable(cells)
+    except UsageError as exc:  # the script's cells, edited by hand: one line, as the CLI says it
+        print(f"parity: {exc}", file=sys.stderr)
+        return 2
     run_dir = os.path.join(tempfile.mkdtemp(prefix="parity-repro-"), "run")
     code = run_cells(cells, RunOptions(out_dir=run_dir, progress=False, op_log=bool(argv), **recorded))
     bad = _failing(run_dir, _ids(cells))
