@@ -206,6 +206,7 @@ def _files(t) -> dict[str, str]:
         f[f"gatejson_{name}"] = os.path.dirname(_write(os.path.join(d, "gate.json"), text))
     f["digest_notjson"] = os.path.dirname(_write(t / "digest_notjson" / "digest.json", "{"))
     f["digest_shape"] = os.path.dirname(_write(t / "digest_shape" / "digest.json", '{"cells": {"a": "GOOD"}}'))
+    f["digest_failed"] = os.path.dirname(_write(t / "digest_failed" / "digest.json", '{"bench_failed": 5}'))
     f["bench_row"] = os.path.dirname(_write(t / "bench_row" / "bench.csv",
                                             "fixture,path,metric,value\nkda,legacy,units,x\n"))
     f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
@@ -342,7 +343,11 @@ CASES = [
     (["gate", "--from", "{complete}", "-k", "ranks == 2"], "-k does not apply"),
     (["gate", "--from", "{complete}", "--out", "{out}"], "--out does not apply"),
     (["gate", "--from", "{complete}", "--fp64"], "--fp64 does not apply"),
-    (["gate", "--from", "{complete}", "--junit", "{complete}"], "--junit"),
+    (["gate", "--from", "{complete}", "--junit", "{complete}"], "--junit {complete}: is a directory"),
+    # gate --from writes beside the run: a JUnit path on one of its files would destroy it (review)
+    (["gate", "--from", "{complete}", "--junit", "{complete}/cells.csv"], "is the results' own cells.csv; give "
+                                                                         "another file"),
+    (["run", "--matrix", "smoke", "--out", "{out}", "--junit", "{out}/run.json"], "is the results' own run.json"),
     (["run", "--shard", "1/99999999999999999999", "--out", "{out}"], "at most 1024 parts"),
     (["run", "--shard", "1/1025", "--list"], "at most 1024 parts"),
     (["run", "--matrix", "{matrix_microbatches}", "--out", "{out}"], "(1 <= K <= 64)"),
@@ -376,6 +381,8 @@ CASES = [
     (["compare", "{digest_shape}", "{complete}"], "not a digest as parity writes it"),
     (["compare", "{bench_row}", "{bench_row}"], "bench.csv row 2: not a bench row"),
     (["compare", "{bench}", "{complete}"], "not the same kind of results; compare a run with a run"),
+    (["compare", "{complete}", "{digest_failed}"], "not a digest as parity writes it"),
+    (["gate", "--from", "{complete}", "--compare-to", "{bench}"], "not the same kind of results"),
     (["compare", "{complete}", "{bench}"], "holds a matrix run's cells, {bench} a bench's rows"),
     (["compare", "{complete}", "{complete}", "--factor", "inf"], "--factor: must be a finite number >= 1"),
     (["compare", "{complete}", "{complete}", "--factor", "0.5"], "--factor: must be a finite number >= 1"),  # a run regresses from itself

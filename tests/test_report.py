@@ -145,6 +145,9 @@ def test_compare_keeps_cross_path_ratios_apart_and_flags_a_pair_that_stopped_bei
     assert bad == ["cell m/r1/s0: FAIL -> UNPAIRED",
                    "check kda / grad_norm (cross-path): worst ratio 0.02 -> 0.105 (grew more than 2x)"], bad
     assert compare(new, {**new, "cells": {"m/r1/s0": "PASS"}})[0] == []  # compared again: no regression
+    # a cell skipped before that passes now gained evidence; one that fails now is an alarm
+    assert compare({**old, "cells": {"c": "SKIP"}}, {**old, "cells": {"c": "PASS"}})[0] == []
+    assert compare({**old, "cells": {"c": "SKIP"}}, {**old, "cells": {"c": "FAIL"}})[0] == ["cell c: SKIP -> FAIL"]
 
 
 def test_bench_trains_a_model_keeping_other_gradient_dtypes_with_sgd():

@@ -200,3 +200,18 @@ def test_a_hand_edited_reproducer_asking_for_what_no_run_can_do_is_one_line_exit
         err = capsys.readouterr().err
         assert err.startswith("parity: ") and err.count("\n") == 1 and said in err, err
     assert rerun("kda") == 2 and "is not a parity Cell" in capsys.readouterr().err
+    assert rerun(dataclasses.replace(cell, path="nope")) == 2 and "unknown path 'nope'" in capsys.readouterr().err
+
+
+def test_a_reproducer_script_edited_to_a_cell_no_run_can_take_exits_2_in_one_line(tmp_path):
+    """The script builds its cell at import: the edit fails there, before ``rerun`` could say it."""
+    import subprocess
+    import sys
+
+    from parity.matrix.cell import Cell
+    from parity.report.repro import render
+
+    script = tmp_path / "repro.py"
+    script.write_text(render(Cell(fixture="kda", path="native"), [], "here").replace("ranks=1,", "ranks=0,"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr == "parity: reproducer: ranks 0: write an integer >= 1\n", proc.stderr

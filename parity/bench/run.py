@@ -45,7 +45,8 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
               steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
     measured (other than a declared isolation error, which is listed, not a failure) or nothing
-    was measured at all. A path that fell back is listed under "Not measured" beside its rows."""
+    was measured at all. A path that fell back has rows, and bench.md lists it under "Measured as
+    another path (fell back)"."""
     if plots:
         try:
             import matplotlib  # noqa: F401

@@ -63,7 +63,11 @@ def _gate_baseline(directory: str | None) -> dict | None:
         return None
     from parity.report.compare import digest_of
 
-    return digest_of(directory, "--compare-to", baseline=True)
+    baseline = digest_of(directory, "--compare-to", baseline=True)
+    if not baseline.get("cells"):  # a bench's rows: every one would read as this run's regression
+        raise UsageError(f"--compare-to {directory}: holds a bench's rows, not a matrix run's cells: not the same "
+                         "kind of results; give a complete run's directory or its digest")
+    return baseline
 
 
 def _same_matrix(directory: str | None, baseline: dict | None, matrix: str) -> None:
@@ -140,7 +144,7 @@ def _only_judging(args) -> None:
     if args.junit is not None:
         from parity.report.outdir import writable_file
 
-        writable_file(args.junit, "--junit")
+        writable_file(args.junit, "--junit", args.from_dir)
 
 
 def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | None, signals: Signals) -> int:
@@ -218,7 +222,7 @@ def cmd_merge(args) -> int:
     if args.junit is not None:
         from parity.report.outdir import writable_file
 
-        writable_file(args.junit, "--junit")
+        writable_file(args.junit, "--junit", args.out)
     if args.gate:  # bad input is refused before the parts are merged
         from parity.paths import check_path
 

@@ -116,7 +116,7 @@ def _execute(args, opts: dict, matrix, cells) -> int:
     if opts["junit"] is not None and writes_results():
         from parity.report.outdir import writable_file
 
-        writable_file(opts["junit"], "--junit")
+        writable_file(opts["junit"], "--junit", opts["out"])
     from parity.report.identity import difference, identity
 
     device = resolve_device(opts["device"])

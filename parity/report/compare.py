@@ -46,9 +46,11 @@ def _read_digest(path: str) -> dict:
     fix = "write it again with parity compare --write-digest"
     d = read_json(path, fix)
     cells, checks, bench = d.get("cells", {}), d.get("checks", {}), d.get("bench", {})
+    failed = d.get("bench_failed", [])
     ok = (isinstance(cells, dict) and all(v in VERDICTS for v in cells.values())
           and isinstance(checks, dict) and all(_number(v) for v in checks.values())
-          and isinstance(bench, dict) and all(_bench_entry(v) for v in bench.values()))
+          and isinstance(bench, dict) and all(_bench_entry(v) for v in bench.values())
+          and isinstance(failed, list) and all(isinstance(f, str) for f in failed))
     if not ok:
         raise UsageError(f"{path}: not a digest as parity writes it (cells, checks, bench); {fix}")
     return d
@@ -145,9 +147,7 @@ def _worse(old: str | None, new: str) -> bool:
         return False
     if Verdict(new) in (Verdict.SKIP, Verdict.UNPAIRED) and old is not None:
         return True
-    if Verdict(new) == Verdict.SKIP:
-        return False
-    if old is None:
+    if old is None or Verdict(old) == Verdict.SKIP:  # nothing was checked before: only an alarm is worse
         return Verdict(new) in ALARMS
     return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or (
         Verdict(new) in ALARMS and SEVERITY[Verdict(new)] == SEVERITY[Verdict(old)])

@@ -11,6 +11,7 @@ report; it needs parity and the torch build the header names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -146,8 +147,11 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
     name, data = ("CELL", repr(cells[0])) if len(cells) == 1 else ("CELLS", "[\n    " + ",\n    ".join(map(repr, cells)) + ",\n]")
     target = name if not embedded else (f"with_model({name})" if name == "CELL" else f"[with_model(c) for c in {name}]")
     run = f"rerun({target}, sys.argv[1:]{''.join(f', {k}={v!r}' for k, v in sorted((options or {}).items()))})"
-    return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\nfrom parity.report.repro import rerun\n\n'
-            f"{name} = {data}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
+    data = data.replace("\n", "\n    ")
+    return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\n'
+            f"from parity.report.repro import edited, rerun\n\n"
+            f"with edited():  # an edit no run can take is one line and exit 2, not a traceback\n"
+            f"    {name} = {data}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
 
 
 def _embedded_model(cell: Cell, sources: dict) -> str:
@@ -179,18 +183,32 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
             f"    return dataclasses.replace(cell, source=path + {':' + attr!r})\n\n")
 
 
+@contextlib.contextmanager
+def edited():
+    """Around a reproducer's ``CELL = Cell(...)``: a value a hand edit made that no cell can take
+    (``ranks=0``) is one line on stderr and exit 2, as the CLI says bad input."""
+    try:
+        yield
+    except UsageError as exc:
+        print(f"parity: reproducer: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def _rerunnable(cells: list) -> None:
     """A :class:`UsageError` for what a hand-edited reproducer asks that no run can do: something
     other than a cell, a model no source describes, an unknown fault (each would be an ERROR cell
     that says the model or fault is wrong, and a fault summary claiming a cell that never trained)."""
     from parity.faults import check_faults
     from parity.model.registry import get_fixture
+    from parity.paths import get_path
 
     for c in cells:
         if not isinstance(c, Cell):
             raise UsageError(f"reproducer: {c!r} is not a parity Cell; restore the script's CELL / CELLS")
         get_fixture(c.fixture, c.source)
         check_faults(c.faults)
+        for path in (c.path, c.baseline, *filter(None, c.crossload.split(","))):
+            get_path(path)
 
 
 def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) -> int:
