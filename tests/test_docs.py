@@ -98,6 +98,7 @@ WALK = [
      "python -m parity compare results/baselines/smoke-torch-2.15.0-cpu results/latest",
      "python -m parity report results/latest",
      "python -m parity gate --from results/latest",
+     "python -m parity gate --from results/latest --junit gate.xml",
      "python -m parity run --resume results/latest"],
     ["python -m parity run --matrix default -k \"fixture == 'kda' and ranks == 2\" --paths native"],
     # "Check your model": plan, run and gate the README's own model (examples/own_model)

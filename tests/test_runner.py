@@ -369,3 +369,23 @@ def test_the_fork_server_ignores_sigint_from_its_start_and_the_parent_keeps_its_
     parity's one line (review, 2026-12-06): the server starts with SIGINT ignored."""
     done = subprocess.run([sys.executable, "-c", FORK_SERVER_SIGINT], capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("runner")
+def test_a_torchrun_rank_whose_peer_never_joins_exits_2_in_one_line(tmp_path):
+    """A peer that refuses bad input only it sees (a model failing to import on one node) exits
+    before the group forms: this rank waited ``--timeout`` seconds, then printed torch's store
+    traceback and exited 1 (review). Now one line, exit 2, and no ``--out``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--matrix", "smoke", "-k",
+                           "fixture == 'kda' and ranks == 2", "--timeout", "2", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert "torchrun: rank 0: the process group did not form within 2 s" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parity.errors import UsageError
 from parity.matrix.cell import Cell
 from parity.execute.pool import CellFailure
 from parity.execute.wire import from_bytes, to_bytes
@@ -88,6 +89,20 @@ def agreed(code: int) -> int:
     return box[0]
 
 
+def _join(backend: str, timeout: float) -> None:
+    """Form torchrun's process group. A peer that exits before it joins -- refusing bad input
+    only it saw, say -- leaves this rank waiting for ``timeout`` seconds, then torch's store error:
+    that is a one-line :class:`UsageError` (exit 2, refused before any work), not a traceback."""
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - DistStoreError, RuntimeError: the group did not form
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UsageError(f"torchrun: rank {os.environ.get('RANK', '?')}: the process group did not form within "
+                         f"{timeout:g} s at {where} ({type(exc).__name__}: {first}); a peer exited before joining "
+                         "(its own line says why) or cannot reach that address: fix it and launch again") from None
+
+
 class TorchrunExecutor:
     launched = True
     """Its ranks are torchrun's world (over nodes, maybe): the world size, not this node's GPU
@@ -107,7 +122,7 @@ class TorchrunExecutor:
         """The group's timeout when parity set it (0: a group the caller started keeps its own)."""
         self._released = False
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
+            _join("nccl" if device_type == "cuda" else "gloo", timeout)
             self.timeout = timeout
             _control = dist.new_group(timeout=dist.default_pg_timeout)
         self.mesh = init_device_mesh(device_type, (self.world,))
