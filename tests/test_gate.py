@@ -33,11 +33,34 @@ def healthy(fixture="m", n=2):
     for i in range(n):
         rows += [rec(fixture, "legacy", i), rec(fixture, "native", i), rec(fixture, "legacy~native", i, taken="")]
         rows += [rec(fixture, p, i, check="checkpoint.same") for p in ("legacy", "native")]
+        rows += [rec(fixture, p, i, check="dtype.compute", name="A_log", dtype="float32") for p in ("legacy", "native")]
     return rows
 
 
 def test_healthy_results_are_go():
     assert decide(healthy(), "m", "native").decision == GO
+
+
+def test_a_go_that_kept_nothing_in_fp32_says_the_override_was_not_exercised():
+    """A model computing nothing in FP32 trains native's override as a no-op: its GO shows the
+    units match, not the override (review: such GOs read like any other)."""
+    rows = [r for r in healthy() if r.check != "dtype.compute"]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and d.notes[-1].startswith("no native cell computed a parameter in another dtype")
+
+
+def test_a_baseline_of_the_candidates_own_contract_is_not_evidence(monkeypatch):
+    """A per-parameter plugin as the baseline made every pair native against its own kind: GO
+    without a dtype-split run (review)."""
+    from parity.paths import registry
+    from parity.paths.native import NativePath
+
+    monkeypatch.setattr(registry, "_extra", {})
+    registry.register(type("Twin", (NativePath,), {"name": "twin"})())
+    rows = [replace(r, path=r.path.replace("legacy", "twin"), path_taken=r.path_taken.replace("legacy", "twin"))
+            for r in healthy()]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and "the baseline twin shards by native's own contract (per-parameter)" in d.reasons[0]
 
 
 def test_a_failing_third_path_is_not_ignored_by_a_gate_on_native():
@@ -289,7 +312,7 @@ def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):
                            rec("m", "native", 0, check="input_grad", verdict="SKIP", detail="tokens")]
     write_junit(str(tmp_path / "j.xml"), rows, suite="t")
     suite = ET.parse(tmp_path / "j.xml").getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("7", "1", "1")  # 2 checkpoint cases
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("9", "1", "1")  # 2 checkpoint, 2 dtype
     failure = suite.find("testcase[@name='param']/failure")
     assert "observed 0.003, allowed 0.001, ratio 3.0" in failure.get("message")
 
@@ -462,3 +485,24 @@ def test_a_go_says_how_far_its_checkpoint_evidence_reaches():
     d = decide(rows, "m", "native")
     assert d.decision == GO and d.notes[-1].startswith("checkpoint save/load/resume was checked in 2 of 3 native cells")
     assert not [n for n in decide(healthy(), "m", "native").notes if n.startswith("checkpoint")]
+
+
+@pytest.mark.xdist_group("gate-from")
+def test_a_gate_from_a_run_whose_matrix_file_changed_since_is_refused(tmp_path, capsys):
+    """``gate --from`` reads the matrix file again to know what the complete matrix is: edited
+    after the run (its ``ranks`` narrowed to what ran), a PARTIAL run read as the whole matrix
+    and turned GO (review). The file's digest in ``run.json`` now has to match."""
+    import shutil
+
+    from parity.cli import main
+
+    matrix = tmp_path / "m.toml"
+    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "matrices", "smoke.toml"), matrix)
+    out = str(tmp_path / "run")
+    assert main(["run", "--matrix", str(matrix), "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                 "--out", out]) == 0
+    assert main(["gate", "--from", out]) == 1  # PARTIAL: -k left most of the matrix out
+    matrix.write_text(matrix.read_text() + "\n# edited after the run\n")
+    capsys.readouterr()
+    assert main(["gate", "--from", out]) == 2
+    assert f"gate: {os.path.realpath(matrix)} is not the file the run read" in capsys.readouterr().err

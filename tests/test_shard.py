@@ -123,7 +123,8 @@ def test_a_part_alone_is_not_the_whole_selection(sharded):
     gate = str(root / "gate-part")
     shutil.copytree(parts[0], gate)
     assert main(["gate", "--from", gate]) == 1  # PARTIAL: most cells of the matrix are not there
-    assert json.loads(_read(os.path.join(gate, "gate.json")))["scope"]["complete"] is False
+    scope = json.loads(_read(os.path.join(gate, "gate.json")))["scope"]
+    assert scope["complete"] is False and "one part (1/4) of a split run" in " ".join(scope["left_out"])
 
 
 def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys):

@@ -22,16 +22,20 @@ _FLAGS = {"filter": "-k", **{k: "--" + k.replace("_", "-") for k in ("ranks", "p
 _FAULT_TAG = re.compile(r"/fault-[^/]+$")
 
 
-def _scope(opts: dict | None, ran: list[str]) -> dict:
+def _scope(opts: dict | None, ran: list[str], manifest: dict | None = None) -> dict:
     """What a gate's evidence covers against the complete matrix its run names: the matrix,
     a digest of its complete cell list, the options that narrowed it, the counts run vs
     expected and the cells left out. ``complete`` only when every cell of the matrix ran with
-    the matrix's step count and no fault (docs/gate.md, rule "complete matrix")."""
+    the matrix's step count and no fault (docs/gate.md, rule "complete matrix"), and not as one
+    part of a split run. The matrix is read again: a matrix or model file whose contents differ
+    from the run's (``run.json``'s ``sources``) is a :class:`UsageError` -- the run would be
+    judged against a matrix it did not run."""
     if not isinstance(opts, dict) or not opts.get("matrix"):
         return {"complete": False, "left_out": ["the run records no options (not run by parity run/gate)"]}
     opts = {**RUN_DEFAULTS, **opts}
     full = {**opts, **{k: None for k in NARROWING}, "fault": []}
     matrix, cells = _select(full)
+    _unchanged(matrix, cells, (manifest or {}).get("sources"))
     expected = sorted(c.id for c in cells)
     steps = cells[0].steps if cells else 0
     ran = {_FAULT_TAG.sub("", c) for c in ran}  # an injected fault is reported below, not as a missing cell
@@ -42,10 +46,29 @@ def _scope(opts: dict | None, ran: list[str]) -> dict:
         left_out.append(f"--steps {given['steps']} instead of the matrix's {steps}")
     if opts["fault"]:
         left_out.append(f"faults injected: {', '.join(opts['fault'])}")
+    part = (manifest or {}).get("shard")
+    if isinstance(part, dict) and not (manifest or {}).get("merged"):
+        left_out.append(f"one part ({part.get('index')}/{part.get('count')}) of a split run: merge the parts "
+                        "(parity merge ... --gate) to decide on the matrix")
     digest = hashlib.sha256(f"steps={steps}\n".encode() + "\n".join(expected).encode()).hexdigest()[:16]
     return {"complete": not left_out, "left_out": left_out, "matrix": matrix.name, "matrix_digest": digest,
             "cells_expected": len(expected), "cells_run": len(ran & set(expected)), "steps": opts["steps"] or steps,
             "options": {_FLAGS[k]: v for k, v in given.items()}, "faults": list(opts["fault"])}
+
+
+def _unchanged(matrix, cells, sources) -> None:
+    """The matrix file and model files the gate reads now hold what the run read (by content:
+    the run may have been checked out elsewhere); a run that recorded no digests is not checked."""
+    if not isinstance(sources, dict):
+        return
+    from parity.report.identity import identity
+
+    recorded = set(map(str, sources.values()))
+    for path, digest in identity(matrix.path, cells)["sources"].items():
+        if digest not in recorded:
+            raise UsageError(f"gate: {path} is not the file the run read (its SHA-256 is not among run.json's "
+                             "sources): the run would be judged against a matrix or model it did not run; restore "
+                             "it, or run the gate again")
 
 
 def _skipped(records: list) -> int:
@@ -168,11 +191,12 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
                 d.decision = gate.NO_GO
                 d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
     gate.apply_model_warnings(decisions, manifest.get("model_warnings"))
-    scope = _scope(manifest.get("options"), list(manifest.get("cells") or []))
+    scope = _scope(manifest.get("options"), list(manifest.get("cells") or []), manifest)
     scope["cells_skipped"] = _skipped(records)
     gate.apply_scope(decisions, scope)
     env = manifest.get("environment") or {}
-    meta = {"candidate": candidate, "torch": manifest.get("torch", ""), "results": out,
+    meta = {"candidate": candidate, "baseline": str((manifest.get("options") or {}).get("baseline") or "legacy"),
+            "torch": manifest.get("torch", ""), "results": out,
             "matrix": scope.get("matrix", ""), "cells": len(manifest.get("cells", [])), "records": len(records),
             "scope": scope, "device": manifest.get("device", ""),
             "versions": {k: env.get(k, "") for k in ("torch", "cuda", "nccl", "python")}}

@@ -133,10 +133,40 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                        + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
     _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=set())
+    _same_contract(d, baselines, candidate)
     _checkpoint_scope(d, own, ran - raised, candidate)  # a cell that raised trained nothing to save
+    _override_scope(d, own, ran - raised, candidate)
     if d.reasons:
         d.decision = NO_GO
     return d
+
+
+def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
+    """A baseline that shards by the candidate's own contract (a per-parameter plugin beside
+    native) makes every pair compare the candidate with its own kind: no evidence that moving
+    from a dtype-split run changes nothing. A path no longer registered is not judged here."""
+    from parity.paths import paths
+
+    registered = paths()
+    mine = getattr(registered.get(candidate), "contract", None)
+    same = sorted(b for b in baselines if mine and getattr(registered.get(b), "contract", None) == mine)
+    if same:
+        d.reasons.append(f"the baseline {', '.join(same)} shards by {candidate}'s own contract ({mine}): its pairs "
+                         f"compare {candidate} with its own kind, not with a dtype-split run; gate against a "
+                         "dtype-split baseline (--baseline legacy, or your dtype-split plugin)")
+
+
+def _override_scope(d: Decision, own: list[Record], ran: set[str], candidate: str) -> None:
+    """Note a GO whose candidate cells computed no parameter in another dtype than the cells'
+    ``param_dtype``: the override kept nothing, so the GO shows the candidate's units train as the
+    baseline's, not that its per-parameter override does (``dtype.compute`` names the dtype each
+    parameter was planned and observed to compute in)."""
+    kept = {r.name for r in own if r.cell in ran and r.check == "dtype.compute" and r.verdict == Verdict.PASS
+            and r.dtype and r.dtype != r.param_dtype}
+    if not kept and not d.reasons:
+        d.notes.append(f"no {candidate} cell computed a parameter in another dtype than its param_dtype: the "
+                       "per-parameter override kept nothing here (the model declares no FP32 compute), so this GO "
+                       f"shows that {candidate}'s units train as the baseline's, not that its override does")
 
 
 def _checkpoint_scope(d: Decision, own: list[Record], ran: set[str], candidate: str) -> None:
@@ -290,7 +320,8 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
     for d in decisions:
         text = "; ".join(d.reasons or d.notes) or "every check passed"
         md.append(f"| {d.model} | **{d.decision}** | {md_text(clip(text, 400, 'gate.json has every reason'), cell=True)} |")
-    md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, results `{meta['results']}`.", ""]
+    md += ["", f"torch {meta['torch']}, matrix `{meta['matrix']}`, baseline `{meta.get('baseline', 'legacy')}`, "
+           f"results `{meta['results']}`.", ""]
     md += ["## What ran", ""] + _scope_lines(meta.get("scope", {}), meta) + ["", "## Evidence", ""]
     for d in decisions:
         md += [f"### {d.model}: {d.decision}", ""]
