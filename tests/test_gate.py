@@ -61,6 +61,13 @@ def test_a_baseline_of_the_candidates_own_contract_is_not_evidence(monkeypatch):
             for r in healthy()]
     d = decide(rows, "m", "native")
     assert d.decision == NO_GO and "the baseline twin shards by native's own contract (per-parameter)" in d.reasons[0]
+    # two dtype-split paths (a team's helper gated against legacy) are a fair pair (review)
+    from parity.paths.legacy import LegacyPath
+
+    registry.register(type("Split", (LegacyPath,), {"name": "split"})())
+    rows = [replace(r, cell=r.cell.replace("native", "split"), path=r.path.replace("native", "split"),
+                    path_taken=r.path_taken.replace("native", "split")) for r in healthy()]
+    assert decide(rows, "m", "split").decision == GO
 
 
 def test_a_failing_third_path_is_not_ignored_by_a_gate_on_native():
@@ -506,3 +513,22 @@ def test_a_gate_from_a_run_whose_matrix_file_changed_since_is_refused(tmp_path, 
     capsys.readouterr()
     assert main(["gate", "--from", out]) == 2
     assert f"gate: {os.path.realpath(matrix)} is not the file the run read" in capsys.readouterr().err
+
+
+@pytest.mark.xdist_group("gate-from")
+def test_a_gate_from_a_narrowed_run_of_two_model_files_reads_only_what_it_ran(tmp_path, capsys):
+    """A run narrowed to one of two model files records only that file's digest: the other was
+    held against it, and a PARTIAL run became exit 2 (review of the check above)."""
+    from parity.cli import main
+
+    own = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
+    sources = []
+    for name in ("ma", "mb"):
+        with open(own) as fh:
+            (tmp_path / f"{name}.py").write_text(fh.read().replace('name="my_model"', f'name="{name}"'))
+        sources += ["--model", f"{tmp_path / name}.py:parity_model"]
+    out = str(tmp_path / "run")
+    assert main(["run", "--matrix", "smoke", *sources, "-k", "fixture == 'ma' and ranks == 1 and microbatches == 1",
+                 "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["gate", "--from", out]) == 1, capsys.readouterr().err  # PARTIAL, as -k made it

@@ -57,17 +57,23 @@ def _scope(opts: dict | None, ran: list[str], manifest: dict | None = None) -> d
 
 
 def _unchanged(matrix, cells, sources) -> None:
-    """The matrix file and model files the gate reads now hold what the run read (by content:
-    the run may have been checked out elsewhere); a run that recorded no digests is not checked."""
+    """The files the gate reads again hold what the run read: the matrix file by content (the
+    run may have been checked out elsewhere: its digest must be among ``run.json``'s ``sources``),
+    a model file the run recorded at the same path by that path's digest (a narrowed run read
+    only its cells' model files: the others it never recorded). A run that recorded no digests is
+    not checked."""
     if not isinstance(sources, dict):
         return
     from parity.report.identity import identity
 
-    recorded = set(map(str, sources.values()))
-    for path, digest in identity(matrix.path, cells)["sources"].items():
-        if digest not in recorded:
-            raise UsageError(f"gate: {path} is not the file the run read (its SHA-256 is not among run.json's "
-                             "sources): the run would be judged against a matrix or model it did not run; restore "
+    now = identity(matrix.path, cells)["sources"]
+    matrix_file = os.path.realpath(matrix.path) if matrix.path else ""
+    for path, digest in now.items():
+        changed = (digest not in set(map(str, sources.values())) if path == matrix_file
+                   else path in sources and sources[path] != digest)
+        if changed:
+            raise UsageError(f"gate: {path} is not the file the run read (its SHA-256 is not the one run.json "
+                             "records): the run would be judged against a matrix or model it did not run; restore "
                              "it, or run the gate again")
 
 

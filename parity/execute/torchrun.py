@@ -95,7 +95,7 @@ def _join(backend: str, timeout: float) -> None:
     that is a one-line :class:`UsageError` (exit 2, refused before any work), not a traceback."""
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - DistStoreError, RuntimeError: the group did not form
+    except dist.DistStoreError as exc:  # the store timed out waiting for a peer; other errors keep their text
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise UsageError(f"torchrun: rank {os.environ.get('RANK', '?')}: the process group did not form within "

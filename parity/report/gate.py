@@ -142,14 +142,17 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
 
 
 def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
-    """A baseline that shards by the candidate's own contract (a per-parameter plugin beside
-    native) makes every pair compare the candidate with its own kind: no evidence that moving
-    from a dtype-split run changes nothing. A path no longer registered is not judged here."""
+    """A per-parameter candidate whose baseline is per-parameter too (a plugin beside native)
+    has every pair compare it with its own kind: no evidence that moving from a dtype-split run
+    changes nothing. Two dtype-split paths (a team's helper against legacy) are a fair pair. A
+    path no longer registered is not judged here."""
     from parity.paths import paths
+    from parity.paths.base import PER_PARAMETER
 
     registered = paths()
     mine = getattr(registered.get(candidate), "contract", None)
-    same = sorted(b for b in baselines if mine and getattr(registered.get(b), "contract", None) == mine)
+    same = sorted(b for b in baselines
+                  if mine == PER_PARAMETER and getattr(registered.get(b), "contract", None) == PER_PARAMETER)
     if same:
         d.reasons.append(f"the baseline {', '.join(same)} shards by {candidate}'s own contract ({mine}): its pairs "
                          f"compare {candidate} with its own kind, not with a dtype-split run; gate against a "
@@ -158,15 +161,15 @@ def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
 
 def _override_scope(d: Decision, own: list[Record], ran: set[str], candidate: str) -> None:
     """Note a GO whose candidate cells computed no parameter in another dtype than the cells'
-    ``param_dtype``: the override kept nothing, so the GO shows the candidate's units train as the
-    baseline's, not that its per-parameter override does (``dtype.compute`` names the dtype each
+    ``param_dtype``: nothing was kept apart, so the GO shows the candidate's units train as the
+    baseline's, not how it keeps a parameter in another dtype (``dtype.compute`` names the dtype each
     parameter was planned and observed to compute in)."""
     kept = {r.name for r in own if r.cell in ran and r.check == "dtype.compute" and r.verdict == Verdict.PASS
             and r.dtype and r.dtype != r.param_dtype}
     if not kept and not d.reasons:
-        d.notes.append(f"no {candidate} cell computed a parameter in another dtype than its param_dtype: the "
-                       "per-parameter override kept nothing here (the model declares no FP32 compute), so this GO "
-                       f"shows that {candidate}'s units train as the baseline's, not that its override does")
+        d.notes.append(f"no {candidate} cell computed a parameter in another dtype than its param_dtype: nothing "
+                       f"was kept apart here, so this GO shows that {candidate}'s units train as the baseline's, not "
+                       "how it keeps a parameter in another dtype")
 
 
 def _checkpoint_scope(d: Decision, own: list[Record], ran: set[str], candidate: str) -> None:
