@@ -263,7 +263,7 @@ class _Run:
         except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.NOT_JUDGED, f"{cell.path} could not be judged")
             return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}"),
-                    *still_judged(cell, observations)]
+                    *still_judged(cell, observations, self.options.require_native)]
         new = judged.records
         if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):
             new = new + self._divergence(cell, signals, new)

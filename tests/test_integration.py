@@ -177,3 +177,24 @@ def test_a_cell_whose_judging_crashes_keeps_the_checks_that_need_no_reference(tm
     assert any(r.check == "run" and r.verdict == "ERROR" and "judging failed" in r.detail for r in records)
     owned = {r.name.split("@")[0] for r in records if r.check == "ownership" and r.verdict == "FAIL"}
     assert owned, sorted({(r.check, r.verdict) for r in records})
+
+
+@pytest.mark.xdist_group("isolation")
+def test_a_crashed_judge_still_says_whether_the_path_fell_back_as_declared(tmp_path, monkeypatch):
+    """Beside the ERROR of a judge that raised: the cell's fallback record (declared here), as a
+    judged cell has it (review: only plan, ranks and composition were kept)."""
+    from parity.cli import main
+    from parity.judge import cell as judged
+    from parity.report.records import read_records
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a judge bug")
+
+    monkeypatch.setattr(judged, "run_reference", broken)
+    out = tmp_path / "run"
+    assert main(["run", "--matrix", "default", "--paths", "native", "-k", "fixture == 'mixed_storage' and ranks == 1 "
+                 "and microbatches == 1 and checkpointing == 'none'", "--out", str(out)]) == 1
+    records = read_records(str(out / "cells.csv"))
+    assert {(r.check, r.verdict) for r in records if r.check in ("run", "fallback")} == {("run", "ERROR"),
+                                                                                      ("fallback", "PASS")}
+    assert all(r.name == "declared" for r in records if r.check == "fallback")

@@ -77,6 +77,27 @@ def _expected_error_records(cell: Cell, observations: list[Observation], fixture
                    detail=f"on all {len(observations)} rank(s): {first}")]
 
 
+def _outcome_records(cell: Cell, report, expect: str, expected_reason: str, require_native: bool,
+                     base: dict) -> list[Record]:
+    """What the path did against what the fixture declares for it: sharded where an isolation
+    error was expected (FAIL), or fell back -- declared, for an unsupported build (a FAIL with
+    ``require_native``), or undeclared (FAIL)."""
+    records = []
+    if expect == "isolation-error":
+        records.append(Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
+                              detail=f"expected {cell.path} to raise IsolationError; it sharded instead"))
+    if expect == "fallback" or report.fallback_reason:
+        reason = report.fallback_reason
+        kind = _fallback_kind(reason, expect, expected_reason) if reason else "none"
+        ok = kind == "declared" or (kind == "unsupported build" and not require_native)
+        detail = reason or f"expected a fallback ({expected_reason}); {cell.path} was taken"
+        if kind == "unsupported build":
+            detail = f"native not exercised: {detail}"
+        records.append(Record(**base, check="fallback", name=kind, verdict=Verdict.PASS if ok else Verdict.FAIL,
+                              detail=detail))
+    return records
+
+
 def reference_free(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
     """The checks that read only the ranks' observations and the plan they reported -- the plan,
     the ranks' agreement, each unit's composition (ownership, placement) -- and no reference:
@@ -89,14 +110,19 @@ def reference_free(cell: Cell, observations: list[Observation], base: dict) -> l
     return records + composition.check(cell, observations, plan, base)
 
 
-def still_judged(cell: Cell, observations: list[Observation]) -> list[Record]:
-    """:func:`reference_free` for a cell whose judging raised; nothing when those checks raise too
-    (or the ranks reported no plan): the cell's ERROR record stands alone."""
+def still_judged(cell: Cell, observations: list[Observation], require_native: bool = False) -> list[Record]:
+    """The outcome records (fallback, expected error) and :func:`reference_free`'s for a cell whose
+    judging raised; nothing when those raise too (or the ranks reported no plan): the cell's
+    ERROR record stands alone."""
     first = observations[0] if observations else None
     if first is None or first.plan is None or first.report is None or first.expected_error:
         return []
     try:
-        return reference_free(cell, observations, base_fields(cell, first.report.taken, first.report.fallback_reason))
+        base = base_fields(cell, first.report.taken, first.report.fallback_reason)
+        expect, reason = get_fixture(cell.fixture, cell.source).expects(cell.path, get_path(cell.path).contract,
+                                                                         cell.weights)
+        return (_outcome_records(cell, first.report, expect, reason, require_native, base)
+                + reference_free(cell, observations, base))
     except Exception:  # noqa: BLE001 - the judging error is the finding; these are extra evidence
         return []
 
@@ -112,19 +138,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
         return Judged(_expected_error_records(cell, observations, fixture, expect, expected_reason, require_native))
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)
-    records = []
-    if expect == "isolation-error":
-        records.append(Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
-                              detail=f"expected {cell.path} to raise IsolationError; it sharded instead"))
-    if expect == "fallback" or report.fallback_reason:
-        reason = report.fallback_reason
-        kind = _fallback_kind(reason, expect, expected_reason) if reason else "none"
-        ok = kind == "declared" or (kind == "unsupported build" and not require_native)
-        detail = reason or f"expected a fallback ({expected_reason}); {cell.path} was taken"
-        if kind == "unsupported build":
-            detail = f"native not exercised: {detail}"
-        records.append(Record(**base, check="fallback", name=kind, verdict=Verdict.PASS if ok else Verdict.FAIL,
-                              detail=detail))
+    records = _outcome_records(cell, report, expect, expected_reason, require_native, base)
     run = assemble(observations, plan)
     ref = run_reference(cell, fixture, plan, report, device=device, resync=run.params, clip_norms=run.grad_norms)
     truth = _fp64_reference(cell, fixture, plan, report, device)
