@@ -40,7 +40,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        """Exit code 0: complete evidence, nothing wrong (for a gate: every model GO)."""
+        """Exit code 0: complete evidence, nothing wrong (for a gate: every model GO or NOT APPLICABLE)."""
         return self.code == 0
 
     def __bool__(self) -> bool:
@@ -238,13 +238,18 @@ def select(*, matrix: str = "smoke", **options):
     cells as :class:`~parity.matrix.cell.Cell` objects, the effective options)."""
     from parity.cli import RUN_DEFAULTS, _run_settings, _select
 
-    args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
-    opts = _run_settings(args, RUN_DEFAULTS)
-    found, cells = _select(opts)
-    if opts["shard"]:  # one part's cells, as run --shard I/N runs them
-        from parity.cli.run import _part_of
+    from parity.errors import UsageError
 
-        cells, _ = _part_of(cells, opts["shard"], found.name)
+    args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
+    try:
+        opts = _run_settings(args, RUN_DEFAULTS)
+        found, cells = _select(opts)
+        if opts["shard"]:  # one part's cells, as run --shard I/N runs them
+            from parity.cli.run import _part_of
+
+            cells, _ = _part_of(cells, opts["shard"], found.name)
+    except UsageError as exc:  # the selection's own refusals, in the keywords' words
+        raise UsageError(_as_keywords("run", str(exc))) from None
     return found, cells, opts
 
 
@@ -262,7 +267,7 @@ def run(*, matrix: str | None = None, out: str | None = None, quiet: bool = Fals
 def gate(*, matrix: str | None = None, out: str | None = None, quiet: bool = False, **options) -> Result:
     """GO / NO-GO per model (``python -m parity gate``): runs ``matrix`` (``default`` unless named;
     or judges ``from_dir``, as it ran) and decides; :attr:`Result.decisions` holds the decisions,
-    :attr:`Result.ok` whether every model is GO. One part of a split run (``shard``) decides
+    :attr:`Result.ok` whether every model is GO (or NOT APPLICABLE). One part of a split run (``shard``) decides
     nothing and is refused here: run the parts with :func:`run` and decide on their merge."""
     from parity.errors import UsageError
 

@@ -56,7 +56,8 @@ def _fixture(command: str, tmp_path):
         calls[0] += 1
         in_place = any(options.get(k) for k in api._IN_PLACE)  # that directory is the results'
         default = None if in_place else str(tmp_path / f"parity-{command}{'-' + str(calls[0]) if calls[0] > 1 else ''}")
-        out = options.pop("out", None) or default
+        out = options.pop("out", None)
+        out = default if out is None else out  # out="" is refused as parity.run refuses it
         refused = ""
         try:
             result = getattr(api, command)(out=out, quiet=options.pop("quiet", True), **options)
@@ -130,13 +131,15 @@ def pytest_generate_tests(metafunc):
         return
     from parity.errors import UsageError
 
+    # a collection error of one line (pytrace=False: no pluggy frames before the message); the
+    # session ends as for any collection error, before any cell runs
     try:
         _, cells, _ = _selection(dict(marker.kwargs))
     except (UsageError, TypeError) as exc:
-        raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}") from None
+        pytest.fail(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}", pytrace=False)
     if not cells:  # pytest would skip an empty parametrization: a test that checks nothing must not pass
-        raise pytest.UsageError(f"@pytest.mark.parity on {metafunc.definition.nodeid}: no cells selected; "
-                                "loosen filter/paths/ranks")
+        pytest.fail(f"@pytest.mark.parity on {metafunc.definition.nodeid}: no cells selected; loosen "
+                    "filter/paths/ranks", pytrace=False)
     if "parity_cell" not in metafunc.fixturenames:
         metafunc.fixturenames.append("parity_cell")
     # a pair group's cells share an xdist group: with --dist loadgroup they run on one worker,

@@ -139,3 +139,5 @@ def test_select_is_exported_and_applies_a_shard_and_empty_values_are_refused():
         parity.gate(matrix="", filter="ranks == 3")
     with pytest.raises(UsageError, match=r"parity.run\(out=''\): give a directory path"):
         parity.run(out="", filter="ranks == 3")
+    with pytest.raises(UsageError, match=r"^filter: cannot parse"):  # the keyword, not -k (review)
+        parity.select(filter="((")

@@ -302,3 +302,12 @@ def test_the_readme_field_tables_callable_examples_run_as_written():
     model = nn.Sequential()
     model.experts = nn.Linear(2, 2)
     _check_ignored(SimpleNamespace(ignored=eval(ignored, scope)), model, "README")
+
+
+def test_the_documented_cells_csv_columns_are_the_files_columns():
+    """docs/ci.md listed 22 of the 30 columns, in an order a positional reader would misread (review)."""
+    from parity.judge.record import COLUMNS
+
+    text = " ".join(open(os.path.join(ROOT, "docs", "ci.md"), encoding="utf-8").read().split())
+    listed = re.search(r"with the columns `([^`]*)`", text).group(1)
+    assert [c.strip() for c in listed.split(",")] == list(COLUMNS)

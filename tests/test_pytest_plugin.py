@@ -52,6 +52,14 @@ def test_a_fixture_call_a_signal_stopped_stops_the_session(monkeypatch, tmp_path
         _fixture("run", tmp_path)(matrix="smoke")
 
 
+def test_a_fixture_call_with_an_empty_out_is_refused_as_the_api_refuses_it(tmp_path):
+    """``parity_run(out="")`` wrote to the fixture's default folder (review); ``parity.run`` refuses it."""
+    from parity.pytest_plugin import _fixture
+
+    with pytest.raises(pytest.fail.Exception, match=r"parity.run\(out=''\): give a directory path"):
+        _fixture("run", tmp_path)(matrix="smoke", out="", filter="ranks == 3")
+
+
 MARKED = '''
 import pytest
 
@@ -228,7 +236,9 @@ def test_none(parity_cell):
 ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.INTERRUPTED, result.ret  # a collection error: nothing ran
-    assert "@pytest.mark.parity on test_empty.py::test_none: no cells selected" in result.stdout.str() + result.stderr.str()
+    said = result.stdout.str() + result.stderr.str()
+    assert "@pytest.mark.parity on test_empty.py::test_none: no cells selected" in said
+    assert "_caller.py" not in said and "in pytest_generate_tests" not in said, said  # one line, not the hook's frames (review)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")

@@ -169,7 +169,7 @@ def _only_judging(args) -> None:
     if given:
         flag = "-k" if given[0] == "filter" else "--" + given[0].replace("_", "-")
         raise UsageError(f"gate --from {args.from_dir} judges that run as it ran (its gate files go beside it): "
-                         f"{flag} does not apply; drop it, or run a new gate with it (gate {flag} ... --out DIR)")
+                         f"{flag} does not apply; drop it, or run a new gate with it (python -m parity gate {flag} ... --out DIR)")
     if args.junit is not None:
         from parity.report.outdir import writable_file
 
