@@ -182,25 +182,31 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
     args = _parse(command, argv)
     token = QUIET.set(quiet)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+    try:  # the command's own refusals (an empty selection, a bad directory) in the keywords' words
+        with _in_keywords(command), contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
             code = _command(args)
-    except UsageError as exc:  # the command's own refusals (an empty selection, a bad directory)
-        raise UsageError(_as_keywords(command, str(exc))) from None
     finally:
         QUIET.reset(token)
     return Result(out=out, code=max(0, code))
 
 
-def _parse(command: str, argv: list[str]):
-    """``argv`` parsed as the command line would be, its errors in the keywords' words."""
-    from parity.cli import _parser
+@contextlib.contextmanager
+def _in_keywords(command: str):
+    """A :class:`~parity.errors.UsageError` raised inside, as the keyword call's (:func:`_as_keywords`)."""
     from parity.errors import UsageError
 
     try:
-        return _parser().parse_args(argv)
+        yield
     except UsageError as exc:
         raise UsageError(_as_keywords(command, str(exc))) from None
+
+
+def _parse(command: str, argv: list[str]):
+    """``argv`` parsed as the command line would be, its errors in the keywords' words."""
+    from parity.cli import _parser
+
+    with _in_keywords(command):
+        return _parser().parse_args(argv)
 
 
 def _as_keywords(command: str, message: str) -> str:
@@ -238,18 +244,14 @@ def select(*, matrix: str = "smoke", **options):
     cells as :class:`~parity.matrix.cell.Cell` objects, the effective options)."""
     from parity.cli import RUN_DEFAULTS, _run_settings, _select
 
-    from parity.errors import UsageError
-
     args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
-    try:
+    with _in_keywords("run"):  # the selection's own refusals
         opts = _run_settings(args, RUN_DEFAULTS)
         found, cells = _select(opts)
         if opts["shard"]:  # one part's cells, as run --shard I/N runs them
             from parity.cli.run import _part_of
 
             cells, _ = _part_of(cells, opts["shard"], found.name)
-    except UsageError as exc:  # the selection's own refusals, in the keywords' words
-        raise UsageError(_as_keywords("run", str(exc))) from None
     return found, cells, opts
 
 

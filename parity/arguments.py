@@ -21,11 +21,16 @@ RANK_COUNTS = (1, 2, 4, 8)
 SEEDS = range(-(2**63), 2**64)
 
 
-def positive(value: str) -> float:
+def _float(value: str) -> float:
+    """``value`` as a float; nan when it is none, so every bound below refuses it."""
     try:
-        x = float(value)
+        return float(value)
     except ValueError:
-        x = float("nan")
+        return float("nan")
+
+
+def positive(value: str) -> float:
+    x = _float(value)
     if not x > 0 or not math.isfinite(x):  # nan and inf included: a limit that never ends is none
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
     return x
@@ -34,10 +39,7 @@ def positive(value: str) -> float:
 def growth_factor(value: str) -> float:
     """``compare --factor``: how much a check's worst ratio may grow; finite and >= 1 (below 1 a
     run compared with itself would regress)."""
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
+    x = _float(value)
     if not x >= 1 or not math.isfinite(x):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (a ratio's allowed growth), got {value!r}")
     return x
@@ -45,10 +47,7 @@ def growth_factor(value: str) -> float:
 
 def max_norm(value: str) -> float:
     """A gradient clipping max-norm: finite and >= 0 (0: no clipping)."""
-    try:
-        x = float(value)
-    except ValueError:
-        x = float("nan")
+    x = _float(value)
     if not (0.0 <= x < math.inf):
         raise argparse.ArgumentTypeError(f"must be a finite max-norm >= 0 (0: no clipping), got {value!r}")
     return x

@@ -113,8 +113,8 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                 print(f"parity: bench --harness {harness}: the harness run did not pass ({verdict_line(cost)}); see "
                       f"{os.path.join(out_dir, 'harness', 'summary.md')}", file=sys.stderr)
             code = code or (1 if run_code else 0)
-        _write(out_dir, rows, failures, device=device, failed=failed, fell_back=fell_back, warmup=warmup, steps=steps, ranks=ranks,
-               plots=plots and not signals(), interrupted=signals.name, harness=cost)
+        _write(out_dir, rows, failures, device=device, failed=failed, fell_back=fell_back, warmup=warmup,
+               steps=steps, ranks=ranks, plots=plots and not signals(), interrupted=signals.name, harness=cost)
         if signals():
             print(f"parity: interrupted by {signals.name} after {ran} of {len(todo)} model x path "
                   f"runs; what finished is in {out_dir}/bench.csv and bench.md", file=sys.stderr)

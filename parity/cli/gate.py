@@ -66,11 +66,10 @@ def _unchanged(matrix, cells, sources) -> None:
         return
     from parity.report.identity import identity
 
-    now = identity(matrix.path, cells)["sources"]
+    recorded = set(map(str, sources.values()))
     matrix_file = os.path.realpath(matrix.path) if matrix.path else ""
-    for path, digest in now.items():
-        changed = (digest not in set(map(str, sources.values())) if path == matrix_file
-                   else path in sources and sources[path] != digest)
+    for path, digest in identity(matrix.path, cells)["sources"].items():
+        changed = digest not in recorded if path == matrix_file else path in sources and sources[path] != digest
         if changed:
             raise UsageError(f"gate: {path} is not the file the run read (its SHA-256 is not the one run.json "
                              "records): the run would be judged against a matrix or model it did not run; restore "

@@ -98,13 +98,19 @@ def _outcome_records(cell: Cell, report, expect: str, expected_reason: str, requ
     return records
 
 
-def reference_free(cell: Cell, observations: list[Observation], base: dict) -> list[Record]:
+def _declared(cell: Cell):
+    """The cell's model and what it declares for the cell's path: (fixture, outcome, reason)."""
+    fixture = get_fixture(cell.fixture, cell.source)
+    return (fixture, *fixture.expects(cell.path, get_path(cell.path).contract, cell.weights))
+
+
+def reference_free(cell: Cell, fixture, observations: list[Observation], base: dict) -> list[Record]:
     """The checks that read only the ranks' observations and the plan they reported -- the plan,
     the ranks' agreement, each unit's composition (ownership, placement) -- and no reference:
     what a cell whose numeric judging crashed can still say (a parameter FSDP sharded that the
     model ignores is an ``ownership`` FAIL, not only the shape error it causes downstream)."""
     plan = observations[0].plan
-    records = plan_check.check(cell, get_fixture(cell.fixture, cell.source), observations, base)
+    records = plan_check.check(cell, fixture, observations, base)
     if cell.ranks > 1:
         records += agreement_records(observations, plan, base)
     return records + composition.check(cell, observations, plan, base)
@@ -119,10 +125,9 @@ def still_judged(cell: Cell, observations: list[Observation], require_native: bo
         return []
     try:
         base = base_fields(cell, first.report.taken, first.report.fallback_reason)
-        expect, reason = get_fixture(cell.fixture, cell.source).expects(cell.path, get_path(cell.path).contract,
-                                                                         cell.weights)
+        fixture, expect, reason = _declared(cell)
         return (_outcome_records(cell, first.report, expect, reason, require_native, base)
-                + reference_free(cell, observations, base))
+                + reference_free(cell, fixture, observations, base))
     except Exception:  # noqa: BLE001 - the judging error is the finding; these are extra evidence
         return []
 
@@ -131,8 +136,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
                require_native: bool = False) -> Judged:
     """Records for one cell. ``require_native``: a fallback the fixture does not declare
     (an unsupported build included) is a FAIL, not a legacy run that passed."""
-    fixture = get_fixture(cell.fixture, cell.source)
-    expect, expected_reason = fixture.expects(cell.path, get_path(cell.path).contract, cell.weights)
+    fixture, expect, expected_reason = _declared(cell)
     first = observations[0]
     if any(o.expected_error for o in observations):
         return Judged(_expected_error_records(cell, observations, fixture, expect, expected_reason, require_native))
@@ -155,7 +159,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     if fixture.token_input:
         records.append(Record(**base, check="input_grad", name="tokens", verdict=Verdict.SKIP,
                               detail="integer token input has no gradient"))
-    records += reference_free(cell, observations, base)
+    records += reference_free(cell, fixture, observations, base)
     records += contracts.check(cell, observations, ref, base)
     records += accumulation.check(cell, observations, ref, base)
     records += shards.check(cell, observations, ref, plan, base)

@@ -101,20 +101,22 @@ def digest(directory: str) -> dict:
         if isinstance(r.ratio, float) and math.isfinite(r.ratio):
             key = f"{r.fixture}|{check_label(r)}"
             checks[key] = max(checks.get(key, 0.0), r.ratio)
-    out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory)}
+    bench_json = os.path.join(directory, "bench.json")  # read where a bench's status or rows need it
+    needed = os.path.isfile(bench_csv) or not os.path.isfile(os.path.join(directory, MANIFEST))
+    bench = read_json(bench_json, "rerun parity bench") if needed and os.path.isfile(bench_json) else None
+    out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory, bench)}
     if os.path.isfile(bench_csv):
         values, devices = _bench_values(bench_csv)
         for key, v in values.items():
             s = spread(v)
             out["bench"][key] = {"median": s["median"], "iqr": s["iqr"], "n": len(v), "device": devices[key]}
-        out["bench_failed"] = _bench_failed(directory)
+        out["bench_failed"] = _bench_failed(bench or {}, bench_json)
     return out
 
 
-def _bench_failed(directory: str) -> list[str]:
+def _bench_failed(bench: dict, path: str) -> list[str]:
     """The ``model|path`` runs a bench could not measure and exits 1 for (``bench.json``'s ``failed``)."""
-    path = os.path.join(directory, "bench.json")
-    failed = read_json(path, "rerun parity bench").get("failed", []) if os.path.isfile(path) else []
+    failed = bench.get("failed", [])
     if not isinstance(failed, list) or not all(isinstance(f, str) for f in failed):
         raise UsageError(f"{path}: failed is not a list of model|path names; rerun parity bench")
     return sorted(failed)
@@ -125,13 +127,13 @@ def _bench_failed(directory: str) -> list[str]:
 UNRECORDED = "of unknown status (no run.json beside its cells.csv)"
 
 
-def _run_of(directory: str) -> dict:
-    """The matrix and status ``run.json`` records; a bench's status from its ``bench.json`` (a
-    bench a signal stopped is interrupted); :data:`UNRECORDED` for cells without ``run.json``."""
+def _run_of(directory: str, bench: dict | None) -> dict:
+    """The matrix and status ``run.json`` records; a bench's status from its ``bench.json``
+    (``bench``, read: a bench a signal stopped is interrupted); :data:`UNRECORDED` for cells
+    without ``run.json``."""
     if not os.path.isfile(os.path.join(directory, MANIFEST)):
-        bench = os.path.join(directory, "bench.json")
-        if os.path.isfile(bench):
-            stopped = read_json(bench, "rerun parity bench").get("interrupted")
+        if bench is not None:
+            stopped = bench.get("interrupted")
             return {"matrix": "", "status": f"interrupted ({stopped})" if stopped else "complete"}
         return {"matrix": "", "status": UNRECORDED} if os.path.isfile(os.path.join(directory, "cells.csv")) else {
             "matrix": ""}
