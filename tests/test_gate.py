@@ -12,7 +12,7 @@ import torch
 from parity.judge import tolerance
 from parity.judge.compare import Comparison
 from parity.judge.record import OUTCOME_CHECKS, Record, Verdict
-from parity.report.gate import GO, NO_GO, NOT_APPLICABLE, decide
+from parity.report.gate import GO, NO_GO, NOT_APPLICABLE, PARTIAL, decide
 
 
 def _cell(fixture, path, i, **kw):
@@ -23,6 +23,7 @@ def rec(fixture, path, i, check="grad", verdict="PASS", taken=None, **kw):
     cell = f"{fixture}/{path}/r1/c{i}" if "~" not in path else f"{fixture}/r1/c{i}"
     if verdict == "PASS" and check not in OUTCOME_CHECKS:  # as a judge writes a measured PASS
         kw = {"observed": 0.0, "allowed": 1.0, "ratio": 0.0, **kw}
+    kw.setdefault("ranks", 2)  # a GO needs sharded cells (test_a_go_needs_a_cell_on_two_ranks)
     return Record(cell=cell, fixture=fixture, path=path, path_taken=taken if taken is not None else path.split("~")[0],
                   check=check, name=kw.pop("name", "w"), verdict=Verdict(verdict), **kw)
 
@@ -39,6 +40,24 @@ def healthy(fixture="m", n=2):
 
 def test_healthy_results_are_go():
     assert decide(healthy(), "m", "native").decision == GO
+
+
+def test_a_go_needs_a_cell_on_two_ranks():
+    """One rank shards nothing and reduces across no one: a user's matrix of one-rank cells
+    passed every check and read GO (review). PARTIAL, naming what to add; one sharded cell is enough,
+    and a failure stays NO-GO."""
+    one = [replace(r, ranks=1) for r in healthy()]
+    d = decide(one, "m", "native")
+    assert d.decision == PARTIAL and d.reasons == [
+        "every native cell that trained ran on one rank: nothing was sharded or reduced across ranks; "
+        "add cells of 2 ranks or more (ranks = [1, 2] in the matrix)"]
+    sharded = [replace(r, ranks=2) if r.cell == one[1].cell else r for r in one]  # one native cell on 2 ranks
+    assert one[1].path == "native" and decide(sharded, "m", "native").decision == GO
+    assert decide(one + [rec("m", "native", 0, verdict="FAIL", ranks=1)], "m", "native").decision == NO_GO
+    from parity.report.gate import apply_scope
+
+    apply_scope([d], {"complete": False, "left_out": ["46 of 48 cells not run"], "options": {}})
+    assert d.decision == PARTIAL and d.reasons[0] == "partial evidence: 46 of 48 cells not run" and len(d.reasons) == 2
 
 
 def test_a_go_that_kept_nothing_in_fp32_says_the_override_was_not_exercised():

@@ -114,3 +114,12 @@ def test_a_record_filed_under_another_cell_locates_nothing_here():
                        verdict=Verdict.ERROR)
     assert first_stage([_r("grad", "w", 0, verdict=Verdict.PASS), elsewhere], 2, BASE) is None
     assert first_stage([elsewhere, _r("grad", "w", 0)], 2, BASE).name == "gradients"
+
+
+def test_a_stage_failing_on_every_rank_says_so():
+    """Every rank is a witness: a fault on both ranks named rank 1 alone, as if rank 0 held (review)."""
+    both = [_r("output", "rank0/mb0", 0, ratio=3.0), _r("output", "rank1/mb0", 0, ratio=5.0)]
+    got = first_stage(both, 2, BASE)
+    assert "forward at step 0, micro-batch 0, rank 1: output rank1/mb0 (ratio 5); rank 0 failed at this stage too;" \
+        in got.detail, got.detail
+    assert "failed at this stage too" not in first_stage(both[1:], 2, BASE).detail

@@ -161,6 +161,15 @@ def _where(r: Record) -> str:
     return "".join(f", {what} {n}" for what, n in (("micro-batch", microbatch), ("rank", rank)) if n is not None)
 
 
+def _other_ranks(here: list[Record], worst: Record) -> str:
+    """``; rank(s) R failed at this stage too``: the other ranks whose records failed at the same step and stage as
+    ``worst`` (every rank is a witness: a fault on every rank reads differently from one on one)."""
+    others = sorted({coordinates(r)[0] for r in here} - {None, coordinates(worst)[0]})
+    if not others or coordinates(worst)[0] is None:
+        return ""
+    return f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed at this stage too"
+
+
 def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
     """The ``stage`` record of a cell whose records failed a staged check; None otherwise. Only the
     cell's own records count: a record judged here and filed under another cell (a load of this
@@ -190,7 +199,7 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
                      and _position(r, steps) == first} - failed)
     tensor = f"; tensor {tensor_of(worst)}" if tensor_of(worst) else ""
     detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}{_where(worst)}: "
-              f"{worst.check} {worst.name}{ratio}{tensor}; {len(here)} failing record(s) there; "
+              f"{worst.check} {worst.name}{ratio}{tensor}{_other_ranks(here, worst)}; {len(here)} failing record(s) there; "
               f"held before it: {', '.join(held) or 'nothing'}"
               f"{'; held within it: ' + ', '.join(within) if within else ''}")
     return Record(**base, check="stage", name=stage, step=step if stage in _STEPPED else "",

@@ -23,7 +23,8 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
   the note says that the candidate was judged against the reference alone.
 - **PARTIAL** replaces GO and NOT APPLICABLE when the evidence is narrower than the matrix
   it names (:func:`apply_scope`): a filter, other ranks or paths, fewer steps, an axis
-  override or an injected fault. A NO-GO stays NO-GO (what ran already failed).
+  override or an injected fault. A NO-GO stays NO-GO (what ran already failed). It replaces
+  GO, too, where every candidate cell that trained ran on one rank (:func:`_sharded_scope`).
 """
 
 from __future__ import annotations
@@ -138,7 +139,20 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     _override_scope(d, own, ran - raised, candidate)
     if d.reasons:
         d.decision = NO_GO
+    else:
+        _sharded_scope(d, own, ran - raised, candidate)
     return d
+
+
+def _sharded_scope(d: Decision, own: list[Record], trained: set[str], candidate: str) -> None:
+    """A GO speaks for sharded training: where every candidate cell that trained ran on one rank,
+    FSDP sharded nothing and no gradient was reduced across ranks (where a reduce dtype acts), so
+    what passed is a decision on part of what enabling the candidate changes: PARTIAL, naming the
+    missing cells (a matrix with ``ranks = [1, 2]`` supplies them)."""
+    if trained and not any(r.ranks > 1 for r in own if r.cell in trained):
+        d.decision = PARTIAL
+        d.reasons.append(f"every {candidate} cell that trained ran on one rank: nothing was sharded or reduced "
+                         "across ranks; add cells of 2 ranks or more (ranks = [1, 2] in the matrix)")
 
 
 def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
@@ -295,14 +309,16 @@ def apply_model_warnings(decisions: list[Decision], warnings: dict | None) -> No
 
 def apply_scope(decisions: list[Decision], scope: dict) -> None:
     """GO / NOT APPLICABLE become PARTIAL when ``scope`` (what ran against the complete
-    matrix) is not complete; the reason says what was left out."""
+    matrix) is not complete; the reason says what was left out (first, also where the decision
+    was PARTIAL for want of sharded cells)."""
     if scope.get("complete"):
         return
     flags = ", ".join(f"{k} {v}" for k, v in scope.get("options", {}).items())
     why = "; ".join(scope.get("left_out", [])) + (f" (options: {flags})" if flags else "")
     for d in decisions:
-        if d.decision in (GO, NOT_APPLICABLE):
-            d.reasons.insert(0, f"partial evidence, would be {d.decision} on what ran: {why}")
+        if d.decision in (GO, NOT_APPLICABLE, PARTIAL):  # PARTIAL already: nothing sharded (_sharded_scope)
+            would = "" if d.decision == PARTIAL else f", would be {d.decision} on what ran"
+            d.reasons.insert(0, f"partial evidence{would}: {why}")
             d.decision = PARTIAL
 
 
