@@ -113,10 +113,11 @@ def test_rank_dependent_override_is_caught_before_any_collective(run_matrix):
         Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_unchecked",)),
         Cell(fixture="kda", path="native", ranks=2),
         Cell(fixture="kda", path="legacy", ranks=2, faults=("fsdp_rank_dependent_dtype",)),
+        Cell(fixture="kda", path="native", ranks=2, faults=("rank_dependent_units",)),
     ]
     code, records = run_matrix(cells)
     v = verdicts(records)
-    assert [v[c.id] for c in cells] == ["ERROR", "ERROR", "PASS", "ERROR"]
+    assert [v[c.id] for c in cells] == ["ERROR", "ERROR", "PASS", "ERROR", "ERROR"]
     caught = next(r for r in records if r["cell"] == cells[0].id)
     assert "RankMismatchError" in caught["detail"]
     assert "blocks.0.q_proj.weight (rank 0: bfloat16, rank 1: float32)" in caught["detail"]
@@ -127,6 +128,12 @@ def test_rank_dependent_override_is_caught_before_any_collective(run_matrix):
     inside = next(r for r in records if r["cell"] == cells[3].id)
     assert "RankMismatchError: FSDP resolved different original/compute/reduce dtypes" in inside["detail"]
     assert "blocks.0.q_proj.weight (rank 0: float32/bfloat16/float32, rank 1: float32/float32/float32)" in inside["detail"]
+    # units that differ by rank, every dtype the same (a helper's rank-dependent plan): named before
+    # the ranks gather different buffers and gloo aborts (review: "rank 0 died with exit code -6")
+    units = next(r for r in records if r["cell"] == cells[4].id)
+    assert "RankMismatchError: FSDP units differ across ranks (the module whose unit manages each parameter) for " \
+           "blocks.1.g_proj.weight (rank 0: blocks.1, rank 1: <root>); blocks.1.holder.A_log (rank 0: blocks.1, " \
+           "rank 1: <root>);" in units["detail"], units["detail"]
 
 
 @pytest.mark.xdist_group("determinism")

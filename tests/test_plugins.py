@@ -1,6 +1,7 @@
 """Plugin seams: paths and models from outside parity, and a layout whose stages stay apart."""
 
 import csv
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -274,6 +275,15 @@ def test_a_bf16_weight_meeting_an_fp32_activation_keeps_its_gradient_as_fsdp_doe
     ("raise KeyError('plan blew up')", "error: its plan() failed: KeyError: 'plan blew up' (a fault of that path's code)"),
     ("return None", "error: its plan() failed: TypeError: path 'broken': its plan() returned NoneType, not a "
                     "ShardReport; fix that path's plan()"),
+    # units naming what the model does not have: named here, not as an isolation error about another
+    # parameter or a KeyError while judging (review)
+    ("r = type(self).__mro__[1].plan(self, *a, **k); u = r.units[0]; "
+     "return replace(r, units=(replace(u, modules=('blocks.0.nope',), params=u.params + ('ghost.weight',)),) + r.units[1:])",
+     "error: its plan() failed: TypeError: path 'broken': its plan() names module 'blocks.0.nope', parameter "
+     "'ghost.weight', which the model does not have; fix that path's plan()"),
+    ("return None\ndef unavailable(self):\n    return True",
+     "error: its plan() failed: TypeError: path 'broken': its unavailable() returned True, not None or a reason "
+     "(a str); fix that path's unavailable()"),
 ])
 def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_paths(plan, said, monkeypatch, capsys):
     """One broken installed plugin must not turn ``parity plan`` into a traceback for every model,
@@ -282,9 +292,10 @@ def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_
     from parity.paths import registry
     from parity.paths.legacy import LegacyPath
 
-    namespace = {}
+    namespace = {"replace": dataclasses.replace}
     exec(f"def plan(self, *a, **k):\n    {plan}\n", namespace)
-    broken = type("Broken", (LegacyPath,), {"name": "broken", "plan": namespace["plan"]})()
+    methods = {k: v for k, v in namespace.items() if k in ("plan", "unavailable")}
+    broken = type("Broken", (LegacyPath,), {"name": "broken", **methods})()
     monkeypatch.setattr(registry, "_extra", {})
     registry.register(broken)
     assert main(["plan", "--fixture", "kda"]) == 1

@@ -91,7 +91,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
                      "load_reads_tensors_only",
                      "tp_shards_swapped_on_load"), "checkpoint-load"),
-    **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked",
+    **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
 }
 
@@ -201,6 +201,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("fsdp_rank_dependent_dtype",
            "FSDP resolves compute dtypes differently on rank 1 (MixedPrecisionPolicy._resolve_for_param)",
            {"run"}, _KDA2, patch=p.fsdp_rank_dependent_dtype),
+    _fault("rank_dependent_units", "a helper's units depend on the rank: rank 1 shards the last block inside "
+           "the root's unit, every dtype the same", {"run"}, _KDA2, patch=p.rank_dependent_units),
     _fault("rank_dependent_unchecked", "a rank-dependent plan with parity's rank check removed: gloo aborts",
            {"run"}, _KDA2, site="plan", hook=p.rank_dependent, patch=p.skip_rank_check),
     _fault("perturb_output", "the model's output on rank 0's first micro-batch is off by 1% of its max",

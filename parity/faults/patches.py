@@ -323,6 +323,28 @@ def wrap_module():
     return swap_attr(fsdp, "fully_shard", make)
 
 
+def rank_dependent_units():
+    """A sharding helper whose units depend on the rank: on rank 1 native's plan leaves the last
+    block inside the root's unit. Every parameter resolves the same dtypes on both ranks; only the
+    units differ, so the ranks all-gather different buffers."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from parity.paths.native import NativePath
+
+    def make(orig):
+        def plan(self, *args, **kwargs):
+            report = orig(self, *args, **kwargs)
+            if not (dist.is_initialized() and dist.get_rank() == 1):
+                return report
+            *units, block, root = report.units
+            merged = dataclasses.replace(root, params=root.params + block.params,
+                                         overrides=root.overrides + block.overrides)
+            return dataclasses.replace(report, units=(*units, merged))
+        return plan
+    return swap_attr(NativePath, "plan", make)
+
+
 def skip_rank_check():
     from parity.paths import apply
 

@@ -41,6 +41,9 @@ def plan_sharding(
         impl = get_path(path)
         seen.add(path)
         reason = impl.unavailable()
+        if reason is not None and not isinstance(reason, str):  # a plugin's bug, named before a join trips on it
+            raise TypeError(f"path {path!r}: its unavailable() returned {reason!r}, not None or a reason (a str); "
+                            "fix that path's unavailable()")
         if reason is None:
             try:
                 report = impl.plan(model, roots, plan, set(ignored or ()))
@@ -52,6 +55,7 @@ def plan_sharding(
                 if not isinstance(report, ShardReport):  # a plugin's bug, named before replace() trips on it
                     raise TypeError(f"path {path!r}: its plan() returned {type(report).__name__}, not a ShardReport; "
                                     "fix that path's plan()")
+                _check_names(report, model, path)
                 return replace(report, requested=requested, taken=path, contract=impl.contract,
                                fallback_reason="; ".join(reasons))
         reasons.append(reason)
@@ -86,6 +90,20 @@ def _mismatches(everyone: list[dict[str, str]]) -> list[str]:
         if len(set(seen.values())) > 1:
             problems.append(f"{fqn} ({', '.join(f'rank {r}: {v}' for r, v in seen.items())})")
     return problems
+
+
+def _check_names(report: ShardReport, model: nn.Module, path: str) -> None:
+    """Every module and parameter a unit of ``report`` names is the model's: a plugin's typo would
+    otherwise surface far from it (an isolation error about another parameter, a KeyError while
+    judging)."""
+    modules = {name for name, _ in model.named_modules()}
+    params = {name for name, _ in model.named_parameters()}
+    unknown = [f"module {m!r}" for m in sorted({m for u in report.units for m in u.modules} - modules)]
+    unknown += [f"parameter {q!r}" for q in sorted({q for u in report.units for q in u.params} - params)]
+    if unknown:
+        raise TypeError(f"path {path!r}: its plan() names {', '.join(unknown[:5])}"
+                         f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}, which the model does not "
+                         "have; fix that path's plan()")
 
 
 def resolved_dtypes(model: nn.Module) -> dict[str, str]:
@@ -126,14 +144,36 @@ def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None
     FSDP-side resolution bug."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    everyone: list[dict[str, str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, resolved_dtypes(model), group=group)
-    problems = _mismatches(everyone)
+    everyone: list[tuple[dict[str, str], dict[str, str]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (resolved_dtypes(model), unit_of(model)), group=group)
+    problems = _mismatches([dtypes for dtypes, _ in everyone])
     if problems:
         raise RankMismatchError(
             "FSDP resolved different original/compute/reduce dtypes across ranks for " + "; ".join(problems)
             + "; the override function (or FSDP) must resolve every parameter the same on every rank"
         )
+    problems = _mismatches([units for _, units in everyone])
+    if problems:  # ranks would gather different buffers in different orders: gloo aborts
+        raise RankMismatchError(
+            "FSDP units differ across ranks (the module whose unit manages each parameter) for "
+            + "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            + "; the path must shard the same modules on every rank (its plan() or apply() depends on the rank)"
+        )
+
+
+def unit_of(model: nn.Module) -> dict[str, str]:
+    """fqn -> the FSDP module (its name, ``<root>`` for the root) whose unit manages the parameter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, FSDPModule):
+            state = mod._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14
+                for fp in group.fsdp_params if group is not None else ():
+                    out[names.get(id(fp.sharded_param), "?")] = name or "<root>"
+    return out
 
 
 def apply_sharding(
