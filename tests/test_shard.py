@@ -147,6 +147,11 @@ def test_a_missing_doubled_or_foreign_part_is_refused(sharded, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "were run with different --baseline (native vs legacy)" in err, err
     assert not os.path.exists(tmp_path / "m1" / "cells.csv")
+    # a JUnit file over one of the parts' own files would destroy the part (review: exit 0, run.json gone)
+    before = _read(os.path.join(parts[0], "run.json"))
+    assert main(["merge", *parts, "--out", str(tmp_path / "m6"), "--junit", os.path.join(parts[0], "run.json")]) == 2
+    assert "is the results' own run.json" in capsys.readouterr().err
+    assert _read(os.path.join(parts[0], "run.json")) == before
 
 
 def test_a_signal_during_a_merge_is_its_exit_code_and_a_bad_candidate_is_refused_first(sharded, tmp_path, capsys,
@@ -463,6 +468,31 @@ def test_a_fuzz_merge_refuses_short_shares_lost_reproducers_another_generator_an
     for overwrite in ([], ["--overwrite"]):
         assert main(["merge", *kept, "--out", str(inside), *overwrite]) == 0
         assert (inside / "part-2" / "repro_gen_7.py").is_file() and (inside / "part-1" / "fuzz.json").is_file()
+
+
+def test_a_fuzz_merge_into_a_file_is_one_line_and_a_new_campaign_clears_the_merges_copies(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Review: ``merge PARTS --out FILE`` was a FileExistsError traceback (exit 1) where a run's
+    merge says one line; a campaign run into a merged campaign's --out left that merge's
+    ``part-I/`` reproducers beside its own clean report. A part kept there is another campaign's
+    results: left alone."""
+    import parity.fuzz as fuzz
+
+    parts = [_fuzz_part(tmp_path, 1), _fuzz_part(tmp_path, 2, reproducer=True)]
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        capsys.readouterr()
+        assert main(["merge", *parts, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("parity: --out "), err
+    merged = tmp_path / "merged"
+    assert main(["merge", *parts, "--out", str(merged)]) == 0 and (merged / "part-2" / "repro_gen_7.py").is_file()
+    (merged / "part-5").mkdir()
+    shutil.copy(pathlib.Path(parts[0]) / "fuzz.json", merged / "part-5" / "fuzz.json")  # a part kept there
+    monkeypatch.setattr(fuzz, "campaign", lambda **kwargs: 0)  # what runs after the clearing is not at issue
+    assert main(["fuzz", "--examples", "1", "--out", str(merged)]) == 0
+    assert not (merged / "part-2").exists() and not (merged / "fuzz.md").exists()
+    assert (merged / "part-5" / "fuzz.json").is_file()
 
 
 def test_a_fault_campaign_exits_1_only_when_no_example_flagged_its_fault(tmp_path):

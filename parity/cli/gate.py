@@ -251,7 +251,7 @@ def cmd_merge(args) -> int:
     if args.junit is not None:
         from parity.report.outdir import writable_file
 
-        writable_file(args.junit, "--junit", args.out)
+        writable_file(args.junit, "--junit", args.out, *args.parts)  # a part's own files included
     if args.gate:  # bad input is refused before the parts are merged
         from parity.paths import check_path
 

@@ -45,10 +45,17 @@ def campaign_files_in(out: str, patterns: tuple[str, ...] = CAMPAIGN_FILES) -> l
     return sorted(n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in patterns))
 
 
+def merged_copies_in(out: str) -> list[str]:
+    """The ``part-I`` folders in ``out`` an earlier merge filled with its parts' reproducers; a
+    part kept there (its own :data:`MANIFEST` inside) is another campaign's results, not a copy."""
+    return [n for n in campaign_files_in(out, (MERGED_DIRS,))
+            if os.path.isdir(os.path.join(out, n)) and not os.path.exists(os.path.join(out, n, MANIFEST))]
+
+
 def clear_campaign(out: str, names: list[str] | None = None) -> None:
-    """Remove ``names`` from ``out`` (files or folders; default: what an earlier campaign wrote,
-    :func:`campaign_files_in`)."""
-    for name in campaign_files_in(out) if names is None else names:
+    """Remove ``names`` from ``out`` (files or folders; default: what an earlier campaign or merge
+    wrote, :func:`campaign_files_in` and :func:`merged_copies_in`)."""
+    for name in campaign_files_in(out) + merged_copies_in(out) if names is None else names:
         path = os.path.join(out, name)
         with writing(path):
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
@@ -153,6 +160,9 @@ def _state(m: dict) -> str:
 
 def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     """Write the merged campaign into ``out``; returns its exit code."""
+    from parity.report.outdir import usable
+
+    usable(out)  # a file, or a folder under one, is refused before the parts are read
     if any(os.path.realpath(d) == os.path.realpath(out) for d in directories):
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged campaign elsewhere")
     from parity.report.outdir import run_files_in

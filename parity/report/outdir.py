@@ -41,19 +41,20 @@ LOCK = ".parity.lock"
 _held: set[str] = set()
 
 
-def writable_file(path: str, what: str, out: str = "") -> None:
+def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
     """``path`` can be written as a file at the end of a run (``--junit``): not a directory, in an existing
-    folder parity can write, and not one of the files of the results in ``out`` (:data:`RUN_FILES`:
-    a JUnit file written over ``cells.csv`` would destroy the run it reports). Checked before any
-    work, so a finished run cannot fail on it."""
+    folder parity can write, and not one of the files of the results in ``out`` or in ``inputs`` (a
+    merge's parts) (:data:`RUN_FILES`: a JUnit file written over ``cells.csv`` would destroy the run
+    it reports). Checked before any work, so a finished run cannot fail on it."""
     if not path:
         raise UsageError(f"{what} '': give a file path, e.g. results/junit.xml (or leave the option out)")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{what} {path}: is a directory; give a file path, e.g. {os.path.join(path, 'junit.xml')}")
-    if out and os.path.basename(path) in RUN_FILES and os.path.realpath(folder) == os.path.realpath(out):
-        raise UsageError(f"{what} {path}: is the results' own {os.path.basename(path)}; give another file, e.g. "
-                         f"{os.path.join(out, 'junit.xml')}")
+    for results in (out, *inputs):
+        if results and os.path.basename(path) in RUN_FILES and os.path.realpath(folder) == os.path.realpath(results):
+            raise UsageError(f"{what} {path}: is the results' own {os.path.basename(path)}; give another file, e.g. "
+                             f"{os.path.join(out or results, 'junit.xml')}")
     if not os.path.isdir(folder):
         raise UsageError(f"{what} {path}: no folder {folder}; give a path in an existing folder")
     existed = os.path.exists(path)
