@@ -149,7 +149,11 @@ def _files(t) -> dict[str, str]:
                 ("ignores_module", "", "ignored=lambda m: {m.head}"),
                 ("ignores_foreign", "", "ignored=lambda m: {nn.Parameter(torch.ones(3))}"),
                 ("ignores_none", "", "ignored=lambda m: None"),
-                ("builds_int", "", "build=lambda: 42"))},
+                ("builds_int", "", "build=lambda: 42"),
+                # batches from torch's global generator: every cell diverged, blamed on a module (review)
+                ("global_rng", "def _batch(g):\n    b = registered()['kda'].make_batch(g)\n"
+                               "    return type(b)(inputs=tuple(torch.randn_like(x) for x in b.inputs), target=b.target)\n",
+                 "make_batch=_batch"))},
          "afile": _write(t / "afile", "x"), "complete": results(t / "complete", {A: "PASS"}),
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty"), "empty_toml": _write(t / "empty.toml", "# nothing else\n")}
@@ -293,6 +297,8 @@ CASES = [
      "the model's among its items"),
     (["plan", "--model", "{ignores_none}"], "Fixture.ignored returned NoneType; return a set of the model's own"),
     (["plan", "--model", "{builds_int}"], "Fixture.build returned int, not a torch.nn.Module; return the model"),
+    (["run", "--model", "{global_rng}", "--out", "{out}"], "model 'global_rng': Fixture.make_batch returns other "
+     "tensors for the same seeded torch.Generator; draw every tensor from the generator it is given"),
     (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),
     (["plan", "--model", "{factory_factory}"], "returned function, not parity.model.Fixture"),
     (["run", "--model", "{exiting_factory}", "--out", "{out}"], "the factory failed: called sys.exit(None)"),

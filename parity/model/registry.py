@@ -63,6 +63,7 @@ def exercised(fixture: Fixture, model, where: str) -> None:
     :class:`UsageError` naming the field and the fix now. A forward, loss or backward that
     raises is left to the cells, which record it with the rank."""
     batch = fixture.batch(0, 0, 0, 0)
+    _reproducible(fixture, batch, where)
     inputs = tuple(x.detach().requires_grad_() if not fixture.token_input and x.is_floating_point() else x
                    for x in batch.inputs)
     try:
@@ -94,6 +95,20 @@ def exercised(fixture: Fixture, model, where: str) -> None:
         raise UsageError(f"{name}: its forward does not differentiate Batch.inputs[0] (no gradient reaches it), and "
                          "parity judges input gradients; make the forward read it (integer token ids: set "
                          "Fixture.token_input=True)")
+
+
+def _reproducible(fixture: Fixture, batch, where: str) -> None:
+    """The same generator seed gives the same batch: the reference and every rank draw a cell's
+    batches apart, from seeded generators, and a ``make_batch`` that draws elsewhere (torch's global
+    generator, say) would have each of them train on other data -- a divergence in every cell,
+    blamed on the model's first module."""
+    again = fixture.batch(0, 0, 0, 0)
+    tensors = list(zip((*batch.inputs, batch.target), (*again.inputs, again.target)))
+    if len(batch.inputs) != len(again.inputs) or not all(
+            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in tensors):
+        raise UsageError(f"{where}: model {fixture.name!r}: Fixture.make_batch returns other tensors for the same "
+                         "seeded torch.Generator; draw every tensor from the generator it is given (e.g. "
+                         "torch.randn(..., generator=g)), not from torch's global generator")
 
 
 def expect_keys() -> tuple[str, ...]:
