@@ -18,6 +18,7 @@ same).
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from parity.errors import UsageError
@@ -46,12 +47,9 @@ MAX_PARTS = 1024
 
 def parse_shard(text: str) -> Shard:
     """``"I/N"`` with 1 <= I <= N <= :data:`MAX_PARTS`; anything else is a one-line usage error."""
-    index, sep, count = str(text).partition("/")
-    try:
-        shard = Shard(int(index), int(count))
-    except ValueError:
-        shard = None
-    if not sep or shard is None or not 1 <= shard.index <= shard.count:
+    found = re.fullmatch(r"([0-9]+)/([0-9]+)", str(text))  # ASCII digits only: int() also reads "1_0", "+1", " 1"
+    shard = Shard(int(found[1]), int(found[2])) if found else None
+    if shard is None or not 1 <= shard.index <= shard.count:
         raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")
     if shard.count > MAX_PARTS:
         raise UsageError(f"{text!r}: at most {MAX_PARTS} parts; split into fewer (each part is a CI job)")
