@@ -245,14 +245,17 @@ def write_manifest(out_dir: str, fields: dict) -> None:
     """``fuzz.json``: the campaign (seed, examples, fault, device, timeout, this part's index and
     count), what the
     part asked and ran, its exit code, verdict counts, INCONCLUSIVE runs, the reproducers it
-    wrote, and the torch and parity it ran with (:mod:`parity.report.fuzz_merge` reads it)."""
+    wrote, and the torch, hypothesis and parity it ran with (:mod:`parity.report.fuzz_merge` reads it)."""
     import json
+
+    import hypothesis
 
     from parity.report.identity import parity_version
 
     path = os.path.join(out_dir, MANIFEST)
-    with writing(path), open(path, "w") as fh:
-        json.dump({"kind": "parity-fuzz/1", "reproducers": [], "generator": generator_digest(), **fields,
+    with writing(path), open(path, "w") as fh:  # hypothesis: another version draws other models from a seed
+        json.dump({"kind": "parity-fuzz/1", "reproducers": [], "generator": generator_digest(),
+                   "hypothesis": hypothesis.__version__, **fields,
                    "torch": torch.__version__, "parity": parity_version()}, fh, indent=1)
 
 

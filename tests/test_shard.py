@@ -443,7 +443,8 @@ def test_a_fuzz_merge_refuses_short_shares_lost_reproducers_another_generator_an
     cases = (("short", dict(asked=1, ran=1), "asked 1 examples, its share of 5 is 2"),
              ("lost", dict(reproducers=["repro_gen_gone.py"]), "lists reproducer repro_gen_gone.py in fuzz.json, but the "
                                                                "file is not there"),
-             ("generator", dict(generator="0" * 64), "differ in generator"))
+             ("generator", dict(generator="0" * 64), "differ in generator"),
+             ("hypothesis", dict(hypothesis="0.0.1"), "differ in hypothesis"))  # other models from one seed (review)
     for name, changes, said in cases:
         (tmp_path / name).mkdir()
         capsys.readouterr()

@@ -61,9 +61,9 @@ def clear_campaign(out: str, names: list[str] | None = None) -> None:
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
 
 
-#: Options every part shares too, compared where written (a part from before they were written
+#: Options (and the hypothesis version) every part shares too, compared where written (a part from before they were written
 #: has neither, and matches only another such part).
-SAME_OPTIONS = ("device", "timeout")
+SAME_OPTIONS = ("device", "timeout", "hypothesis")
 
 
 def is_part(directory: str) -> bool:
