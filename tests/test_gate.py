@@ -49,10 +49,15 @@ def test_a_go_needs_a_cell_on_two_ranks():
     one = [replace(r, ranks=1) for r in healthy()]
     d = decide(one, "m", "native")
     assert d.decision == PARTIAL and d.reasons == [
-        "every native cell that trained ran on one rank: nothing was sharded or reduced across ranks; "
-        "add cells of 2 ranks or more (ranks = [1, 2] in the matrix)"]
+        "every native cell that trained the native path ran on one rank: nothing was sharded or reduced across "
+        "ranks; add cells of 2 ranks or more (ranks = [1, 2] in the matrix)"]
     sharded = [replace(r, ranks=2) if r.cell == one[1].cell else r for r in one]  # one native cell on 2 ranks
     assert one[1].path == "native" and decide(sharded, "m", "native").decision == GO
+    # ...that took native: a 2-rank cell that fell back as declared sharded legacy (review)
+    fell = [replace(r, path_taken="legacy") if r.cell == one[1].cell else r for r in sharded]
+    fell += [rec("m", "native", 0, check="fallback", name="declared", taken="legacy", detail="declared: x", ranks=2)]
+    fell = [replace(r, cell=one[1].cell) if r.check == "fallback" else r for r in fell]
+    assert decide(fell, "m", "native").decision == PARTIAL
     assert decide(one + [rec("m", "native", 0, verdict="FAIL", ranks=1)], "m", "native").decision == NO_GO
     from parity.report.gate import apply_scope
 

@@ -223,3 +223,17 @@ def test_a_path_whose_apply_shards_more_than_its_plan_reports_or_reports_nothing
         check_applied(model, report)
     with pytest.raises(RuntimeError, match="path 'native': its plan\\(\\) reports no unit"):
         check_applied(model, dataclasses.replace(report, units=()))
+
+
+def test_units_are_checked_by_their_canonical_names_under_activation_checkpointing():
+    """The plugin-name check compared canonical unit names with a checkpoint wrapper's raw ones and
+    refused every path's plan in 144 cells of ``default`` (review of the same day)."""
+    from parity.execute.checkpointing import apply_checkpointing
+
+    fx = FIXTURES["kda"]
+    model = fx.make(0)
+    plan = resolve_plan(model, PrecisionConfig())
+    apply_checkpointing(model, "selective", fx.blocks)  # a wrapper: the names gain a token
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+    for path in ("legacy", "native"):
+        assert plan_sharding(model, fx.unit_roots, plan, path).units

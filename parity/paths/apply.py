@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parity.errors import IsolationError, RankMismatchError, UsageError
-from parity.model.plan import PrecisionPlan
+from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.paths.base import Ineligible, ShardReport
 from parity.paths.registry import get_path
 from parity.paths.units import module_index, resolve_roots
@@ -96,8 +96,8 @@ def _check_names(report: ShardReport, model: nn.Module, path: str) -> None:
     """Every module and parameter a unit of ``report`` names is the model's: a plugin's typo would
     otherwise surface far from it (an isolation error about another parameter, a KeyError while
     judging)."""
-    modules = {name for name, _ in model.named_modules()}
-    params = {name for name, _ in model.named_parameters()}
+    modules = set(module_index(model))  # canonical names: a checkpoint wrapper's token dropped
+    params = {canonical_fqn(name) for name, _ in model.named_parameters(remove_duplicate=False)}
     unknown = [f"module {m!r}" for m in sorted({m for u in report.units for m in u.modules} - modules)]
     unknown += [f"parameter {q!r}" for q in sorted({q for u in report.units for q in u.params} - params)]
     if unknown:
@@ -165,9 +165,10 @@ def unit_of(model: nn.Module) -> dict[str, str]:
     """fqn -> the FSDP module (its name, ``<root>`` for the root) whose unit manages the parameter."""
     from torch.distributed.fsdp import FSDPModule
 
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
     out = {}
     for name, mod in model.named_modules():
+        name = canonical_fqn(name)
         if isinstance(mod, FSDPModule):
             state = mod._get_fsdp_state()
             for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14

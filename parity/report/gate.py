@@ -145,14 +145,15 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
 
 
 def _sharded_scope(d: Decision, own: list[Record], trained: set[str], candidate: str) -> None:
-    """A GO speaks for sharded training: where every candidate cell that trained ran on one rank,
+    """A GO speaks for sharded training: where every candidate cell that trained the candidate path
+    (not a fallback) ran on one rank,
     FSDP sharded nothing and no gradient was reduced across ranks (where a reduce dtype acts), so
     what passed is a decision on part of what enabling the candidate changes: PARTIAL, naming the
     missing cells (a matrix with ``ranks = [1, 2]`` supplies them)."""
-    if trained and not any(r.ranks > 1 for r in own if r.cell in trained):
-        d.decision = PARTIAL
-        d.reasons.append(f"every {candidate} cell that trained ran on one rank: nothing was sharded or reduced "
-                         "across ranks; add cells of 2 ranks or more (ranks = [1, 2] in the matrix)")
+    if trained and not any(r.ranks > 1 and r.path_taken == candidate for r in own if r.cell in trained):
+        d.decision = PARTIAL  # a cell that fell back sharded the other path, not the candidate
+        d.reasons.append(f"every {candidate} cell that trained the {candidate} path ran on one rank: nothing was "
+                         "sharded or reduced across ranks; add cells of 2 ranks or more (ranks = [1, 2] in the matrix)")
 
 
 def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
