@@ -490,10 +490,16 @@ def test_a_fuzz_merge_into_a_file_is_one_line_and_a_new_campaign_clears_the_merg
     assert main(["merge", *parts, "--out", str(merged)]) == 0 and (merged / "part-2" / "repro_gen_7.py").is_file()
     (merged / "part-5").mkdir()
     shutil.copy(pathlib.Path(parts[0]) / "fuzz.json", merged / "part-5" / "fuzz.json")  # a part kept there
+    (merged / "part-6").mkdir()  # a run's part kept there (review: deleted without --overwrite)
+    (merged / "part-6" / "run.json").write_text("{}")
+    (merged / "part-6" / "repro_gen_1.py").write_text("# beside a run's files: not a merge's copy\n")
     monkeypatch.setattr(fuzz, "campaign", lambda **kwargs: 0)  # what runs after the clearing is not at issue
     assert main(["fuzz", "--examples", "1", "--out", str(merged)]) == 0
     assert not (merged / "part-2").exists() and not (merged / "fuzz.md").exists()
-    assert (merged / "part-5" / "fuzz.json").is_file()
+    assert (merged / "part-5" / "fuzz.json").is_file() and (merged / "part-6" / "run.json").is_file()
+    (merged / "part-7").mkdir()  # reproducer-like files where no merged campaign is recorded: left alone
+    (merged / "part-7" / "repro_gen_2.py").write_text("#\n")
+    assert main(["fuzz", "--examples", "1", "--out", str(merged)]) == 0 and (merged / "part-7").is_dir()
 
 
 def test_a_fault_campaign_exits_1_only_when_no_example_flagged_its_fault(tmp_path):

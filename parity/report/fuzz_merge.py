@@ -45,11 +45,28 @@ def campaign_files_in(out: str, patterns: tuple[str, ...] = CAMPAIGN_FILES) -> l
     return sorted(n for n in names if any(fnmatch.fnmatch(n, pattern) for pattern in patterns))
 
 
+#: What a merge copies into ``part-I/``: its parts' reproducers.
+REPRODUCERS = tuple(p for p in CAMPAIGN_FILES if p.startswith("repro"))
+
+
 def merged_copies_in(out: str) -> list[str]:
-    """The ``part-I`` folders in ``out`` an earlier merge filled with its parts' reproducers; a
-    part kept there (its own :data:`MANIFEST` inside) is another campaign's results, not a copy."""
-    return [n for n in campaign_files_in(out, (MERGED_DIRS,))
-            if os.path.isdir(os.path.join(out, n)) and not os.path.exists(os.path.join(out, n, MANIFEST))]
+    """The ``part-I`` folders in ``out`` an earlier merge filled with its parts' reproducers: only
+    where ``out`` holds a merged campaign (its :data:`MANIFEST` lists parts) and the folder holds
+    reproducers and nothing else. A part kept there, a run's part or anything else is left alone."""
+    try:
+        with open(os.path.join(out, MANIFEST)) as fh:
+            merged = json.load(fh).get("parts")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not merged:
+        return []
+
+    def copies(folder: str) -> bool:
+        names = os.listdir(folder) if os.path.isdir(folder) and not os.path.islink(folder) else []
+        return bool(names) and all(os.path.isfile(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+                                   and any(fnmatch.fnmatch(n, p) for p in REPRODUCERS) for n in names)
+
+    return [n for n in campaign_files_in(out, (MERGED_DIRS,)) if copies(os.path.join(out, n))]
 
 
 def clear_campaign(out: str, names: list[str] | None = None) -> None:
@@ -160,9 +177,6 @@ def _state(m: dict) -> str:
 
 def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     """Write the merged campaign into ``out``; returns its exit code."""
-    from parity.report.outdir import usable
-
-    usable(out)  # a file, or a folder under one, is refused before the parts are read
     if any(os.path.realpath(d) == os.path.realpath(out) for d in directories):
         raise UsageError(f"merge: --out {out} is one of the parts; write the merged campaign elsewhere")
     from parity.report.outdir import run_files_in
@@ -172,6 +186,9 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
         raise UsageError(f"merge: --out {out} holds a run's results ({', '.join(held)}); write the merged campaign "
                          "elsewhere")
     parts = check_parts(directories)
+    from parity.report.outdir import usable
+
+    usable(out)  # a file, or a folder under one: one line, before anything is cleared or written
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
     inputs = {os.path.realpath(d) for d in directories}
