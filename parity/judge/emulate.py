@@ -4,7 +4,8 @@ divisions of FSDP's own reductions (:func:`ordered_sum`, :func:`shard_group_divi
 A colwise layer computes each rank's slice of output features and concatenates them
 (exact: each element is one rank's dot product); its input gradient is the sum of the
 ranks' partial input gradients, each rounded to the compute dtype -- autograd adds the
-chunks' contributions in that dtype, as TP's all-reduce does. A rowwise layer sums the
+chunks' contributions in that dtype, as TP's all-reduce does, per layer: sibling layers
+reading one input (q, k, v) are summed after each layer's own reduction. A rowwise layer sums the
 ranks' partial outputs, each rounded to the compute dtype, in rank order: TP's forward
 all-reduce. Only bias-free ``nn.Linear`` layers are planned for TP (a bias would be added
 once after the reduction).
@@ -51,6 +52,10 @@ class _Tap(torch.autograd.Function):
 def _colwise(tp: int, key: str, partials: Partials | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tap = partials is not None and partials.on and x.requires_grad
+        # one node per layer: its chunks' input gradients are summed there first, in the compute
+        # dtype, as TP all-reduces each layer's partial input gradient; autograd then adds the
+        # layers that read x (q, k and v of one attention), as it adds their all-reduced gradients
+        x = x.view_as(x)
         return torch.cat([F.linear(_Tap.apply(x, partials, key, c) if tap else x, w)
                           for c, w in enumerate(self.weight.chunk(tp, dim=0))], dim=-1)
     return forward
