@@ -150,6 +150,7 @@ def _files(t) -> dict[str, str]:
                 ("ignores_foreign", "", "ignored=lambda m: {nn.Parameter(torch.ones(3))}"),
                 ("ignores_none", "", "ignored=lambda m: None"),
                 ("builds_int", "", "build=lambda: 42"),
+                ("plain", "", "description='kda under another name'"),
                 # batches from torch's global generator: every cell diverged, blamed on a module (review)
                 ("global_rng", "def _batch(g):\n    b = registered()['kda'].make_batch(g)\n"
                                "    return type(b)(inputs=tuple(torch.randn_like(x) for x in b.inputs), target=b.target)\n",
@@ -297,6 +298,12 @@ CASES = [
      "the model's among its items"),
     (["plan", "--model", "{ignores_none}"], "Fixture.ignored returned NoneType; return a set of the model's own"),
     (["plan", "--model", "{builds_int}"], "Fixture.build returned int, not a torch.nn.Module; return the model"),
+    # a model without a TP plan or EP modules on a composed mesh ran FSDP alone and passed as composed (review)
+    (["run", "--model", "{plain}", "--matrix", "topologies", "-k", "mesh == 'fsdp+tp'", "--out", "{out}"],
+     "model 'plain' declares no tensor parallelism (Fixture.tensor_parallel), so its cells on mesh 'fsdp+tp' would "
+     "run FSDP alone and claim the composition; declare it, or leave them out (-k \"mesh != 'fsdp+tp'\")"),
+    (["gate", "--model", "{plain}", "--matrix", "topologies", "--out", "{out}"],
+     "model 'plain' declares no expert parallelism (Fixture.expert_parallel)"),
     (["run", "--model", "{global_rng}", "--out", "{out}"], "model 'global_rng': Fixture.make_batch returns other "
      "tensors for the same seeded torch.Generator; draw every tensor from the generator it is given"),
     (["plan", "--model", "{model_class}"], "names the model MyModel, not a parity model description"),

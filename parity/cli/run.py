@@ -171,6 +171,21 @@ def _part_of(cells, text: str, title: str) -> tuple[list, dict]:
     return part, {"shard": record}
 
 
+#: The meshes that compose FSDP with another parallelism, and the field a model declares it with.
+_COMPOSED = {"fsdp+tp": ("tensor_parallel", "tensor parallelism"), "ep": ("expert_parallel", "expert parallelism")}
+
+
+def _composable(fixture, meshes: set[str]) -> None:
+    """A cell on ``fsdp+tp`` or ``ep`` claims that composition: a model declaring no TP plan (no
+    expert-parallel modules) would run FSDP alone on that mesh and pass as if composed."""
+    for mesh in sorted(meshes & set(_COMPOSED)):
+        field, what = _COMPOSED[mesh]
+        if not getattr(fixture, field):
+            raise UsageError(f"model {fixture.name!r} declares no {what} (Fixture.{field}), so its cells on mesh "
+                             f"{mesh!r} would run FSDP alone and claim the composition; declare it, or leave them out "
+                             f"(-k \"mesh != '{mesh}'\")")
+
+
 def check_models(cells, warn: bool = True) -> dict[str, dict]:
     """Each model of the run, built once here before any cell: one forward and backward
     (:func:`~parity.model.registry.exercised`, a :class:`UsageError` for a model every cell would
@@ -190,6 +205,7 @@ def check_models(cells, warn: bool = True) -> dict[str, dict]:
     found: dict[str, dict] = {}
     for name, source in dict.fromkeys((c.fixture, c.source) for c in cells):
         fixture = get_fixture(name, source)
+        _composable(fixture, {c.mesh for c in cells if (c.fixture, c.source) == (name, source)})
         try:
             model, ignored = built(fixture, "run")
         except UsageError:
