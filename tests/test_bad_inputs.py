@@ -126,6 +126,8 @@ def _files(t) -> dict[str, str]:
          **{f"same_{x}": _write(t / f"same_{x}.py", KEEP_AS_TEXT.format(name="samename", keep=())) + ":model"
             for x in "ab"},
          "keep_typo": _write(t / "keep_typo.py", KEEP_AS_TEXT.format(name="keeptypo", keep=("A_log", "A_lgo"))) + ":model",
+         "keep_alias": _write(t / "keep_alias.py", KEEP_AS_TEXT.replace("['kda']", "['lm']").format(
+             name="keepalias", keep=("head",))) + ":model",
          "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
          "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
          "model_class": _write(t / "model_class.py", "from torch import nn\n\n\nclass MyModel(nn.Module):\n    pass\n")
@@ -316,6 +318,9 @@ CASES = [
     (["gate", "--model", "{keep_typo}", "--out", "{out}"],
      "Fixture.keep_fp32 pattern 'A_lgo' selects no parameter or buffer of the model (rule transformers); correct it or drop it"),
     (["plan", "--model", "{keep_typo}"], "Fixture.keep_fp32 pattern 'A_lgo' selects no parameter"),
+    # the tied head's alias: refused as a typo, though the name is the model's (review)
+    (["plan", "--model", "{keep_alias}"], "Fixture.keep_fp32 pattern 'head' selects only 'head.weight', a tied alias "
+     "of 'embed.weight' (parity names a tied parameter by its first name); give a pattern for 'embed.weight'"),
     (["plan", "--model", "{cpu_failing}"], "plan: building model 'cpufails' failed: RuntimeError: needs a weights file"),
     (["run", "--model", "{twice_factory}", "--out", "{out}"], "two models are named 'kda'"),
     # run --resume: malformed files

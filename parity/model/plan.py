@@ -229,6 +229,18 @@ def unmatched(model: nn.Module, patterns: tuple[str, ...], rule: str) -> list[st
     return [p for p in patterns if not any(matches(fqn, p, rule) for fqn in tensors)]
 
 
+def tied_alias(model: nn.Module, pattern: str, rule: str) -> tuple[str, str] | None:
+    """(alias, first name) where ``pattern`` selects a later name of a tied parameter
+    (``lm_head.weight`` tied to ``model.embed_tokens.weight``): parity names a tied parameter by
+    its first name, so such a pattern selects nothing; None otherwise."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = canonical_fqn(name)
+        if first.setdefault(id(p), name) != name and matches(name, pattern, rule):
+            return name, first[id(p)]
+    return None
+
+
 def unmatched_declared(model: nn.Module, rule: str, half: bool = False) -> list[tuple[str, str]]:
     """(class and list, pattern) -- ``("Cls._keep_in_fp32_modules_strict", pattern)`` -- for
     every pattern a module class declares FP32 (``half``: ``_keep_in_fp32_modules`` too, as the

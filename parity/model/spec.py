@@ -19,7 +19,7 @@ from parity.errors import UsageError
 from parity.model.dtypes import parse_dtype
 from parity.model.formats import BLOCK
 from parity.model.markers import set_compute_dtype
-from parity.model.plan import FP32_RULES, resolve_plan, unfreeze_step, unmatched
+from parity.model.plan import FP32_RULES, resolve_plan, tied_alias, unfreeze_step, unmatched
 
 #: Outcomes a fixture may declare per path name or per path contract.
 OUTCOMES = ("isolation-error", "fallback")
@@ -297,6 +297,11 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     if spec.fp32_rule not in FP32_RULES:
         raise UsageError(f"{where}: Fixture.fp32_rule {spec.fp32_rule!r}; valid: {', '.join(FP32_RULES)}")
     typo = unmatched(model, spec.keep_fp32, spec.fp32_rule)
+    alias = tied_alias(model, typo[0], spec.fp32_rule) if typo else None
+    if alias:
+        raise UsageError(f"{where}: Fixture.keep_fp32 pattern {typo[0]!r} selects only {alias[0]!r}, a tied alias of "
+                         f"{alias[1]!r} (parity names a tied parameter by its first name); give a pattern for "
+                         f"{alias[1]!r}")
     if typo:  # it would keep nothing in FP32, and both paths would agree on that
         raise UsageError(f"{where}: Fixture.keep_fp32 pattern {typo[0]!r} selects no parameter or buffer of the model "
                          f"(rule {spec.fp32_rule}); correct it or drop it (see python -m parity plan)")
