@@ -153,6 +153,7 @@ def _files(t) -> dict[str, str]:
                 ("ignores_none", "", "ignored=lambda m: None"),
                 ("builds_int", "", "build=lambda: 42"),
                 ("plain", "", "description='kda under another name'"),
+
                 # batches from torch's global generator: every cell diverged, blamed on a module (review)
                 ("global_rng", "def _batch(g):\n    b = registered()['kda'].make_batch(g)\n"
                                "    return type(b)(inputs=tuple(torch.randn_like(x) for x in b.inputs), target=b.target)\n",
@@ -810,3 +811,21 @@ def test_bench_on_fewer_gpus_than_its_ranks_is_refused_naming_the_ranks_that_fit
     assert main(["bench", "--device", "cuda", "--fixtures", "kda", "--out", str(tmp_path / "b")]) == 2
     assert "bench --ranks 2 --device cuda needs 2 GPUs; 1 visible; give --ranks 1" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+def test_a_batch_marking_missing_labels_with_nan_is_the_same_batch_twice():
+    """The reproducibility check refused a NaN-marked target as drawn from the global generator
+    (NaN != NaN under torch.equal; review)."""
+    import dataclasses
+
+    from parity.model.registry import _reproducible, get_fixture
+
+    kda = get_fixture("kda")
+
+    def batch(g):
+        b = kda.make_batch(g)
+        b.target.view(-1)[0] = float("nan")
+        return b
+
+    fixture = dataclasses.replace(kda, make_batch=batch)
+    _reproducible(fixture, fixture.batch(0, 0, 0, 0), "run")  # no UsageError

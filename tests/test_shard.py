@@ -56,7 +56,7 @@ def test_adding_or_removing_cells_elsewhere_moves_few_groups():
     assert len(moved) <= 0.02 * len(before), moved[:5]
 
 
-@pytest.mark.parametrize("text", ["0/4", "5/4", "4", "a/b", "1/0", "-1/2", "", "1_0/20", "+1/2", " 1/2", "\u0661/2"])
+@pytest.mark.parametrize("text", ["0/4", "5/4", "4", "a/b", "1/0", "-1/2", "", "1_0/20", "+1/2", " 1/2", "\u0661/2", "1/" + "9" * 5000])
 def test_a_part_that_does_not_exist_is_a_usage_error(text):
     with pytest.raises(UsageError, match="I/N"):
         parse_shard(text)
@@ -458,8 +458,10 @@ def test_a_fuzz_merge_refuses_short_shares_lost_reproducers_another_generator_an
     capsys.readouterr()
     assert main(["merge", *parts, "--out", str(used)]) == 2
     assert "holds another campaign's files (fuzz.json, fuzz.md, part-9)" in capsys.readouterr().err
+    (used / "part-8").mkdir()  # a run's part kept there: never another campaign's files (review)
+    (used / "part-8" / "run.json").write_text("{}")
     assert main(["merge", *parts, "--out", str(used), "--overwrite"]) == 0
-    assert not (used / "part-9").exists()
+    assert not (used / "part-9").exists() and (used / "part-8" / "run.json").is_file()
     inside = tmp_path / "inside"  # parts kept as out/part-I: the merge's own inputs, never removed
     inside.mkdir()
     kept = [_fuzz_part(inside, 1), _fuzz_part(inside, 2, reproducer=True)]

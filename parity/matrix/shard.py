@@ -47,7 +47,7 @@ MAX_PARTS = 1024
 
 def parse_shard(text: str) -> Shard:
     """``"I/N"`` with 1 <= I <= N <= :data:`MAX_PARTS`; anything else is a one-line usage error."""
-    found = re.fullmatch(r"([0-9]+)/([0-9]+)", str(text))  # ASCII digits only: int() also reads "1_0", "+1", " 1"
+    found = re.fullmatch(r"([0-9]{1,9})/([0-9]{1,9})", str(text))  # ASCII digits: int() also reads "1_0", "+1", " 1"
     shard = Shard(int(found[1]), int(found[2])) if found else None
     if shard is None or not 1 <= shard.index <= shard.count:
         raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")

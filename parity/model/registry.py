@@ -97,6 +97,13 @@ def exercised(fixture: Fixture, model, where: str) -> None:
                          "Fixture.token_input=True)")
 
 
+def _identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shape, dtype and values, NaN equal to NaN (a batch may mark missing labels with it)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+
+
 def _reproducible(fixture: Fixture, batch, where: str) -> None:
     """The same generator seed gives the same batch: the reference and every rank draw a cell's
     batches apart, from seeded generators, and a ``make_batch`` that draws elsewhere (torch's global
@@ -104,8 +111,7 @@ def _reproducible(fixture: Fixture, batch, where: str) -> None:
     blamed on the model's first module."""
     again = fixture.batch(0, 0, 0, 0)
     tensors = list(zip((*batch.inputs, batch.target), (*again.inputs, again.target)))
-    if len(batch.inputs) != len(again.inputs) or not all(
-            a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in tensors):
+    if len(batch.inputs) != len(again.inputs) or not all(_identical(a, b) for a, b in tensors):
         raise UsageError(f"{where}: model {fixture.name!r}: Fixture.make_batch returns other tensors for the same "
                          "seeded torch.Generator; draw every tensor from the generator it is given (e.g. "
                          "torch.randn(..., generator=g)), not from torch's global generator")

@@ -192,7 +192,7 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
     first = parts[0][1]
     name = f"fuzz{'-' + first['fault'] if first['fault'] else ''}.md"
     inputs = {os.path.realpath(d) for d in directories}
-    earlier = sorted(campaign_files_in(out) + [n for n in campaign_files_in(out, (MERGED_DIRS,))
+    earlier = sorted(campaign_files_in(out) + [n for n in merged_copies_in(out)  # never a part or a run's folder
                                                if os.path.realpath(os.path.join(out, n)) not in inputs])
     if earlier and not overwrite:
         raise UsageError(f"merge: --out {out} holds another campaign's files ({', '.join(earlier[:3])}); pass "
