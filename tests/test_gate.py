@@ -58,6 +58,14 @@ def test_a_go_needs_a_cell_on_two_ranks():
     fell += [rec("m", "native", 0, check="fallback", name="declared", taken="legacy", detail="declared: x", ranks=2)]
     fell = [replace(r, cell=one[1].cell) if r.check == "fallback" else r for r in fell]
     assert decide(fell, "m", "native").decision == PARTIAL
+    # one step: no step read what an earlier one wrote -- a native bug in FP32 values that start
+    # exact in BF16 (norm weights of ones) passed a steps = 1 matrix as GO (review)
+    once = [replace(r, cell=r.cell + "/st-1") for r in healthy()]
+    d = decide(once, "m", "native")
+    assert d.decision == PARTIAL and d.reasons == [
+        "every native cell that trained the native path ran one step: no step read what an earlier one wrote "
+        "(optimizer state, updated parameters); run 2 steps or more (steps = 2)"]
+    assert decide([replace(r, cell=r.cell + "/st-3") for r in healthy()], "m", "native").decision == GO
     assert decide(one + [rec("m", "native", 0, verdict="FAIL", ranks=1)], "m", "native").decision == NO_GO
     from parity.report.gate import apply_scope
 

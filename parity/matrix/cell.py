@@ -64,6 +64,12 @@ RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "i
                "compile": "cmp"}
 
 
+def steps_of(cell_id: str) -> int:
+    """The optimizer steps a cell ran, read from its id (``st-N``; none: :attr:`Cell.steps`'s default)."""
+    tagged = [seg[3:] for seg in cell_id.split("/") if seg.startswith("st-") and seg[3:].isdigit()]
+    return int(tagged[0]) if tagged else Cell.steps
+
+
 def pair_of(cell_id: str, path: str) -> str:
     """The pair group id of the cell ``cell_id`` of path ``path``: its id without the path (cells
     of different paths sharing it are compared)."""

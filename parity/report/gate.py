@@ -24,7 +24,8 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
 - **PARTIAL** replaces GO and NOT APPLICABLE when the evidence is narrower than the matrix
   it names (:func:`apply_scope`): a filter, other ranks or paths, fewer steps, an axis
   override or an injected fault. A NO-GO stays NO-GO (what ran already failed). It replaces
-  GO, too, where every candidate cell that trained ran on one rank (:func:`_sharded_scope`).
+  GO, too, where every candidate cell that trained ran on one rank, or ran one step
+  (:func:`_sharded_scope`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
 from parity.judge.record import BAD, LOCATING_CHECKS, Record, Unpaired, Verdict
-from parity.matrix.cell import pair_of
+from parity.matrix.cell import pair_of, steps_of
 from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
 
 GO, NO_GO, NOT_APPLICABLE, PARTIAL = "GO", "NO-GO", "NOT APPLICABLE", "PARTIAL"
@@ -145,15 +146,22 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
 
 
 def _sharded_scope(d: Decision, own: list[Record], trained: set[str], candidate: str) -> None:
-    """A GO speaks for sharded training: where every candidate cell that trained the candidate path
-    (not a fallback) ran on one rank,
-    FSDP sharded nothing and no gradient was reduced across ranks (where a reduce dtype acts), so
-    what passed is a decision on part of what enabling the candidate changes: PARTIAL, naming the
-    missing cells (a matrix with ``ranks = [1, 2]`` supplies them)."""
-    if trained and not any(r.ranks > 1 and r.path_taken == candidate for r in own if r.cell in trained):
-        d.decision = PARTIAL  # a cell that fell back sharded the other path, not the candidate
+    """A GO speaks for sharded training over steps: where every candidate cell that trained the
+    candidate path (not a fallback) ran on one rank, FSDP sharded nothing and no gradient was
+    reduced across ranks; where every one ran one step, no step read what an earlier one wrote (the
+    optimizer's state, FP32 parameters updated off values exact in BF16). Either way what passed is
+    a decision on part of what enabling the candidate changes: PARTIAL, naming the cells to add."""
+    if not trained:
+        return
+    took = {r.cell for r in own if r.cell in trained and r.path_taken == candidate}  # a fallback trained another path
+    if not any(r.ranks > 1 for r in own if r.cell in took):
+        d.decision = PARTIAL
         d.reasons.append(f"every {candidate} cell that trained the {candidate} path ran on one rank: nothing was "
                          "sharded or reduced across ranks; add cells of 2 ranks or more (ranks = [1, 2] in the matrix)")
+    if not any(steps_of(c) > 1 for c in took):
+        d.decision = PARTIAL
+        d.reasons.append(f"every {candidate} cell that trained the {candidate} path ran one step: no step read what "
+                         "an earlier one wrote (optimizer state, updated parameters); run 2 steps or more (steps = 2)")
 
 
 def _same_contract(d: Decision, baselines: set[str], candidate: str) -> None:
