@@ -369,6 +369,7 @@ CASES = [
     (["run", "--matrix", "smoke", "--out", "{out}", "--junit", "{out}/run.json"], "is the results' own run.json"),
     (["run", "--shard", "1/99999999999999999999", "--out", "{out}"], "at most 1024 parts"),
     (["run", "--shard", "1/1025", "--list"], "at most 1024 parts"),
+    (["run", "--shard", "1/" + "9" * 5000, "--list"], "at most 1024 parts"),  # past int()'s digit limit
     (["run", "--matrix", "{matrix_microbatches}", "--out", "{out}"], "(1 <= K <= 64)"),
     (["run", "--matrix", "{matrix_skip_some}", "--out", "{out}"], "skip_some.toml: skip.when: cannot evaluate "
      "'ranks / (ranks - 2) == 1' on cell kda/legacy/r2"),

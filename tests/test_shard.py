@@ -56,7 +56,7 @@ def test_adding_or_removing_cells_elsewhere_moves_few_groups():
     assert len(moved) <= 0.02 * len(before), moved[:5]
 
 
-@pytest.mark.parametrize("text", ["0/4", "5/4", "4", "a/b", "1/0", "-1/2", "", "1_0/20", "+1/2", " 1/2", "\u0661/2", "1/" + "9" * 5000])
+@pytest.mark.parametrize("text", ["0/4", "5/4", "4", "a/b", "1/0", "-1/2", "", "1_0/20", "+1/2", " 1/2", "\u0661/2", "9" * 5000 + "/2"])
 def test_a_part_that_does_not_exist_is_a_usage_error(text):
     with pytest.raises(UsageError, match="I/N"):
         parse_shard(text)

@@ -45,15 +45,22 @@ class Shard:
 MAX_PARTS = 1024
 
 
+def _number(digits: str) -> int:
+    """``digits`` as an int; past 9 significant digits, one more than :data:`MAX_PARTS` (all that
+    matters then is that it is too large, and thousands of digits hit ``int()``'s limit)."""
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= 9 else MAX_PARTS + 1
+
+
 def parse_shard(text: str) -> Shard:
     """``"I/N"`` with 1 <= I <= N <= :data:`MAX_PARTS`; anything else is a one-line usage error."""
-    found = re.fullmatch(r"([0-9]{1,9})/([0-9]{1,9})", str(text))  # ASCII digits: int() also reads "1_0", "+1", " 1"
-    shard = Shard(int(found[1]), int(found[2])) if found else None
-    if shard is None or not 1 <= shard.index <= shard.count:
+    found = re.fullmatch(r"([0-9]+)/([0-9]+)", str(text))  # ASCII digits: int() also reads "1_0", "+1", " 1"
+    index, count = (_number(g) for g in found.groups()) if found else (0, 0)
+    if not 1 <= index <= count:
         raise UsageError(f"{text!r} is not a part: give I/N with 1 <= I <= N, e.g. 2/8")
-    if shard.count > MAX_PARTS:
+    if count > MAX_PARTS:
         raise UsageError(f"{text!r}: at most {MAX_PARTS} parts; split into fewer (each part is a CI job)")
-    return shard
+    return Shard(index, count)
 
 
 def _hash(*parts) -> int:
