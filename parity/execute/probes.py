@@ -18,7 +18,6 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.execute import collectives
@@ -91,7 +90,7 @@ def sharded_grads(model: nn.Module, fqn_of, scale: float = 1.0) -> PackedShards:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out = {}
-    for fp in _fsdp_params(model):
+    for _, fp in apply.fsdp_params(model):
         grad = fp.sharded_param.grad
         if not isinstance(grad, DTensor):
             continue
@@ -122,15 +121,6 @@ def replica_inputs(flat: torch.Tensor, fsdp_params) -> dict:
     return out
 
 
-def _fsdp_params(model: nn.Module):
-    for mod in model.modules():
-        if isinstance(mod, FSDPModule):
-            state = mod._get_fsdp_state()
-            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
-                if group is not None:
-                    yield from group.fsdp_params
-
-
 def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
     """Names and identities right after the first forward, without ``model.state_dict()``: its
     pre-save hook reshards every unit, and with reshard off that would change the backward this
@@ -139,7 +129,7 @@ def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
     module attributes are the unsharded ones until the backward); no state-dict keys."""
     modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
     sharded = {}
-    for fp in _fsdp_params(model):
+    for _, fp in apply.fsdp_params(model):
         prefix = modules.get(id(fp._module_info.module), "")
         sharded[f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name] = fp.sharded_param
     named = [(canonical_fqn(n), p) for n, p in model.named_parameters()]
@@ -153,7 +143,7 @@ def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
 def ownership(model: nn.Module) -> dict[str, str]:
     """Parameter FQN -> "fsdp" or "not fsdp"; its tensor- and expert-parallel placements;
     its dtype. What either path must leave as another parallelism made it."""
-    managed = {id(fp.sharded_param) for fp in _fsdp_params(model)}
+    managed = {id(fp.sharded_param) for _, fp in apply.fsdp_params(model)}
     out = {}
     for name, p in model.named_parameters():
         dims = dict(zip(p.device_mesh.mesh_dim_names or (), p.placements)) if isinstance(p, DTensor) else {}
@@ -395,7 +385,7 @@ class Recorder:
             self._replica_inputs = {}
             self.shards[(step, mb)] = sharded_grads(model, self._fqn, scale)
             return
-        for fp in _fsdp_params(model):
+        for _, fp in apply.fsdp_params(model):
             # torch <= 2.14 keeps a separate accumulator; 2.15 accumulates in the leaf's grad
             grad = getattr(fp, "unsharded_accumulated_grad", None)
             if grad is None and hasattr(fp, "_unsharded_param"):

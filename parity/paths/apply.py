@@ -106,24 +106,31 @@ def _check_names(report: ShardReport, model: nn.Module, path: str) -> None:
                          "have; fix that path's plan()")
 
 
+def fsdp_params(model: nn.Module):
+    """``(name, FSDPParam)`` for every parameter FSDP manages in ``model``: the name of the FSDP
+    module whose unit manages it (``""`` for the root), and FSDP's own record of it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, FSDPModule):
+            state = mod._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14
+                if group is not None:
+                    for fp in group.fsdp_params:
+                        yield name, fp
+
+
 def resolved_dtypes(model: nn.Module) -> dict[str, str]:
     """fqn -> "original/compute/reduce" as ``fully_shard`` resolved them per parameter
     (the policy each FSDP parameter holds before lazy initialization)."""
-    from torch.distributed.fsdp import FSDPModule
-
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
-    for mod in model.modules():
-        if not isinstance(mod, FSDPModule):
+    for _, fp in fsdp_params(model):
+        policy = getattr(fp, "mp_policy", None)  # resolved per parameter inside fully_shard
+        if policy is None:
             continue
-        state = mod._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14
-            for fp in group.fsdp_params if group is not None else ():
-                policy = getattr(fp, "mp_policy", None)  # resolved per parameter inside fully_shard
-                if policy is None:
-                    continue
-                dtypes = (fp.sharded_param.dtype, policy.param_dtype, policy.reduce_dtype)
-                out[names.get(id(fp.sharded_param), "?")] = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        dtypes = (fp.sharded_param.dtype, policy.param_dtype, policy.reduce_dtype)
+        out[names.get(id(fp.sharded_param), "?")] = "/".join(str(d).removeprefix("torch.") for d in dtypes)
     return out
 
 
@@ -163,18 +170,8 @@ def check_resolved_consistency(model: nn.Module, group: dist.ProcessGroup | None
 
 def unit_of(model: nn.Module) -> dict[str, str]:
     """fqn -> the FSDP module (its name, ``<root>`` for the root) whose unit manages the parameter."""
-    from torch.distributed.fsdp import FSDPModule
-
     names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
-    out = {}
-    for name, mod in model.named_modules():
-        name = canonical_fqn(name)
-        if isinstance(mod, FSDPModule):
-            state = mod._get_fsdp_state()
-            for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:  # torch <= 2.14
-                for fp in group.fsdp_params if group is not None else ():
-                    out[names.get(id(fp.sharded_param), "?")] = name or "<root>"
-    return out
+    return {names.get(id(fp.sharded_param), "?"): canonical_fqn(unit) or "<root>" for unit, fp in fsdp_params(model)}
 
 
 def apply_sharding(
