@@ -250,9 +250,14 @@ class _Run:
             if signals() and not self.lost:  # a worker killed by the same signal is not this cell's fault
                 raise Interrupted() from None
             reason = exc.reason + _arrived_too(signals)
-            self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH, f"{cell.path} did not finish ({exc.verdict})")
-            self._submit_ahead(signals)
-            return [failure_record(cell, Verdict(exc.verdict), reason)]
+            if exc.observed is None:
+                self.unpaired[cell.pair_id, cell.path] = (Unpaired.DID_NOT_FINISH,
+                                                          f"{cell.path} did not finish ({exc.verdict})")
+                self._submit_ahead(signals)
+                return [failure_record(cell, Verdict(exc.verdict), reason)]
+            observations = exc.observed  # the training finished; its checkpoint lifecycle did not
+            for obs in observations:
+                obs.lifecycle_lost(cell.path, f"{exc.verdict}: {reason}")
         for key in ("build", "steps", "checkpoint"):
             self.timings[key] += observations[0].timings.get(key, 0.0)
         self._submit_ahead(signals)  # the pools work while this cell is judged

@@ -261,3 +261,18 @@ def test_a_moment_kept_wrong_is_found_at_the_step_that_kept_it(request):
     assert {r["step"] for r in rows if r["check"] == "param"} == {"1"}
     assert {r["step"] for r in rows if r["check"] == "optim.moments"} == {"0", "1"}
     assert [(r["name"], r["step"]) for r in rows if r["check"] == "stage"] == [("optimizer", "0")]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a" if "crash_cross_load" in HALVES["a"] else "faults-b")
+def test_a_rank_lost_in_the_checkpoint_lifecycle_leaves_the_training_judged(request):
+    """Each rank sends its training evidence before the lifecycle: a rank that dies loading the
+    checkpoint into the other path costs the lifecycle's records, not the cell's training ones, and
+    the ERROR names the rank and what it reported last."""
+    cell = Cell(**FAULTS["crash_cross_load"].cell, faults=("crash_cross_load",)).id
+    rows = [r for r in _records_of(request, "crash_cross_load") if r["cell"] == cell]
+    (lost,) = [r for r in rows if r["verdict"] == "ERROR"]
+    assert lost["check"] == "checkpoint.same"
+    assert "rank 1 died with exit code 17 after it reported 'checkpoint lifecycle: loading into legacy'" in lost["detail"]
+    judged = {r["check"] for r in rows if r["verdict"] == "PASS"}
+    assert {"output", "input_grad", "grad", "param", "grad_norm", "optim.state", "marker"} <= judged

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from parity.errors import IsolationError
 from parity.execute import collectives, dcp_files, probes
 from parity.execute.observation import MarkerSeen, Observation, Resumed
-from parity.execute.training import build, freeze_schedule, observed, train_step
+from parity.execute.training import build, freeze_schedule, observed, train_step, within
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 from parity.model.dtypes import dtype_name
@@ -82,14 +82,15 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     try:
         try:
             handed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
-                           heartbeat=heartbeat, segments=saving)
+                           heartbeat=within("checkpoint lifecycle: saving", heartbeat), segments=saving)
         except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
             return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
         written, unread = _written(ckpt_dir[0]) if rank == 0 else ({}, "")
         for target in targets:
             try:
                 out[target] = _load_and_step(cell, target, ckpt_dir[0], rank=rank, world=world, mesh=mesh,
-                                             device=device, inject=inject, heartbeat=heartbeat)
+                                             device=device, inject=inject,
+                                             heartbeat=within(f"checkpoint lifecycle: loading into {target}", heartbeat))
             except IsolationError as exc:
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
             except FAILURES as exc:  # recorded against the path that failed

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from parity.errors import IsolationError
 from parity.execute import collectives, dcp_files, lifecycle, parallel, state_dicts
 from parity.execute.observation import NORM, Moved, Observation
-from parity.execute.training import Sharded, build, freeze_schedule, train_step
+from parity.execute.training import Sharded, build, freeze_schedule, train_step, within
 from parity.faults import Injector
 from parity.matrix.cell import Cell
 
@@ -169,7 +169,8 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 skip = _unsupported(cell)
                 if not skip:
                     saved, straight = _save(cell, save_l, save_mesh, save_group, ckpt[0], rank=rank, device=device,
-                                            inject=inject, heartbeat=heartbeat, segments=saving)
+                                            inject=inject, heartbeat=within("moved checkpoint: saving", heartbeat),
+                                            segments=saving)
             except FAILURES as exc:
                 error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
         error, skip = _agree(error, skip, world)
@@ -182,7 +183,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                 continue
             try:
                 out[t] = _load(cell, load_l, t, load_mesh, load_group, ckpt[0], rank=rank, device=device,
-                               inject=inject, heartbeat=heartbeat)
+                               inject=inject, heartbeat=within(f"moved checkpoint: loading into {t}", heartbeat))
             except IsolationError as exc:
                 out[t] = Moved(skip=f"{t} cannot shard this fixture: {exc}")
             except FAILURES as exc:

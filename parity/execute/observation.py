@@ -322,3 +322,31 @@ class Observation:
     """Rank 0 of a traced run with ``op_log``: ``log`` (DebugMode's serialized log of the traced
     step) or ``note`` (why there is none); :mod:`parity.execute.oplog`."""
     timings: dict[str, float] = field(default_factory=dict)
+
+    def after_training(self) -> "LifecyclePart":
+        """What the checkpoint lifecycle adds to this observation (it runs after everything else is
+        observed): a rank sends the rest first (:func:`parity.execute.pool._worker`), so a
+        lifecycle that kills the rank loses only its own evidence."""
+        return LifecyclePart(resume=self.contracts.resume, moved=self.contracts.moved,
+                             seconds=self.timings.get("checkpoint"))
+
+    def lifecycle_lost(self, path: str, reason: str) -> None:
+        """The checkpoint lifecycle of this rank never reported (its rank died or hung): an error
+        against ``path``, judged like a save that failed, beside the training evidence."""
+        self.contracts.resume = {path: Resumed(error=f"the checkpoint lifecycle did not finish: {reason}")}
+
+
+@dataclass(kw_only=True)
+class LifecyclePart:
+    """The checkpoint lifecycle's evidence, sent after the rest of an :class:`Observation`."""
+
+    resume: dict[str, Resumed] | None
+    moved: dict[str, Moved] | None
+    seconds: float | None
+
+    def onto(self, obs: Observation) -> Observation:
+        """``obs`` (sent earlier by the same rank for the same cell) made whole."""
+        obs.contracts.resume, obs.contracts.moved = self.resume, self.moved
+        if self.seconds is not None:
+            obs.timings["checkpoint"] = self.seconds
+        return obs

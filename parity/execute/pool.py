@@ -44,8 +44,12 @@ __all__ = ["CellFailure", "Interrupted", "RankPool", "context"]
 
 
 class CellFailure(Exception):
-    def __init__(self, verdict: str, reason: str):
-        self.verdict, self.reason = verdict, reason
+    """A cell that did not finish: ``verdict`` ERROR or TIMEOUT and why. ``observed``: every rank's
+    observation of the cell's training where each sent it before its checkpoint lifecycle failed
+    (:func:`_perform`; judged as such), else None."""
+
+    def __init__(self, verdict: str, reason: str, observed: list | None = None):
+        self.verdict, self.reason, self.observed = verdict, reason, observed
         super().__init__(f"{verdict}: {reason}")
 
 
@@ -106,9 +110,6 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parity.execute.worker import run_rank
-    from parity.matrix.cell import Cell
-
     def put(item) -> None:
         if os.getppid() == parent:
             _send(results, tmp, item)
@@ -122,16 +123,36 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
     put(("ready", rank, b""))
     while (task := _next_task(tasks, parent)) is not None:
         try:
-            # a cell is trained and observed; any other task (a benchmark) brings its own job
-            job = run_rank if isinstance(task, Cell) else task.run_on_rank
-            obs = job(task, rank=rank, world=world, mesh=mesh, device=device,
-                      heartbeat=lambda what: put(("alive", rank, what.encode())))
-            put(("ok", rank, to_bytes(obs)))
+            _perform(task, put, rank=rank, world=world, mesh=mesh, device=device)
         except BaseException as exc:  # noqa: BLE001 - every failure becomes a verdict
             tb = traceback.format_exc(limit=-3)
             put(("error", rank, f"{type(exc).__name__}: {exc}\n{tb}".encode()))
     if os.getppid() == parent:
         dist.destroy_process_group()
+
+
+def _perform(task, put, *, rank: int, **where) -> None:
+    """Run ``task`` on this rank and put its result. A cell with a checkpoint lifecycle sends its
+    observation in two messages: ``trained`` (everything but the lifecycle's evidence, before the
+    lifecycle starts), then ``ok`` (that evidence): a rank the lifecycle kills leaves the cell's
+    training evidence behind. Any other task (a benchmark) brings its own job."""
+    from parity.execute.worker import run_rank
+    from parity.matrix.cell import Cell
+
+    def beat(what: str) -> None:
+        put(("alive", rank, what.encode()))
+
+    if not isinstance(task, Cell):
+        put(("ok", rank, to_bytes(task.run_on_rank(task, rank=rank, heartbeat=beat, **where))))
+        return
+    early = []
+
+    def trained(obs) -> None:
+        early.append(obs)
+        put(("trained", rank, to_bytes(obs)))
+
+    obs = run_rank(task, rank=rank, heartbeat=beat, trained=trained, **where)
+    put(("ok", rank, to_bytes(obs.after_training() if early else obs)))
 
 
 class RankPool:
@@ -190,10 +211,12 @@ class RankPool:
         self.spawn_seconds += time.perf_counter() - t0
         self.ready = False
 
-    def _collect(self, kind: str, timeout: float) -> dict[int, bytes]:
-        """Wait for every rank's ``kind`` message; ``timeout`` counts seconds of silence."""
+    def _collect(self, kind: str, timeout: float, early: dict[int, bytes] | None = None) -> dict[int, bytes]:
+        """Wait for every rank's ``kind`` message; ``timeout`` counts seconds of silence. A rank's
+        ``trained`` message goes to ``early``; a failure names what each failing rank reported last."""
         got: dict[int, bytes] = {}
         errors: dict[int, str] = {}
+        last: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         grace = None
         while len(got) + len(errors) < self.world:
@@ -211,6 +234,12 @@ class RankPool:
                 continue
             deadline = time.monotonic() + timeout  # any message is progress
             if status == "alive":
+                last[rank] = payload.decode()
+                continue
+            if status == "trained":  # the cell's training evidence; its checkpoint lifecycle follows
+                if early is not None:
+                    early[rank] = payload
+                last[rank] = "training observed"
                 continue
             if status == "error":
                 errors[rank] = payload.decode()
@@ -220,12 +249,17 @@ class RankPool:
         if len(got) == self.world:
             return got
         # a rank that died is the cause; its peers' errors (connection resets) are symptoms
-        causes = [f"rank {r} died with exit code {p.exitcode}" for r, p in enumerate(self.procs) if p.exitcode is not None]
+        def after(r: int) -> str:
+            return f" after it reported {last[r]!r}" if r in last else ""
+
+        causes = [f"rank {r} died with exit code {p.exitcode}{after(r)}"
+                  for r, p in enumerate(self.procs) if p.exitcode is not None]
         causes += [f"rank {r} raised {errors[r].strip()}" for r in sorted(errors)]
         if causes:
             raise CellFailure("ERROR", "; ".join(causes))
         missing = [r for r in range(self.world) if r not in got]
-        raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:g} s")
+        raise CellFailure("TIMEOUT", f"rank(s) {missing} made no progress for {timeout:g} s"
+                          + "".join(f"; rank {r} last reported {last[r]!r}" for r in missing if r in last))
 
     def run(self, cell, timeout: float) -> list:
         """Run one cell (or a task with ``run_on_rank``, e.g. a benchmark) on every rank;
@@ -249,12 +283,16 @@ class RankPool:
     def collect(self, timeout: float) -> list:
         """The submitted cell's observation from every rank, rank order; a failure stops the pool
         (the next :meth:`submit` restarts it) and raises :class:`CellFailure`."""
+        early: dict[int, bytes] = {}
         try:
-            got = self._collect("ok", timeout)
-        except CellFailure:
+            got = self._collect("ok", timeout, early)
+        except CellFailure as exc:
             self.stop(kill=True)
+            if len(early) == self.world:
+                exc.observed = [from_bytes(early[r]) for r in range(self.world)]
             raise
-        return [from_bytes(got[r]) for r in range(self.world)]
+        return [from_bytes(got[r]).onto(from_bytes(early[r])) if r in early else from_bytes(got[r])
+                for r in range(self.world)]
 
     def stop(self, kill: bool = False, grace: float = 5.0) -> None:
         """Ask idle workers to exit, wait up to ``grace`` seconds, kill whatever is left."""

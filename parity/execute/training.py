@@ -35,6 +35,13 @@ from parity.paths.reads import check_reads
 Heartbeat = Callable[[str], None]
 
 
+def within(phase: str, heartbeat: Heartbeat) -> Heartbeat:
+    """Report ``phase`` now, and every later report as part of it (where a rank was when it went
+    silent or died: ``checkpoint lifecycle: loading into legacy; step 1 micro-batch 0``)."""
+    heartbeat(phase)
+    return lambda what: heartbeat(f"{phase}; {what}")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     t = t.to_local() if isinstance(t, DTensor) else t
     return main_weight(t).detach().cpu().clone()
@@ -106,7 +113,7 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
     knobs.apply(cell, model, fixture.blocks, fixture.backward_free)
     if cell.checkpointing == "outer":
         checkpoint_units(model, report)
-    inject.site("sharded", model=model)
+    inject.site("sharded", model=model, path=path)
     params = list(model.parameters())
     scale = loss_scale(plan.config.param_dtype)
     scaler = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,11 +44,33 @@ def _steps(cell: Cell) -> int:
 
 
 def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
-             heartbeat: Heartbeat | None = None) -> Observation:
-    """Build, shard and train the cell; then the checkpoint lifecycle and marker contract."""
+             heartbeat: Heartbeat | None = None, trained: Callable[[Observation], None] | None = None) -> Observation:
+    """Build, shard and train the cell, observe the trained model and the marker contract; then
+    the checkpoint lifecycle. ``trained`` is handed the observation before the lifecycle starts
+    (which only adds :meth:`Observation.after_training` to it), where the cell has one."""
     inject = Injector(cell.faults, rank=rank, world=world)
     beat = heartbeat or (lambda what: None)
     obs = Observation(rank=rank, whole=cell.whole_tensors)
+    if not _train(cell, obs, inject, rank=rank, world=world, mesh=mesh, device=device, beat=beat):
+        return obs
+    if cell.lifecycle and not cell.trace:
+        if trained is not None:
+            trained(obs)
+        t2 = time.perf_counter()
+        with inject.active("lifecycle"):
+            obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
+                                                    inject=inject, heartbeat=beat)
+            if cell.move != "none":
+                obs.contracts.moved = moves.moved(cell, rank=rank, world=world, mesh=mesh, device=device,
+                                                  inject=inject, heartbeat=beat)
+        obs.timings["checkpoint"] = time.perf_counter() - t2
+    return obs
+
+
+def _train(cell: Cell, obs: Observation, inject: Injector, *, rank: int, world: int, mesh, device: torch.device,
+           beat: Heartbeat) -> bool:
+    """Everything the rank observes of the cell but its checkpoint lifecycle, into ``obs``; False
+    when sharding raised the isolation error the fixture declares (recorded: nothing more runs)."""
     t0 = time.perf_counter()
     with inject.active("main"):
         inject.site("start")
@@ -55,7 +78,7 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             s = build(cell, cell.path, mesh=mesh, device=device, inject=inject, obs=obs)
         except IsolationError as exc:
             if _expected_isolation(cell, exc, obs):
-                return obs
+                return False
             raise
         beat("built")
         recorder = probes.Recorder(s.model, s.report)
@@ -90,19 +113,9 @@ def run_rank(cell: Cell, *, rank: int, world: int, mesh, device: torch.device,
             if tp is not None:
                 obs.contracts.tp_reduce, obs.contracts.tp_partials = tp.close(), tp.partials
         obs.timings["steps"] = time.perf_counter() - t1
-    if cell.lifecycle and not cell.trace:
-        t2 = time.perf_counter()
-        with inject.active("lifecycle"):
-            obs.contracts.resume = lifecycle.resume(cell, rank=rank, world=world, mesh=mesh, device=device,
-                                                    inject=inject, heartbeat=beat)
-            if cell.move != "none":
-                obs.contracts.moved = moves.moved(cell, rank=rank, world=world, mesh=mesh, device=device,
-                                                  inject=inject, heartbeat=beat)
-        obs.timings["checkpoint"] = time.perf_counter() - t2
-    with inject.active("main"):
         inject.site("trained", model=s.model)
         recorder.finish(s.model, obs.contracts)
     beat("contracts")
     with inject.active("markers"):
         obs.contracts.markers = lifecycle.marker_contract(cell, device)
-    return obs
+    return True

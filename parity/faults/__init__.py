@@ -90,7 +90,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
                      "load_reads_tensors_only",
-                     "tp_shards_swapped_on_load"), "checkpoint-load"),
+                     "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
 }
@@ -428,6 +428,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "shows it", {"quant.gather", "collectives"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"},
            patch=qp.fp8_payload_misreported),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
+    _fault("crash_cross_load", "the last rank exits with code 17 while the checkpoint lifecycle builds the legacy "
+           "model the native checkpoint loads into (an abort there): the training every rank observed is judged",
+           {"checkpoint.same", "coverage"}, _KDA2, site="sharded", hook=p.crash_building_legacy, scopes=("lifecycle",)),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),
 )}

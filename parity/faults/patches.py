@@ -419,6 +419,12 @@ def crash(value, rank, world, **_):
     return value
 
 
+def crash_building_legacy(value, rank, world, path, **_):
+    if path == "legacy" and rank == world - 1:
+        os._exit(17)
+    return value
+
+
 def hang(value, rank, world, **_):
     time.sleep(10_000)
 
