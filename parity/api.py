@@ -111,11 +111,11 @@ def _argv(command: str, options: dict) -> list[str]:
             argv += [flag] if value else []
         elif isinstance(action, argparse._AppendAction):
             for v in [value] if isinstance(value, (str, os.PathLike)) else value:
-                argv += [flag, os.fspath(v)]
+                argv.append(f"{flag}={os.fspath(v)}")
         elif isinstance(value, (list, tuple)):
-            argv += [flag, ",".join(map(str, value))]
-        else:
-            argv += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+            argv.append(f"{flag}={','.join(map(str, value))}")
+        else:  # FLAG=VALUE: a value starting with "-" (a folder "-out", a seed -1) is the value, not an option
+            argv.append(f"{flag}={os.fspath(value) if isinstance(value, os.PathLike) else str(value)}")
     return argv
 
 
@@ -175,7 +175,7 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
             raise UsageError(f"parity.{command}(out=''): give a directory path, or leave out= out for a new "
                              "temporary directory")
         out = os.fspath(out) if out is not None else tempfile.mkdtemp(prefix=f"parity-{command}-")
-        argv += ["--out", out]
+        argv.append(f"--out={out}")
     from parity.runner import QUIET
 
     if not isinstance(quiet, bool):
@@ -239,12 +239,15 @@ def _refuse_in_bootstrap(command: str) -> None:
                          "under `if __name__ == \"__main__\":`")
 
 
-def select(*, matrix: str = "smoke", **options):
+def select(*, matrix: str | None = None, **options):
     """What ``run`` with these options would run, without running it: (the matrix, its selected
-    cells as :class:`~parity.matrix.cell.Cell` objects, the effective options)."""
+    cells as :class:`~parity.matrix.cell.Cell` objects, the effective options). ``smoke`` unless
+    ``matrix`` names another; with ``resume=DIR``, that run's recorded matrix, as :func:`run`."""
     from parity.cli import RUN_DEFAULTS, _run_settings, _select
 
-    args = _parse("run", _argv("run", {"matrix": matrix, **options}) + ["--list"])
+    _recorded_matrix("select", "resume", matrix, options)
+    chosen = None if options.get("resume") else _or(matrix, "smoke")
+    args = _parse("run", _argv("run", {"matrix": chosen, **options}) + ["--list"])
     with _in_keywords("run"):  # the selection's own refusals
         opts = _run_settings(args, RUN_DEFAULTS)
         found, cells = _select(opts)

@@ -111,3 +111,25 @@ def raising(enabled: bool = True):
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def at_once():
+    """Inside a :class:`Signals` scope, for a wait no poll reaches (rank 0's own part of a cell under
+    torchrun, where torchrun's teardown after a peer left must not wait on a hang): a signal sets
+    the scope's flag, as ever, and also raises :class:`Interrupted` at once."""
+    scope = Signals._installed
+    if scope is None or not _main_thread():
+        yield
+        return
+
+    def handle(signum, frame):
+        scope._handle(signum, frame)
+        raise Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handle) for sig in EXIT_SIGNAL}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -98,6 +98,9 @@ MARKER = ("parity(matrix='smoke', model=..., **options): one test per cell that 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", MARKER)
+    if not config.pluginmanager.hasplugin("xdist"):  # the cells' own mark (below), known under --strict-markers
+        config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs on one "
+                                           "worker (parity: a pair group's cells)")
 
 
 #: ``run`` options a marker cannot honour: its cells run in pytest's own temporary folders, one pair
@@ -133,10 +136,13 @@ def pytest_generate_tests(metafunc):
 
     # a collection error of one line (pytrace=False: no pluggy frames before the message); the
     # session ends as for any collection error, before any cell runs
+    refused = ""
     try:
         _, cells, _ = _selection(dict(marker.kwargs))
     except (UsageError, TypeError) as exc:
-        pytest.fail(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {exc}", pytrace=False)
+        refused = str(exc)  # failed outside the handler: one message, not a chain of two
+    if refused:
+        pytest.fail(f"@pytest.mark.parity on {metafunc.definition.nodeid}: {refused}", pytrace=False)
     if not cells:  # pytest would skip an empty parametrization: a test that checks nothing must not pass
         pytest.fail(f"@pytest.mark.parity on {metafunc.definition.nodeid}: no cells selected; loosen "
                     "filter/paths/ranks", pytrace=False)

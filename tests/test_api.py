@@ -141,3 +141,20 @@ def test_select_is_exported_and_applies_a_shard_and_empty_values_are_refused():
         parity.run(out="", filter="ranks == 3")
     with pytest.raises(UsageError, match=r"^filter: cannot parse"):  # the keyword, not -k (review)
         parity.select(filter="((")
+
+
+def test_api_values_starting_with_a_dash_are_values_and_select_resumes_the_recorded_matrix(tmp_path, monkeypatch):
+    """``out="-results"`` is a folder (the command line's ``--out=-results``), not a missing argument;
+    ``select(resume=D)`` lists what ``run(resume=D)`` would run, with D's own matrix (review)."""
+    import parity
+    from parity.api import _argv
+
+    from parity.errors import UsageError
+
+    assert _argv("run", {"seed": -1, "fault": ["-x"], "paths": ["legacy"]})[1:] == [
+        "--seed=-1", "--fault=-x", "--paths=legacy"]
+    monkeypatch.chdir(tmp_path)
+    found, cells, _ = parity.select(matrix="default", filter="fixture == 'kda' and ranks == 1", paths="legacy")
+    assert found.name == "default" and cells
+    with pytest.raises(UsageError, match=r"parity.select\(resume=...\) uses the matrix that run recorded"):
+        parity.select(resume=str(tmp_path), matrix="default")

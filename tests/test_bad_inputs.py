@@ -830,3 +830,17 @@ def test_a_batch_marking_missing_labels_with_nan_is_the_same_batch_twice():
 
     fixture = dataclasses.replace(kda, make_batch=batch)
     _reproducible(fixture, fixture.batch(0, 0, 0, 0), "run")  # no UsageError
+
+
+def test_a_junit_file_in_the_out_folder_the_run_creates_is_accepted(tmp_path):
+    """The scheduled jobs' command (``--out results/gpu --junit results/gpu/junit.xml``, docs/ci.md) on a
+    fresh checkout: the folder is the run's own, created when it starts; any other missing folder is refused."""
+    from parity.errors import UsageError
+    from parity.report.outdir import writable_file
+
+    out = tmp_path / "new"
+    writable_file(str(out / "junit.xml"), "--junit", str(out))
+    with pytest.raises(UsageError, match="no folder"):
+        writable_file(str(tmp_path / "other" / "junit.xml"), "--junit", str(out))
+    with pytest.raises(UsageError, match="no folder"):
+        writable_file(str(out / "deeper" / "junit.xml"), "--junit", str(out))

@@ -280,3 +280,28 @@ def test_a_failed_load_into_a_teams_helper_fails_the_helpers_test_not_the_baseli
         before = {k: list(v) for k, v in kept.items()}
         _charge_loads(group, kept)
         assert kept == before
+
+
+def test_marked_tests_collect_under_strict_markers_without_xdist_and_a_refusal_is_said_once(pytester):
+    """The cells carry xdist's group mark: without pytest-xdist, --strict-markers must still know it; a
+    marker parity refuses is one message, not the refusal and a chained copy of it (review)."""
+    pytester.makepyfile(test_strict='''
+import pytest
+
+@pytest.mark.parity(matrix="smoke", filter="fixture == 'kda' and ranks == 1 and microbatches == 1")
+def test_kda(parity_cell):
+    pass
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--strict-markers",
+                                           "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()[-2000:]
+    pytester.makepyfile(test_strict='''
+import pytest
+
+@pytest.mark.parity(matrix="smoke", paths="nativ")
+def test_kda(parity_cell):
+    pass
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")
+    said = result.stdout.str() + result.stderr.str()
+    assert said.count("@pytest.mark.parity on test_strict.py::test_kda") == 1, said

@@ -4,6 +4,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from parity.cli import main
 from parity.matrix.cell import Cell
@@ -83,10 +85,12 @@ def test_a_pair_id_re_runs_both_cells_and_their_cross_path_comparison(tmp_path, 
     out = tmp_path / "run"
     assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
                  "--out", str(out)]) == 0
-    cells = (out / "cells.csv").read_text()
+    cells = (out / "cells.csv").read_bytes().decode()
     row = next(line for line in cells.splitlines() if ",legacy~native," in line and ",PASS," in line)
     pair = row.split(",")[0]
-    (out / "cells.csv").write_text(cells.replace(row, row.replace(",PASS,", ",FAIL,", 1), 1))  # as a pair's failure
+    # as a pair's failure, in a run marked interrupted (one marked complete is read only as it recorded it)
+    (out / "cells.csv").write_bytes(cells.replace(row, row.replace(",PASS,", ",FAIL,", 1), 1).encode())
+    (out / "run.json").write_text((out / "run.json").read_text().replace('"status": "complete"', '"status": "interrupted"'))
     capsys.readouterr()
     assert main(["repro", "kda/r9", "--from", str(out)]) == 2
     err = capsys.readouterr().err
@@ -215,3 +219,55 @@ def test_a_reproducer_script_edited_to_a_cell_no_run_can_take_exits_2_in_one_lin
     script.write_text(render(Cell(fixture="kda", path="native"), [], "here").replace("ranks=1,", "ranks=0,"))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr == "parity: reproducer: ranks 0: write an integer >= 1\n", proc.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(detail=st.text(), origin=st.text())
+def test_a_reproducer_is_python_whatever_its_records_say(detail, origin):
+    """A record's detail carries a user's exception text (quotes, backslashes, control characters);
+    the reproducer's header is comment lines, so the script always parses and names the cell."""
+    import ast
+
+    from parity.judge.record import Record, Verdict
+    from parity.report.repro import render
+
+    bad = [Record(cell=CELL.id, fixture="kda", path="native", check="run", name="cell", verdict=Verdict.ERROR,
+                  detail=detail)]
+    text = render(CELL, bad, origin)
+    tree = ast.parse(text)
+    assert ast.get_docstring(tree) is None and text.startswith(f"# parity reproducer: {CELL.id}\n")
+
+
+@pytest.mark.slow
+def test_a_reproducer_reads_the_run_as_report_and_gate_do(failing_run, tmp_path, capsys):
+    """A cut or missing ``cells.csv`` of a complete run, or a hand-edited ``run.json``, is exit 2 naming it,
+    not a reproducer saying nothing failed there (or a traceback)."""
+    import json
+    import shutil
+
+    def damaged(name: str, edit) -> int:
+        copy = tmp_path / name
+        shutil.copytree(failing_run, copy)
+        edit(copy)
+        capsys.readouterr()
+        return main(["repro", CELL.id, "--from", str(copy)])
+
+    def cut(d):
+        text = (d / "cells.csv").read_bytes()
+        (d / "cells.csv").write_bytes(text[:-100])
+
+    def manifest(**changes):
+        def edit(d):
+            run = json.loads((d / "run.json").read_text())
+            for key, value in changes.items():
+                if key == "fault":
+                    run["options"]["fault"] = value
+                else:
+                    run[key] = value
+            (d / "run.json").write_text(json.dumps(run))
+        return edit
+
+    assert damaged("cut", cut) == 2 and "cells.csv" in capsys.readouterr().err
+    assert damaged("gone", lambda d: (d / "cells.csv").unlink()) == 2
+    assert damaged("cells", manifest(cells=[[1]])) == 2 and "cells holds" in capsys.readouterr().err
+    assert damaged("fault", manifest(fault=5)) == 2 and "records fault 5" in capsys.readouterr().err

@@ -261,6 +261,20 @@ if os.environ["RANK"] == "1":
 
 
 @pytest.mark.xdist_group("runner")
+def test_under_torchrun_rank_0_hung_in_its_own_part_of_a_cell_is_a_timeout_and_the_results_are_written(tmp_path):
+    """Every rank sleeps in the cell (no exchange ever times out): rank 0, which judges and writes,
+    watches its own part by silence (its heartbeats), makes the cell TIMEOUT after --timeout seconds,
+    writes the results and exits 1; torchrun then stops the peers."""
+    proc, out, rows, junit = _torchrun(tmp_path, "--fault", "hang", "--timeout", "5")
+    assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "TIMEOUT")], \
+        (rows, proc.stderr[-2000:])
+    assert rows[0]["detail"].startswith("a rank did not answer within --timeout 5 s during this cell (a hang; "
+                                        "rank 0's own part of it reported nothing)"), rows[0]["detail"]
+    assert '"status": "interrupted"' in (out / "run.json").read_text() and proc.returncode != 0
+    assert (out / "summary.md").exists() and (out / "report.html").exists() and 'errors="2"' in junit
+
+
+@pytest.mark.xdist_group("runner")
 def test_under_torchrun_a_peer_that_would_skip_rank_0s_cell_makes_it_an_error_naming_it(tmp_path):
     """Nodes may differ (a compiler, a library): each rank runs the cell rank 0 names, and one
     whose own rules skip it says so -- that cell is an ERROR, the ones after it run. Ranks that

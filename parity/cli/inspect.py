@@ -117,8 +117,12 @@ def cmd_compare(args) -> int:
 
 def cmd_repro(args) -> int:
     """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
+    from parity.cli.run import check_recorded
+    from parity.report.outdir import read_manifest
     from parity.report.repro import find_cells, script
 
+    options = read_manifest(args.from_dir).get("options") or {}
+    check_recorded(options, f"repro: {args.from_dir}", "rerun the matrix into a new --out")  # an edited run.json
     text = script(find_cells(args.cell, args.from_dir, lambda options: _select({**RUN_DEFAULTS, **options})[1]),
                   args.from_dir)
     if not args.out:

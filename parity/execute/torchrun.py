@@ -4,10 +4,13 @@
 joins the process group torchrun set up (NCCL on GPUs, gloo on CPU). Cells whose rank count
 differs from the launched world size are reported as SKIP.
 
-``--timeout`` is the process group's timeout here (when parity starts the group): an in-process
-hang cannot be interrupted, but a rank that stops answering makes its peers' next exchange of
-the cell fail after that many seconds. That cell is then TIMEOUT, and, the group being in doubt,
-no further cell starts (rank 0 writes what finished, as for a rank that dies). Rank 0's word
+``--timeout`` is the process group's timeout here (when parity starts the group): a peer's
+in-process hang cannot be interrupted, but a rank that stops answering makes its peers' next
+exchange of the cell fail after that many seconds. Rank 0, which judges and writes, also watches
+its own part of each cell by silence (no heartbeat for that many seconds) and leaves it on a
+signal (torchrun's teardown once a peer left), so a hang of its own never costs what finished.
+The cell is then TIMEOUT (or the run interrupted), and, the group being in doubt, no further
+cell starts (rank 0 writes what finished, as for a rank that dies). Rank 0's word
 before each cell travels on a second group with the backend's default timeout: its peers wait
 there while it judges.
 
@@ -24,7 +27,10 @@ with exit code 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -35,6 +41,7 @@ from parity.errors import UsageError
 from parity.matrix.cell import Cell
 from parity.execute.pool import CellFailure
 from parity.execute.wire import from_bytes, to_bytes
+from parity.interrupt import Interrupted, at_once
 
 
 def under_torchrun() -> bool:
@@ -54,13 +61,14 @@ _control = None
 """The group rank 0's word travels on (:class:`TorchrunExecutor`; ``None``: the default group)."""
 
 
-def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 0.0) -> str:
+def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 0.0,
+          hang: str = "the group's exchange timed out") -> str:
     """Record that the group is lost (``when``: during / before a cell) and return why; with
     ``timeout``, because an exchange waited that long for a rank that did not answer."""
     global _lost, _lost_how
     seen = own or f"the exchange failed: {type(exc).__name__}: {exc}"
     _lost_how = f"a rank did not answer within --timeout {timeout:g} s" if timeout else "a rank left the torchrun group"
-    head = (f"{_lost_how} {when} (a hang; the group's exchange timed out)"
+    head = (f"{_lost_how} {when} (a hang; {hang})"
             if timeout else f"{_lost_how} {when} (torchrun's log names it and its exit code)")
     _lost = f"{head}; {seen.splitlines()[0][:240] if seen else ''}"
     return _lost
@@ -70,6 +78,38 @@ def _timed_out(text: str) -> bool:
     """Whether a collective's error says it timed out (gloo: "Timed out waiting", NCCL's watchdog:
     "timeout")."""
     return "timed out" in text.lower() or "timeout" in text.lower()
+
+
+class _Silent(BaseException):
+    """Rank 0's own part of a cell reported nothing for the cell's timeout (a ``BaseException``: no
+    handler turning a failure into evidence may take it)."""
+
+
+@contextlib.contextmanager
+def _watched(rank: int, timeout: float):
+    """Rank 0 running its own part of a cell: it judges and writes, so it must come back. A signal
+    (torchrun tearing the group down after a peer left) raises at once (:func:`at_once`), and
+    ``timeout`` seconds without a heartbeat raise :class:`_Silent` -- silence, as in a pool, not a
+    guess of the cell's length; a hang inside a collective is the group timeout's. Yields the
+    heartbeat that restarts the count. Peers watch nothing: rank 0's leaving ends their wait."""
+    if rank != 0 or not timeout or threading.current_thread() is not threading.main_thread():
+        yield lambda what: None
+        return
+
+    def silent(signum, frame):
+        raise _Silent()
+
+    def heartbeat(what: str) -> None:
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+
+    old = signal.signal(signal.SIGALRM, silent)
+    heartbeat("start")
+    try:
+        with at_once():
+            yield heartbeat
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def agreed(code: int) -> int:
@@ -221,7 +261,16 @@ class TorchrunExecutor:
                 raise CellFailure("ERROR", refused)
             return None
         try:
-            payload = ("ok", to_bytes(run_rank(cell, rank=self.rank, world=self.world, mesh=self.mesh, device=self.device)))
+            with _watched(self.rank, timeout) as heartbeat:
+                obs = run_rank(cell, rank=self.rank, world=self.world, mesh=self.mesh, device=self.device,
+                               heartbeat=heartbeat)
+            payload = ("ok", to_bytes(obs))
+        except _Silent:
+            raise CellFailure("TIMEOUT", _lose("during this cell", None, f"rank 0 made no progress for {timeout:g} s",
+                                               timeout, hang="rank 0's own part of it reported nothing")) from None
+        except Interrupted:  # torchrun's teardown (a peer left) or a signal: the peers cannot follow
+            _lose("during this cell", None, "rank 0 was stopped by a signal")
+            raise
         except Exception as exc:  # noqa: BLE001
             payload = ("error", f"rank {self.rank} raised {type(exc).__name__}: {exc}")
         gathered = [None] * self.world if self.rank == 0 else None

@@ -43,7 +43,7 @@ _held: set[str] = set()
 
 def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
     """``path`` can be written as a file at the end of a run (``--junit``): not a directory, in an existing
-    folder parity can write, and not one of the files of the results in ``out`` or in ``inputs`` (a
+    folder parity can write or in ``out`` (which the run creates), and not one of the files of the results in ``out`` or in ``inputs`` (a
     merge's parts) (:data:`RUN_FILES`: a JUnit file written over ``cells.csv`` would destroy the run
     it reports). Checked before any work, so a finished run cannot fail on it."""
     if not path:
@@ -55,8 +55,10 @@ def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
         if results and os.path.basename(path) in RUN_FILES and os.path.realpath(folder) == os.path.realpath(results):
             raise UsageError(f"{what} {path}: is the results' own {os.path.basename(path)}; give another file, e.g. "
                              f"{os.path.join(out or results, 'junit.xml')}")
+    if out and not os.path.exists(out) and os.path.abspath(folder) == os.path.abspath(out):
+        return  # in the results folder the run creates (``--out`` is checked on its own)
     if not os.path.isdir(folder):
-        raise UsageError(f"{what} {path}: no folder {folder}; give a path in an existing folder")
+        raise UsageError(f"{what} {path}: no folder {folder}; give a path in an existing folder or in --out")
     existed = os.path.exists(path)
     try:
         with open(path, "a"):
@@ -229,7 +231,7 @@ def read_json(path: str, fix: str) -> dict:
 
 def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> dict:
     """``out``'s ``run.json``: an object whose ``options``, ``environment`` and ``model_warnings``
-    (if any) are objects, ``cells`` a list and ``status`` a string; ``fix`` ends the error when it
+    (if any) are objects, ``cells`` a list of strings and ``status`` a string; ``fix`` ends the error when it
     is not."""
     path = os.path.join(out, MANIFEST)
     if not os.path.isfile(path):
@@ -239,6 +241,8 @@ def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> di
                       ("model_warnings", dict)):
         if key in manifest and not isinstance(manifest[key], kind):
             raise UsageError(f"{path}: {key} is not {'an object' if kind is dict else 'a ' + kind.__name__}; {fix}")
+    if not all(isinstance(c, str) for c in manifest.get("cells", [])):
+        raise UsageError(f"{path}: cells holds something other than cell ids; {fix}")
     return manifest
 
 

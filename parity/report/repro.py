@@ -25,8 +25,7 @@ from parity.digests import data_sha256
 from parity.errors import UsageError
 from parity.judge.record import LOCATING_CHECKS, Verdict
 from parity.matrix.cell import Cell
-from parity.report.outdir import CELLS, read_manifest
-from parity.report.records import read_records
+from parity.report.outdir import CELLS, read_manifest, recorded
 
 _BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 
@@ -37,8 +36,8 @@ def find_cells(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> 
     -> cells). A model file the run named relative to where it ran is found through the absolute
     paths ``run.json`` records (``sources``), so ``repro`` works from any directory."""
     manifest = read_manifest(out)
-    listed = set(manifest.get("cells", []))
     options = dict(manifest.get("options", {}))
+    listed = set(manifest.get("cells", []))
     if options.get("model"):
         options["model"] = [_located(m, manifest.get("sources") or {}) for m in options["model"]]
     rebuilt = [c for c in select(options) if c.id in listed]
@@ -82,10 +81,14 @@ def recorded_options(options: dict) -> dict:
 
 
 def _failing(out: str, ids: set[str] | None = None) -> list:
-    path = os.path.join(out, CELLS)
-    if not os.path.isfile(path):
+    """The records of ``out`` that did not pass (of ``ids``' cells): read as ``report`` and ``gate
+    --from`` read them -- a complete run only as it recorded them (a cut, emptied or missing
+    ``cells.csv`` is a :class:`UsageError`, not a reproducer saying nothing failed); an interrupted
+    run's as they are, none where it wrote none."""
+    if not os.path.isfile(os.path.join(out, CELLS)) and read_manifest(out).get("status") != "complete":
         return []
-    return [r for r in read_records(path) if r.verdict in _BAD and (ids is None or r.cell in ids)]
+    rows = recorded(out, "repro", "rerun the matrix into a new --out")
+    return [r for r in rows if r.verdict in _BAD and (ids is None or r.cell in ids)]
 
 
 def _ids(cells: list[Cell]) -> set[str]:
@@ -148,10 +151,21 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
     target = name if not embedded else (f"with_model({name})" if name == "CELL" else f"[with_model(c) for c in {name}]")
     run = f"rerun({target}, sys.argv[1:]{''.join(f', {k}={v!r}' for k, v in sorted((options or {}).items()))})"
     data = data.replace("\n", "\n    ")
-    return (f'"""{header}\n"""\n\nimport sys\n\nfrom parity.matrix.cell import Cell\n'
+    return (f"{_comment(header)}\n\nimport sys\n\nfrom parity.matrix.cell import Cell\n"
             f"from parity.report.repro import edited, rerun\n\n"
             f"with edited():  # an edit no run can take is one line and exit 2, not a traceback\n"
             f"    {name} = {data}\n{embedded}\nif __name__ == \"__main__\":\n    raise SystemExit({run})\n")
+
+
+def _comment(text: str) -> str:
+    """``text`` as comment lines: whatever a record's detail holds (a user's exception text with
+    quotes, backslashes, control characters) cannot end the comment or break the script; characters
+    a comment line cannot hold are written as their escapes."""
+    def line(raw: str) -> str:
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
+        return f"# {shown}".rstrip()
+
+    return "\n".join(line(raw) for raw in text.split("\n"))
 
 
 def _embedded_model(cell: Cell, sources: dict) -> str:
