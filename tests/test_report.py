@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 PARITY = [sys.executable, "-m", "parity"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,3 +306,23 @@ def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_
         skipped, title="t", timings={}, cells_total=1)
     write_html(str(tmp_path), skipped, {"status": "complete", "cells": ["kda/native/r2"]})
     assert "Nothing was checked: every cell was skipped (needs 2 GPUs)" in (tmp_path / "report.html").read_text()
+
+
+@settings(max_examples=100, deadline=None)
+@given(detail=st.text(alphabet=st.characters(blacklist_categories=())))
+def test_any_detail_is_written_read_back_and_shown_inert(tmp_path_factory, detail):
+    """A detail is any exception's text (a lone surrogate from a non-UTF-8 file name, NUL, a terminal's
+    escapes): cells.csv takes it (escaped where UTF-8 cannot hold it) and reads back one row; markdown
+    shows it without a control character."""
+    from parity.judge.record import Record, Verdict
+    from parity.report.records import RecordWriter, read_records
+    from parity.report.summary import md_text
+
+    path = str(tmp_path_factory.mktemp("rows") / "cells.csv")
+    writer = RecordWriter(path)
+    writer.write([Record(cell="c", fixture="kda", path="native", check="run", name="cell", verdict=Verdict.ERROR,
+                         detail=detail)], sync=False)
+    writer.close()
+    (row,) = read_records(path, whole=True)
+    assert row.verdict == Verdict.ERROR
+    assert all(c.isprintable() for c in md_text(detail, cell=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import operator
 import os
@@ -28,7 +29,9 @@ class RecordWriter:
     def __init__(self, path: str, append: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._fh = open(path, "a" if append else "w", newline="")
+        # a detail is any exception's text: one holding a lone surrogate (a non-UTF-8 file name) is
+        # written escaped, never a failed write that would lose the run's rows
+        self._fh = open(path, "a" if append else "w", newline="", encoding="utf-8", errors="backslashreplace")
         self._rows = csv.writer(self._fh)
         if not append:
             self._rows.writerow(COLUMNS)
@@ -112,7 +115,8 @@ def read_records(path: str, *, whole: bool = False) -> list[Record]:
         raise UsageError(f"{path} is unreadable ({exc}); rerun the matrix into a new --out") from None
     if text and not text.endswith("\n") and not whole:
         text = text[: text.rfind("\n") + 1]
-    reader = csv.DictReader(text.splitlines(keepends=True))
+    # lines end at "\n" only, as csv wrote them: str.splitlines would also cut a detail at "\x85" or "\u2028"
+    reader = csv.DictReader(io.StringIO(text, newline=""))
     try:
         rows = list(reader)
     except csv.Error as exc:

@@ -142,8 +142,10 @@ def ratio_distribution(records: list[Record]) -> list[str]:
 
 def md_text(text, *, cell: bool = False) -> str:
     """``text`` (a detail: an exception message, a model's names) as inert markdown: ``<``, ``>``, ``&``
-    escaped (a CI job summary renders raw HTML), on one line, and in a table ``cell`` its pipes escaped."""
+    escaped (a CI job summary renders raw HTML), on one line, control characters as their escapes, and in
+    a table ``cell`` its pipes escaped."""
     out = " ".join(html.escape(str(text), quote=False).split())
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in out)  # NUL, a terminal's escapes: shown, inert
     return out.replace("|", "\\|") if cell else out
 
 
