@@ -130,11 +130,13 @@ def test_interrupt_keeps_rows_cleans_up_and_resumes_to_the_same_result(tmp_path,
     assert all(r["verdict"] in ("PASS", "SKIP") for r in rows)  # no torn or bogus row
     if point != "start-up":
         assert rows  # what finished before the signal is kept
+    (out / "gate.json").write_text('{"decisions": [{"model": "kda", "decision": "NO-GO", "reasons": []}]}')
     resumed = subprocess.run([sys.executable, "-m", "parity", "run", "--resume", str(out)],
                              capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp)})
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (out / "cells.csv").read_bytes() == uninterrupted
     assert "Interrupted" not in (out / "summary.md").read_text()
+    assert not (out / "gate.json").exists()  # a gate --from on the interrupted run decided on part of it
 
 
 def _paused_env(tmp_path, rows: str, where: str = "step") -> dict:

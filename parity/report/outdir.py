@@ -334,12 +334,15 @@ def _progress(path: str, who: str = "--resume", fix: str = "start a new run with
 def resume_point(out: str) -> tuple[set[str], set[str]]:
     """(groups already recorded, cells with records); cuts ``cells.csv`` back to the end of the last
     of those groups, whose rows must read back (a corrupted row is a :class:`UsageError` before
-    anything runs)."""
+    anything runs), and removes a gate's decision taken on the run so far (``gate --from``)."""
     from parity.report.records import read_records
 
     path = os.path.join(out, PROGRESS)
     entries = _progress(path)
     cells = os.path.join(out, CELLS)
+    for decided in ("gate.md", "gate.json"):  # a decision on the evidence before the resume, not after it
+        if os.path.exists(os.path.join(out, decided)):
+            os.remove(os.path.join(out, decided))
     if not entries:
         for f in (cells, path):
             if os.path.exists(f):
