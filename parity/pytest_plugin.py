@@ -27,6 +27,9 @@ SHOWN = 8
 def explain(result) -> str:
     """A failed result as a test failure message: exit code, where the results are, the worst records."""
     lines = [f"parity exit code {result.code}; results in {result.out}"]
+    skipped = _nothing_checked(result.out)
+    if skipped:  # its pair rows would read as the failure; the run's own reason comes first
+        lines.append(f"  nothing was checked: every cell was skipped ({skipped[:300]})")
     for d in result.decisions:
         lines.append(f"  {d['model']}: {d['decision']}" + (f" ({'; '.join(d['reasons'])[:300]})" if d["reasons"] else ""))
     import pandas as pd
@@ -41,6 +44,21 @@ def explain(result) -> str:
     if len(bad) > SHOWN:
         lines.append(f"  ... {len(bad)} failing records in all (summary.md, report.html)")
     return "\n".join(lines)
+
+
+def _nothing_checked(out: str) -> str:
+    """Why the run in ``out`` checked nothing (every cell skipped), or "" (its records unreadable
+    included: the exit code already says the run failed)."""
+    import os
+
+    from parity.errors import UsageError
+    from parity.report.records import read_records
+    from parity.report.summary import nothing_checked
+
+    try:
+        return nothing_checked(read_records(os.path.join(out, "cells.csv")))
+    except (UsageError, OSError):
+        return ""
 
 
 def _fixture(command: str, tmp_path):

@@ -305,3 +305,21 @@ def test_kda(parity_cell):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--collect-only", "-q")
     said = result.stdout.str() + result.stderr.str()
     assert said.count("@pytest.mark.parity on test_strict.py::test_kda") == 1, said
+
+
+def test_a_failed_run_that_checked_nothing_says_so_first(tmp_path):
+    """Every cell skipped: the failure message's first reason is the run's own (nothing was checked),
+    not its UNPAIRED pair rows (review)."""
+    from parity.api import Result
+    from parity.judge.record import Record, Verdict
+    from parity.pytest_plugin import explain
+    from parity.report.records import RecordWriter
+
+    writer = RecordWriter(str(tmp_path / "cells.csv"))
+    writer.write([Record(cell="kda/legacy", fixture="kda", path="legacy", check="run", name="cell",
+                         verdict=Verdict.SKIP, detail="needs 2 ranks"),
+                  Record(cell="kda", fixture="kda", path="legacy~native", check="pair", name="baseline-not-run",
+                         verdict=Verdict.UNPAIRED, detail="the baseline legacy was skipped")], sync=False)
+    writer.close()
+    text = explain(Result(out=str(tmp_path), code=1))
+    assert text.splitlines()[1] == "  nothing was checked: every cell was skipped (needs 2 ranks)", text
