@@ -403,3 +403,14 @@ def test_a_torchrun_rank_whose_peer_never_joins_exits_2_in_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert "torchrun: rank 0: the process group did not form within 2 s" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_timeout_is_what_a_collective_says_when_it_timed_out_not_any_mention_of_one():
+    """gloo's and NCCL's own words make a cell TIMEOUT (and the group in doubt); a model's error that
+    merely mentions a timeout is that cell's ERROR, and the run goes on (review)."""
+    from parity.execute.torchrun import _timed_out
+
+    assert _timed_out("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv")
+    assert _timed_out("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE) ran for "
+                      "600000 milliseconds before timing out.")
+    assert not _timed_out("rank 0 raised ValueError: timeout_ms must be positive")

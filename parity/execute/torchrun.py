@@ -74,10 +74,15 @@ def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 
     return _lost
 
 
+#: What a collective's error says when it timed out: gloo's "Timed out waiting ...", NCCL's watchdog's
+#: "collective operation timeout ... before timing out". Not any "timeout": a model's own error
+#: mentioning one (``timeout_ms must be positive``) is an ERROR, not a hung group.
+_TIMED_OUT = ("timed out waiting", "collective operation timeout", "before timing out")
+
+
 def _timed_out(text: str) -> bool:
-    """Whether a collective's error says it timed out (gloo: "Timed out waiting", NCCL's watchdog:
-    "timeout")."""
-    return "timed out" in text.lower() or "timeout" in text.lower()
+    """Whether a collective's error says it timed out (:data:`_TIMED_OUT`)."""
+    return any(words in text.lower() for words in _TIMED_OUT)
 
 
 class _Silent(BaseException):
