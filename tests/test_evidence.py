@@ -88,6 +88,7 @@ def test_a_parameter_without_gradient_is_a_model_finding_not_a_dtype_defect(run_
     assert {r["check"] for r in own if r["verdict"] == "PASS"} >= {"grad", "param", "output", "coverage"}
     findings = [r for r in own if r["check"] == "no-gradient"]
     assert len(findings) == 2 and all("router" in r["detail"] and r["verdict"] == "FAIL" for r in findings)
+    assert all("gain" in r["detail"] for r in findings)  # exact zeros at every step test nothing either (review)
     about_router = [r for r in own if r["name"] == "router" and r["check"] in ("dtype.reduce", "trajectory")]
     assert about_router and {r["verdict"] for r in about_router} == {"SKIP"}
     assert {r["check"] for r in own if r["verdict"] == "FAIL"} == {"no-gradient", "stage"}

@@ -224,15 +224,21 @@ _GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "dtype.grad", "trajectory", "
 
 
 def _no_gradient(cell: Cell, plan, ref) -> set[str]:
-    """Trainable parameters the reference (no FSDP) never differentiates within the cell's steps."""
+    """Trainable parameters the reference (no FSDP) never differentiates within the cell's steps, or
+    whose every gradient there is exactly zero (a branch that never fires, a factor of 0): a zero
+    passes every allowance, so no step would test the precision of their gradients."""
+    def silent(fqn: str, step: int) -> bool:
+        grad = ref.grads[step].get(fqn)
+        return grad is None or not bool(torch.any(grad))
+
     return {t.fqn for t in plan.params if t.requires_grad and t.trainable_from < cell.steps
-            and all(t.fqn not in ref.grads[s] for s in range(t.trainable_from, cell.steps))}
+            and all(silent(t.fqn, s) for s in range(t.trainable_from, cell.steps))}
 
 
 def _as_finding(r: Record, silent: set[str]) -> Record:
     """A gradient check of a parameter without gradient is not a dtype defect: SKIP, pointing at
     the ``no-gradient`` finding that reports it."""
     if r.check in _GRADIENT_CHECKS and r.name in silent:
-        return dataclasses.replace(r, verdict=Verdict.SKIP, ratio="", detail="no gradient in the reference "
-                                   "either: reported by the no-gradient record, not a dtype defect")
+        return dataclasses.replace(r, verdict=Verdict.SKIP, ratio="", detail="no gradient (or only exact zeros) "
+                                   "in the reference either: reported by the no-gradient record, not a dtype defect")
     return r

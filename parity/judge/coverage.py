@@ -26,8 +26,8 @@ the observations) it derives the records the cell owes:
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
 A ``coverage`` record FAILs, naming what is missing, when any owed record is absent or is a
-SKIP without a stated reason. A parameter that gets no gradient in the reference either (a
-property of the model, e.g. behind an ``argmax``) owes no ``grad``/``param``/``trajectory``
+SKIP without a stated reason. A parameter that gets no gradient in the reference either, or only
+exact zeros at every step (a property of the model, e.g. behind an ``argmax``) owes no ``grad``/``param``/``trajectory``
 records; it is reported as a ``no-gradient`` finding instead. A cell in which no parameter
 trains at all (each unfreezes at or after its last step) owes none of those, and FAILs on that
 (``coverage`` ``training``): what is left would pass on a path that breaks every gradient.
@@ -151,5 +151,6 @@ def no_gradient_record(names: list[str], base: dict) -> Record:
     shown = ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
     return Record(**base, check="no-gradient", name="model", observed=float(len(names)), allowed=0.0,
                   ratio=float("inf"), verdict=Verdict.FAIL,
-                  detail=f"{len(names)} trainable parameter(s) get no gradient in the reference either (a property "
-                         f"of the model, the same on every path; freeze them or route gradients to them): {shown}")
+                  detail=f"{len(names)} trainable parameter(s) get no gradient (or only exact zeros) in the reference "
+                         f"either (a property of the model, the same on every path; freeze them or route gradients "
+                         f"to them): {shown}")

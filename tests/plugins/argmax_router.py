@@ -1,5 +1,6 @@
 """A model whose router weight only picks an expert through ``argmax``: no gradient reaches it,
-in the reference as in any sharded run (a property of the model, issue 19 §5)."""
+in the reference as in any sharded run (a property of the model, issue 19 §5); and a gain scaled
+by zero, whose gradient is exact zeros at every step (which would pass any allowance)."""
 
 import torch
 import torch.nn.functional as F
@@ -16,11 +17,12 @@ class Routed(nn.Module):
         self.router = nn.Parameter(torch.randn(DIM, 2))
         self.experts = nn.ModuleList([nn.Linear(DIM, DIM) for _ in range(2)])
         self.head = nn.Linear(DIM, DIM)
+        self.gain = nn.Parameter(torch.ones(DIM))
 
     def forward(self, x):
         pick = (x.float() @ self.router.float()).argmax(-1, keepdim=True)  # not differentiable
         mixed = torch.where(pick == 0, self.experts[0](x), self.experts[1](x))
-        return self.head(mixed)
+        return self.head(mixed * (self.gain * 0 + 1))  # a factor of 0: the gain's gradient is all zeros
 
 
 def parity_model() -> Fixture:
