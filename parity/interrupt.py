@@ -117,19 +117,28 @@ def raising(enabled: bool = True):
 def at_once():
     """Inside a :class:`Signals` scope, for a wait no poll reaches (rank 0's own part of a cell under
     torchrun, where torchrun's teardown after a peer left must not wait on a hang): a signal sets
-    the scope's flag, as ever, and also raises :class:`Interrupted` at once."""
+    the scope's flag, as ever, and also raises :class:`Interrupted` at once. Code that catches every
+    exception (DCP wraps its steps in ``except BaseException``) may take that one: the block then
+    raises it again where it ends, and the yielded ``check`` raises it at the block's next call."""
     scope = Signals._installed
     if scope is None or not _main_thread():
-        yield
+        yield lambda: None
         return
+    got: list[int] = []
 
     def handle(signum, frame):
         scope._handle(signum, frame)
+        got.append(signum)
         raise Interrupted(signum)
+
+    def check() -> None:
+        if got:
+            raise Interrupted(got[0])
 
     old = {sig: signal.signal(sig, handle) for sig in EXIT_SIGNAL}
     try:
-        yield
+        yield check
+        check()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

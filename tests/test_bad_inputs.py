@@ -844,3 +844,5 @@ def test_a_junit_file_in_the_out_folder_the_run_creates_is_accepted(tmp_path):
         writable_file(str(tmp_path / "other" / "junit.xml"), "--junit", str(out))
     with pytest.raises(UsageError, match="no folder"):
         writable_file(str(out / "deeper" / "junit.xml"), "--junit", str(out))
+    with pytest.raises(UsageError, match="is the --out directory"):  # the run would make it a folder (review)
+        writable_file(str(out), "--junit", str(out))

@@ -414,3 +414,37 @@ def test_a_timeout_is_what_a_collective_says_when_it_timed_out_not_any_mention_o
     assert _timed_out("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE) ran for "
                       "600000 milliseconds before timing out.")
     assert not _timed_out("rank 0 raised ValueError: timeout_ms must be positive")
+
+
+def test_rank_0s_watchdog_and_signal_survive_code_that_catches_everything():
+    """DCP wraps its steps in ``except BaseException``: a watchdog expiry or torchrun's SIGTERM taken
+    there is raised again at the next heartbeat and where rank 0's part of the cell ends, never a
+    false checkpoint ERROR of a cell that goes on (review)."""
+    import signal
+    import time
+
+    from parity.execute.torchrun import _Silent, _watched
+    from parity.interrupt import Interrupted, Signals, at_once
+
+    def swallowed(seconds: float) -> None:
+        try:
+            time.sleep(seconds)
+        except BaseException:  # noqa: BLE001 - as DCP does
+            pass
+
+    with pytest.raises(_Silent):
+        with _watched(0, 0.1) as heartbeat:
+            swallowed(1.0)
+            heartbeat("step 0 micro-batch 0")
+    with pytest.raises(_Silent):
+        with _watched(0, 0.1):
+            swallowed(1.0)
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with Signals() as signals, pytest.raises(Interrupted):
+        with at_once():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1.0)
+            except BaseException:  # noqa: BLE001
+                pass
+    assert signals.name == "SIGTERM"

@@ -7,7 +7,7 @@ differs from the launched world size are reported as SKIP.
 ``--timeout`` is the process group's timeout here (when parity starts the group): a peer's
 in-process hang cannot be interrupted, but a rank that stops answering makes its peers' next
 exchange of the cell fail after that many seconds. Rank 0, which judges and writes, also watches
-its own part of each cell by silence (no heartbeat for that many seconds) and leaves it on a
+its own part of each cell by silence (no heartbeat for twice as long) and leaves it on a
 signal (torchrun's teardown once a peer left), so a hang of its own never costs what finished.
 The cell is then TIMEOUT (or the run interrupted), and, the group being in doubt, no further
 cell starts (rank 0 writes what finished, as for a rank that dies). Rank 0's word
@@ -93,25 +93,34 @@ class _Silent(BaseException):
 @contextlib.contextmanager
 def _watched(rank: int, timeout: float):
     """Rank 0 running its own part of a cell: it judges and writes, so it must come back. A signal
-    (torchrun tearing the group down after a peer left) raises at once (:func:`at_once`), and
+    (torchrun tearing the group down after a peer left) raises at once (:func:`at_once`), and twice
     ``timeout`` seconds without a heartbeat raise :class:`_Silent` -- silence, as in a pool, not a
-    guess of the cell's length; a hang inside a collective is the group timeout's. Yields the
+    guess of the cell's length. Twice: a peer's hang ends rank 0's collective with the group's own
+    timeout first, and is reported as the peer's. Code that catches every exception (DCP's steps)
+    may take either: it is raised again at the next heartbeat and where the block ends. Yields the
     heartbeat that restarts the count. Peers watch nothing: rank 0's leaving ends their wait."""
     if rank != 0 or not timeout or threading.current_thread() is not threading.main_thread():
         yield lambda what: None
         return
+    fired: list[int] = []
 
     def silent(signum, frame):
+        fired.append(signum)
         raise _Silent()
 
-    def heartbeat(what: str) -> None:
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-
     old = signal.signal(signal.SIGALRM, silent)
-    heartbeat("start")
     try:
-        with at_once():
+        with at_once() as interrupted:
+            def heartbeat(what: str) -> None:
+                interrupted()
+                if fired:
+                    raise _Silent()
+                signal.setitimer(signal.ITIMER_REAL, 2 * timeout)
+
+            heartbeat("start")
             yield heartbeat
+            if fired:
+                raise _Silent()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -271,8 +280,9 @@ class TorchrunExecutor:
                                heartbeat=heartbeat)
             payload = ("ok", to_bytes(obs))
         except _Silent:
-            raise CellFailure("TIMEOUT", _lose("during this cell", None, f"rank 0 made no progress for {timeout:g} s",
-                                               timeout, hang="rank 0's own part of it reported nothing")) from None
+            raise CellFailure("TIMEOUT", _lose("during this cell", None, f"rank 0 made no progress for {2 * timeout:g} s "
+                                               "(twice --timeout)", timeout,
+                                               hang="rank 0's own part of it reported nothing")) from None
         except Interrupted:  # torchrun's teardown (a peer left) or a signal: the peers cannot follow
             _lose("during this cell", None, "rank 0 was stopped by a signal")
             raise

@@ -55,6 +55,8 @@ def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
         if results and os.path.basename(path) in RUN_FILES and os.path.realpath(folder) == os.path.realpath(results):
             raise UsageError(f"{what} {path}: is the results' own {os.path.basename(path)}; give another file, e.g. "
                              f"{os.path.join(out or results, 'junit.xml')}")
+    if out and os.path.abspath(path) == os.path.abspath(out):
+        raise UsageError(f"{what} {path}: is the --out directory; give a file in it, e.g. {os.path.join(out, 'junit.xml')}")
     if out and not os.path.exists(out) and os.path.abspath(folder) == os.path.abspath(out):
         return  # in the results folder the run creates (``--out`` is checked on its own)
     if not os.path.isdir(folder):
