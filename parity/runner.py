@@ -159,6 +159,8 @@ def run_cells(cells: list[Cell], options: RunOptions, *, skip_reason=None, execu
             outdir.prepare(out, manifest, overwrite=options.overwrite)
             done_groups = set()
         todo = [c for c in cells if c.pair_id not in done_groups]
+        if options.resume and todo:
+            outdir.drop_decision(out)
         try:
             run = _Run(cells, todo, options, skip_reason, executor)
             run.execute(signals)

@@ -97,6 +97,19 @@ def test_a_parameter_without_gradient_is_a_model_finding_not_a_dtype_defect(run_
     assert {r["verdict"] for r in own if r["check"] == "coverage"} == {"PASS"}
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("evidence")
+def test_zeros_filled_in_or_underflowed_are_not_a_no_gradient_finding(run_matrix):
+    """Only what autograd computed, in FP64, decides "exact zeros": an expert no token reaches in a
+    whole cell (routed, seed 1, one step: its zeros are filled in for the reduction) and a gradient
+    that only a low precision rounds to zero are evidence as before, not a model finding (review)."""
+    import parity
+
+    _, cells, _ = parity.select(matrix="configs", filter="fixture == 'routed' and ranks == 1", seed=1, steps=1)
+    code, records = run_matrix(cells)
+    assert code == 0 and not [r for r in records if r["check"] == "no-gradient"]
+
+
 def test_a_rank_that_reports_no_marked_tensor_fails_when_the_model_marks_some():
     from parity.execute.observation import MarkerSeen, Observation
     from parity.judge.contracts import declared_marks, marker_checks

@@ -169,7 +169,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     records += quantized.check(cell, observations, plan, befores, base)
     # what each step gathered from: the initial model, then the masters the ranks held after each step
     records += gathered.check(cell, observations, plan, [befores[0], *run.params][:len(befores)], base)
-    silent = _no_gradient(cell, plan, ref)
+    silent = _no_gradient(cell, plan, ref, truth)
     if silent:
         records = [_as_finding(r, silent) for r in records] + [coverage.no_gradient_record(sorted(silent), base)]
     # owed by the parent's own plan of the model, not by the plan the ranks reported
@@ -223,16 +223,14 @@ def _fp64_reference(cell: Cell, fixture, plan, report, device):
 _GRADIENT_CHECKS = ("dtype.reduce", "dtype.accum", "dtype.grad", "trajectory", "trajectory.emulation", "optim.state")
 
 
-def _no_gradient(cell: Cell, plan, ref) -> set[str]:
+def _no_gradient(cell: Cell, plan, ref, truth) -> set[str]:
     """Trainable parameters the reference (no FSDP) never differentiates within the cell's steps, or
-    whose every gradient there is exactly zero (a branch that never fires, a factor of 0): a zero
-    passes every allowance, so no step would test the precision of their gradients."""
-    def silent(fqn: str, step: int) -> bool:
-        grad = ref.grads[step].get(fqn)
-        return grad is None or not bool(torch.any(grad))
-
+    whose every gradient autograd computed is exactly zero in the FP64 reference (a branch that never
+    fires, a factor of 0; not an underflow of a low precision, nor an expert no token reached, whose
+    zeros are filled in): a zero passes every allowance, so no step would test their precision."""
     return {t.fqn for t in plan.params if t.requires_grad and t.trainable_from < cell.steps
-            and all(silent(t.fqn, s) for s in range(t.trainable_from, cell.steps))}
+            and (all(t.fqn not in ref.grads[s] for s in range(t.trainable_from, cell.steps))
+                 or truth.nonzero.get(t.fqn) is False)}
 
 
 def _as_finding(r: Record, silent: set[str]) -> Record:

@@ -58,6 +58,9 @@ class ReferenceRun:
     """Per (step, micro-batch), one output per emulated rank."""
     input_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    nonzero: dict[str, bool] = field(default_factory=dict)
+    """Parameter FQN -> whether any gradient autograd computed for it (in any step, micro-batch or
+    rank; not the zeros filled in for an unused one) held a nonzero element."""
     grad_scale: list[dict[str, float]] = field(default_factory=list)
     """Per step, fqn -> max over elements of the sum of |terms| entering the gradient."""
     grad_terms: int = 1
@@ -388,6 +391,8 @@ def run_reference(
                         own = got.get(f)
                         got[f] = leaf.grad.to(reduce_dtype(f)) + (own.to(reduce_dtype(f)) if own is not None else 0)
                 per_rank.append({f: _unscaled(g, reduce_dtype(f), scale) for f, g in got.items()})
+                for f, g in got.items():
+                    run.nonzero[f] = run.nonzero.get(f, False) or bool(torch.any(g != 0))
                 if fixture.unused_params:  # every rank reduces every trainable tensor
                     for f in trainable:
                         if copies[f].requires_grad and f not in per_rank[-1] and entries[f].ownership == "managed":

@@ -336,15 +336,12 @@ def _progress(path: str, who: str = "--resume", fix: str = "start a new run with
 def resume_point(out: str) -> tuple[set[str], set[str]]:
     """(groups already recorded, cells with records); cuts ``cells.csv`` back to the end of the last
     of those groups, whose rows must read back (a corrupted row is a :class:`UsageError` before
-    anything runs), and removes a gate's decision taken on the run so far (``gate --from``)."""
+    anything runs)."""
     from parity.report.records import read_records
 
     path = os.path.join(out, PROGRESS)
     entries = _progress(path)
     cells = os.path.join(out, CELLS)
-    for decided in ("gate.md", "gate.json"):  # a decision on the evidence before the resume, not after it
-        if os.path.exists(os.path.join(out, decided)):
-            os.remove(os.path.join(out, decided))
     if not entries:
         for f in (cells, path):
             if os.path.exists(f):
@@ -363,6 +360,14 @@ def resume_point(out: str) -> tuple[set[str], set[str]]:
     held = {r.cell for r in read_records(cells, whole=True)}
     write_progress(out, entries)
     return {e["group"] for e in entries}, held
+
+
+def drop_decision(out: str) -> None:
+    """Remove a gate's decision on ``out``'s records so far (``gate --from`` on an interrupted run):
+    a resumed run that adds records is not what it decided on."""
+    for decided in ("gate.md", "gate.json"):
+        if os.path.exists(os.path.join(out, decided)):
+            os.remove(os.path.join(out, decided))
 
 
 def complete_records(out: str, manifest: dict, who: str, fix: str = "rerun the matrix into a new --out") -> list:
