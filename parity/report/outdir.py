@@ -34,7 +34,9 @@ from parity.errors import UsageError, writing
 MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
-RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, "gate.md", "gate.json", "report.html")
+GATE_FILES = ("gate.md", "gate.json")
+"""What a gate writes beside a run's records: its decision on them."""
+RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, *GATE_FILES, "report.html")
 #: Where a run writes the traces of its failing cells (:func:`write_trace`).
 TRACES = "traces"
 LOCK = ".parity.lock"
@@ -365,7 +367,7 @@ def resume_point(out: str) -> tuple[set[str], set[str]]:
 def drop_decision(out: str) -> None:
     """Remove a gate's decision on ``out``'s records so far (``gate --from`` on an interrupted run):
     a resumed run that adds records is not what it decided on."""
-    for decided in ("gate.md", "gate.json"):
+    for decided in GATE_FILES:
         if os.path.exists(os.path.join(out, decided)):
             os.remove(os.path.join(out, decided))
 

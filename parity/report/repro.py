@@ -26,6 +26,7 @@ from parity.errors import UsageError
 from parity.judge.record import LOCATING_CHECKS, Verdict
 from parity.matrix.cell import Cell
 from parity.report.outdir import CELLS, read_manifest, recorded
+from parity.report.summary import visible
 
 _BAD = (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT, Verdict.INCONCLUSIVE)
 
@@ -36,8 +37,8 @@ def find_cells(cell_id: str, out: str, select: Callable[[dict], list[Cell]]) -> 
     -> cells). A model file the run named relative to where it ran is found through the absolute
     paths ``run.json`` records (``sources``), so ``repro`` works from any directory."""
     manifest = read_manifest(out)
-    options = dict(manifest.get("options", {}))
     listed = set(manifest.get("cells", []))
+    options = dict(manifest.get("options", {}))
     if options.get("model"):
         options["model"] = [_located(m, manifest.get("sources") or {}) for m in options["model"]]
     rebuilt = [c for c in select(options) if c.id in listed]
@@ -161,11 +162,7 @@ def _comment(text: str) -> str:
     """``text`` as comment lines: whatever a record's detail holds (a user's exception text with
     quotes, backslashes, control characters) cannot end the comment or break the script; characters
     a comment line cannot hold are written as their escapes."""
-    def line(raw: str) -> str:
-        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
-        return f"# {shown}".rstrip()
-
-    return "\n".join(line(raw) for raw in text.split("\n"))
+    return "\n".join(f"# {visible(raw)}".rstrip() for raw in text.split("\n"))
 
 
 def _embedded_model(cell: Cell, sources: dict) -> str:

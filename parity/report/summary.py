@@ -140,12 +140,18 @@ def ratio_distribution(records: list[Record]) -> list[str]:
     return out + ["| " + " | ".join(row) + " |" for row in ratio_rows(records)]
 
 
+def visible(text: str) -> str:
+    """``text`` with every character that is not printable (NUL, a terminal's escape, a line break)
+    written as its Python escape: shown, and inert wherever the text lands."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def md_text(text, *, cell: bool = False) -> str:
     """``text`` (a detail: an exception message, a model's names) as inert markdown: ``<``, ``>``, ``&``
     escaped (a CI job summary renders raw HTML), on one line, control characters as their escapes, and in
     a table ``cell`` its pipes escaped."""
     out = " ".join(html.escape(str(text), quote=False).split())
-    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in out)  # NUL, a terminal's escapes: shown, inert
+    out = visible(out)  # NUL, a terminal's escapes: shown, inert
     return out.replace("|", "\\|") if cell else out
 
 
