@@ -36,6 +36,17 @@ def test_mx_scales_are_per_row_block_and_tensorwise_one_per_tensor():
     assert F.scales_of(w, "fp8-tensorwise").dim() == 0
 
 
+def test_a_gathered_weight_s_fingerprint_sees_a_moved_row_and_a_flipped_sign():
+    from parity.model.quantized import fingerprint
+
+    w = F.fake_quantize(torch.randn(6, 2 * F.BLOCK, generator=torch.Generator().manual_seed(3)), "mxfp8",
+                        torch.bfloat16)
+    assert fingerprint(w) == fingerprint(w.clone().float())  # the values, not the storage or its dtype
+    for moved in (w.flip(0), w.roll(1, dims=1), -w):  # the same magnitudes, summed alike
+        assert moved.abs().double().sum() == w.abs().double().sum()
+        assert fingerprint(moved) != fingerprint(w)
+
+
 def test_mixed_alternates_formats_and_native_falls_back_for_the_unit():
     model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False), nn.LayerNorm(32))
     layout = F.layout(("0", "1"), "mixed")

@@ -70,7 +70,8 @@ STAGE_OF_FAULT = {
                      "reshard_group_ignored"), "setup"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
-                     "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_payload_misreported",
+                     "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_gather_off_one_weight",
+                     "fp8_payload_misreported",
                      "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale",
                      "rank1_gather_corrupt"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
@@ -101,6 +102,7 @@ STAGE_OF_FAULT = {
 ACTS_ON = {
     "drop_override": ("*.A_log", "*.dt_bias"),  # the FP32 overrides
     "holder_dt_bias_bf16": ("blocks.1.holder.dt_bias",),
+    "fp8_gather_off_one_weight": ("blocks.0.up.weight",),
     "bf16_reduce_tied": ("embed.weight",),  # the head's weight is the embedding's
     "resolver_misses_strict_name": ("*.dt_bias",),
     "perturb_grad": ("head.weight",),  # the first FSDP parameter of the first state: the root's
@@ -424,8 +426,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("fp8_gather_off", "the all-gather carries the dequantized weight in BF16 (FP8 all-gather off)",
            {"quant.gather", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"weights": "none"},
            patch=qp.fp8_gather_off),
+    _fault("fp8_gather_off_one_weight", "one weight's all-gather carries its dequantized weight in BF16 (the first "
+           "block's first), the others E4M3: a unit of the same size beside it all-gathers the right bytes",
+           {"quant.gather", "collectives"}, {**_FP8, "weights": "fp8-tensorwise"}, quiet={"weights": "none"},
+           site="sharded", hook=qp.fp8_gather_off_one_weight),
     _fault("fp8_payload_misreported", "the weight's extension reports an E4M3 payload but sends BF16: only the wire "
-           "shows it", {"quant.gather", "collectives"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"},
+           "and the receiving side (no MX exponents consumed) show it", {"quant.gather", "quant.blocks", "collectives"}, {**_FP8, "weights": "mxfp8"}, quiet={"weights": "none"},
            patch=qp.fp8_payload_misreported),
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("crash_cross_load", "the last rank exits with code 17 while the checkpoint lifecycle builds the legacy "

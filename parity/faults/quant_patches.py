@@ -1,9 +1,11 @@
 """Faults of quantized weight groups (FP8 all-gather): each replaces one step of
 :class:`parity.model.quantized.QuantizedWeight` the way a reported bug class would -- the
 amax reduced over the wrong group, a stale quantized copy after the optimizer step, MX
-blocks cut by a shard boundary, the FP8 all-gather switched off."""
+blocks cut by a shard boundary, the FP8 all-gather switched off (for every weight or one)."""
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -42,19 +44,30 @@ def mx_tiles_cut_by_shard():
     return swap_attr(_weight(), "_block_scales", make)
 
 
+def _bf16_payload(self, elements, scale, padded, shape):
+    """The dequantized shard in BF16, padded as the FP8 payload would be."""
+    from parity.model import formats as F
+
+    payload = torch.zeros(padded, *shape[1:], dtype=torch.bfloat16)
+    if elements.numel():
+        payload[: elements.shape[0]] = F.dequantize(elements, self.fmt, scale, torch.bfloat16)
+    return payload
+
+
 def fp8_gather_off():
     """The all-gather carries the dequantized weight in BF16 (FP8 all-gather off): the same
     values at twice the bytes."""
-    from parity.model import formats as F
+    return swap_attr(_weight(), "_payload", lambda orig: _bf16_payload)
 
-    def make(orig):
-        def _payload(self, elements, scale, padded, shape):
-            payload = torch.zeros(padded, *shape[1:], dtype=torch.bfloat16)
-            if elements.numel():
-                payload[: elements.shape[0]] = F.dequantize(elements, self.fmt, scale, torch.bfloat16)
-            return payload
-        return _payload
-    return swap_attr(_weight(), "_payload", make)
+
+def fp8_gather_off_one_weight(value, rank: int, world: int, model, **_):
+    """At the sharded model: one weight's extension -- the first block's first projection --
+    sends BF16, every other weight E4M3: its unit all-gathers more bytes than the plan says
+    while the unit of the same size beside it all-gathers the right ones."""
+    weight = model.blocks[0].up.weight
+    local = getattr(weight, "_local_tensor", weight)  # what FSDP calls the extension's hooks on
+    local._payload = types.MethodType(_bf16_payload, local)
+    return value
 
 
 def mx_exponents_misaligned():
@@ -73,7 +86,8 @@ def mx_exponents_misaligned():
 def fp8_payload_misreported():
     """The weight's extension says it sends E4M3 but hands FSDP the dequantized weight in BF16
     (:func:`fp8_gather_off`, reporting ``uint8`` bytes in its statistics): the numbers stay
-    right, the wire carries twice the bytes -- only a measurement on the wire sees it."""
+    right, the wire carries twice the bytes -- only a measurement on the wire, and the receiving
+    side (it consumes no MX exponents), see it."""
     undo_payload = fp8_gather_off()
 
     def make(orig):

@@ -16,6 +16,7 @@ Every all-gather is recorded (:class:`GatherStats`) for the ``quant.*`` contract
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -59,8 +60,8 @@ class GatherStats:
     """``dtype:bytes`` of what this rank contributed per all-gather (elements, then exponents)."""
     scales: list[float] = field(default_factory=list)
     """Tensorwise: the scale each rank's shard was quantized with (as this rank received them)."""
-    digests: list[float] = field(default_factory=list)
-    """A fingerprint of the dequantized unsharded weight after every all-gather of the step."""
+    digests: list[str] = field(default_factory=list)
+    """The :func:`fingerprint` of the dequantized unsharded weight after every all-gather of the step."""
     exponents: torch.Tensor | None = None
     """MX: the E8M0 block exponents of the whole weight as the step's first dequantization used
     them (what the GEMM consumed, read after the all-gather, not what a rank sent)."""
@@ -174,12 +175,18 @@ class QuantizedWeight(torch.Tensor):
         else:  # tensorwise: each rank's rows with the scale that rank used
             chunks = payload.view(F.ELEMENT).split(padded)
             weight = torch.cat([F.dequantize(c, self.fmt, s, param_dtype) for c, s in zip(chunks, meta)])
-        self.stats.digests.append(float(weight.double().abs().sum()))
+        self.stats.digests.append(fingerprint(weight[:rows]))
         if out is not None:  # a later all-gather refills the storage autograd saved: same version
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(weight[: out.shape[0]])
             return None
         return weight, (weight,)
+
+
+def fingerprint(w: torch.Tensor) -> str:
+    """The exact values of a weight, element by element and in place: two weights share it only
+    if they are equal bitwise (a sum of magnitudes would miss a moved row or a flipped sign)."""
+    return hashlib.sha256(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 def main_weight(t):
