@@ -172,10 +172,16 @@ def _files(t) -> dict[str, str]:
                 "exhaustive": 'design = "covering"\nexhaustive = "fixture"', "models": "models = \"x.py:m\"",
                 "model_file": 'models = ["nowhere.py:m"]', "twice": "[axes]\nranks = [1, 2, 1]",
                 "microbatches": '[axes]\naccumulation = ["1000000000:last"]',
+                "underscore": '[axes]\naccumulation = ["1_0"]', "fullwidth": '[axes]\naccumulation = ["\uff13"]',
+                "same_accumulation": '[axes]\naccumulation = ["1", "1:every"]',
+                "empty_reason": '[axes]\nranks = [1, 2]\n[[skip]]\nwhen = "ranks == 1"\nreason = " "',
+                "product_rotate": 'rotate = ["seed"]\n[axes]\nranks = [1]', "steps_twice": 'steps = 5\n[axes]\nsteps = [2]',
+                "empty_axes": "[axes]\n", "no_models": "models = []\n[axes]\n",
                 "skip_some": '[axes]\nfixture = ["kda"]\nranks = [1, 2]\n[[skip]]\nwhen = "ranks / (ranks - 2) == 1"\n'
                              'reason = "r"'}
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
+    f["matrix_latin1"] = _write(t / "matrices" / "latin1.toml", b"description = '\xff'\n[axes]\nranks = [1]\n")
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
                        "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}',
                        "fault": '{"options": {"matrix": "smoke", "fault": null}, "status": "complete", "cells": []}',
@@ -431,7 +437,17 @@ CASES = [
     (["repro", "x", "--from", "{complete}", "--out", ""], "argument --out: must name a file or directory"),
     (["merge", "", "--out", "{out}"], "argument DIR: must name a file or directory"),
     (["bench", "--ranks", "2000", "--out", "{out}"], "argument --ranks: invalid choice: 2000 (choose from 1, 2, 4, 8)"),
-    (["run", "--matrix", "{empty_toml}", "--out", "{out}"], "the matrix names no [axes] table and no models"),
+    (["run", "--matrix", "{empty_toml}", "--out", "{out}"], "the matrix names no axes and no models"),
+    (["run", "--matrix", "{matrix_empty_axes}", "--out", "{out}"], "the matrix names no axes and no models"),
+    (["run", "--matrix", "{matrix_no_models}", "--out", "{out}"], "the matrix names no axes and no models"),
+    (["run", "--matrix", "{matrix_latin1}", "--out", "{out}"], "latin1.toml: not UTF-8 text (byte 15)"),
+    (["run", "--matrix", "{matrix_underscore}", "--out", "{out}"], "axes.accumulation has unknown value '1_0'"),
+    (["run", "--matrix", "{matrix_fullwidth}", "--out", "{out}"], "axes.accumulation has unknown value"),
+    (["run", "--matrix", "{matrix_same_accumulation}", "--out", "{out}"], "axes.accumulation has '1' and '1:every', "
+     "the same value"),
+    (["run", "--matrix", "{matrix_empty_reason}", "--out", "{out}"], "a [[skip]] reason is empty"),
+    (["run", "--matrix", "{matrix_product_rotate}", "--out", "{out}"], "rotate applies to design = \"covering\" only"),
+    (["run", "--matrix", "{matrix_steps_twice}", "--out", "{out}"], "steps is given twice"),
     # fixtures
     (["fixtures", "extra"], "unrecognized arguments: extra"),
     # a GPU asked for where torch sees none: every cell would be the same ERROR

@@ -132,3 +132,13 @@ def test_run_order_interleaves_rank_counts_and_keeps_groups_whole():
         window = ordered[i + 1:i + 1 + LOOKAHEAD]
         left = {c.ranks for c in ordered[i + 1:]}
         assert left <= {c.ranks for c in window}, f"a pool's next cell is more than {LOOKAHEAD} cells after {i}"
+
+
+def test_a_value_given_on_the_command_line_folds_the_cells_it_made_equal(tmp_path):
+    from parity.cli import RUN_DEFAULTS, _select
+
+    path = tmp_path / "s.toml"
+    path.write_text('[axes]\nfixture = ["kda"]\nsteps = [2, 4]\nseed = [0, 1]\n')
+    for options, cells in ({"steps": 3}, 4), ({"seed": 1}, 4), ({"steps": 3, "seed": 1}, 2):
+        ids = [c.id for c in _select({**RUN_DEFAULTS, "matrix": str(path), **options})[1]]
+        assert len(ids) == len(set(ids)) == cells, ids

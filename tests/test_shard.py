@@ -31,9 +31,9 @@ def _loads(cells, parts, n):
     return loads
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_every_pair_group_lands_in_exactly_one_part_within_the_load_bound(n):
-    cells = list(load("full").cells)
+@pytest.mark.parametrize("name, n", [("full", 2), ("full", 4), ("full", 8), ("default", 16), ("knobs", 8)])
+def test_every_pair_group_lands_in_exactly_one_part_within_the_load_bound(name, n):
+    cells = list(load(name).cells)
     held = [c.id for i in range(1, n + 1) for c in select_part(cells, Shard(i, n))]
     assert sorted(held) == sorted(c.id for c in cells)
     parts = assign(cells, n)
@@ -43,7 +43,8 @@ def test_every_pair_group_lands_in_exactly_one_part_within_the_load_bound(n):
     costs = {}
     for c in cells:
         costs[c.pair_id] = costs.get(c.pair_id, 0.0) + expected_cost(c)
-    assert max(loads) <= (1 + SLACK) * sum(loads) / n + max(costs.values())
+    share = sum(loads) / n  # under the slack, or a group that fit nowhere on the least loaded part
+    assert max(loads) <= max((1 + SLACK) * share, share + max(costs.values())) + 1e-9
     assert assign(list(reversed(cells)), n) == parts  # the matrix's order does not matter
 
 

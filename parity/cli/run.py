@@ -88,16 +88,14 @@ def _select(opts: dict):
         cells = [dataclasses.replace(g, path=p) for g in groups for p in paths]
     if ranks:
         cells = [c for c in cells if c.ranks in ranks]
-    given = {k: opts[k] for k in AXIS_OPTIONS if opts[k] is not None}
-    if given:
+    given = {k: opts[k] for k in (*AXIS_OPTIONS, "steps") if opts[k] is not None}
+    if given:  # cells that differed only in a value now given once are one cell
         seen, unique = set(), []
         for c in (dataclasses.replace(c, **given) for c in cells):
             if c.id not in seen:
                 seen.add(c.id)
                 unique.append(c)
         cells = unique
-    if opts["steps"] is not None:
-        cells = [dataclasses.replace(c, steps=opts["steps"]) for c in cells]
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
     return matrix, select(cells, opts["filter"])
 

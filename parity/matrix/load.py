@@ -4,7 +4,7 @@ A matrix file::
 
     description = "..."
     models = ["pkg.module:factory"] # plugin models (optional); their names join the fixture axis
-    steps = 2                       # optimizer steps per cell (the steps axis, when not given)
+    steps = 2                       # optimizer steps per cell, when the steps axis is not given (not both)
     design = "product"              # or "covering"
     exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
                                     # every other axis is covered pairwise per (fixture, path)
@@ -35,7 +35,11 @@ A matrix file::
 
     [[skip]]                        # listed as SKIP with the reason, never dropped
     when = "ranks == 1 and sync == 'last'"
-    reason = "..."
+    reason = "..."                  # not empty: it is what the SKIP says
+
+The file is UTF-8. A file naming no axis and no model is refused (it asks for nothing, not for
+every default); so are two values that mean the same (``"1"`` and ``"1:every"``) and
+``exhaustive`` / ``rotate`` under ``design = "product"``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import ast
 import itertools
 import os
+import re
 import tomllib
 import typing
 from dataclasses import dataclass
@@ -155,12 +160,8 @@ def _typed(source: str, key: str, value, kind: type, item: type | None = None):
 
 
 def _accumulation(source: str, value) -> tuple[int, str]:
-    text = str(value)
-    k, _, sync = text.partition(":")
-    try:
-        micro = int(k)
-    except ValueError:
-        micro = 0
+    k, _, sync = str(value).partition(":")
+    micro = int(k) if re.fullmatch(r"[0-9]{1,4}", k) else 0  # ASCII digits: int() also reads "1_0", " 3", "３"
     sync = sync or "every"
     if not 1 <= micro <= MAX_MICROBATCHES or sync not in SYNC:
         raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, "
@@ -279,6 +280,9 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     """:func:`load`'s work: check and expand ``text``, the matrix file at ``path``."""
     try:
         data = tomllib.loads(text.decode())  # as tomllib.load reads a binary file
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start}); save the matrix file as UTF-8 "
+                         "(TOML is UTF-8)") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML ({exc})") from None
     from parity.model.registry import registry
@@ -299,6 +303,8 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         sources = list(models)
         axes_in = {k: v for k, v in axes_in.items() if k != "fixture"}
     steps = _typed(path, "steps", data.get("steps", 2), int)
+    if "steps" in data and "steps" in axes_in:
+        raise UsageError(f"{path}: steps is given twice (steps = {steps} and axes.steps); keep one of them")
     if not 1 <= steps <= MAX_STEPS:
         raise UsageError(f"{path}: steps must be a positive integer up to {MAX_STEPS}, not {steps}")
     models = registry(tuple(sources), label="--model" if models else f"{path}: models entry")
@@ -323,9 +329,16 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     unclipped = [c for c in _validate(path, "clip", axes["clip"]) if not 0.0 <= c < float("inf")]
     if unclipped:
         raise UsageError(f"{path}: axes.clip has {unclipped[0]}; write finite max-norms >= 0.0 (0.0: no clipping)")
+    normal = {}
     for v in _validate(path, "accumulation", axes["accumulation"]):
-        _accumulation(path, v)
+        same = normal.setdefault(_accumulation(path, v), v)
+        if same != v:
+            raise UsageError(f"{path}: axes.accumulation has {same!r} and {v!r}, the same value; keep one")
     design = _typed(path, "design", data.get("design", "product"), str)
+    if design != "covering":
+        given = [k for k in ("exhaustive", "rotate") if k in data]
+        if given:
+            raise UsageError(f"{path}: {given[0]} applies to design = \"covering\" only; remove it or set design")
     if design == "product":
         rows = [dict(zip(AXES, vals)) for vals in itertools.product(*(axes[a] for a in AXES))]
     elif design == "covering":
@@ -367,11 +380,14 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         if set(entry) != {"when", "reason"}:
             raise UsageError(f"{path}: each [[skip]] needs exactly the keys when, reason")
         check_filter(_typed(path, "skip.when", entry["when"], str), f"{path}: skip.when")
-        skips.append((entry["when"], _typed(path, "skip.reason", entry["reason"], str)))
+        reason = _typed(path, "skip.reason", entry["reason"], str)
+        if not reason.strip():  # an empty reason would read as "not skipped"
+            raise UsageError(f"{path}: a [[skip]] reason is empty; say why its cells are skipped")
+        skips.append((entry["when"], reason))
     _evaluates(cells, [when for when, _ in skips], f"{path}: skip.when")
-    if "axes" not in data and "models" not in data:  # an empty or truncated file is no request for every default
-        raise UsageError(f"{path}: the matrix names no [axes] table and no models; give it an [axes] table "
-                         "(docs/matrices.md)")
+    if not data.get("axes") and not sources:  # an empty or truncated file asks for no default
+        raise UsageError(f"{path}: the matrix names no axes and no models; give it an [axes] table with at least "
+                         "one axis (docs/matrices.md)")
     name = os.path.basename(path).removesuffix(".toml")
     return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
                   path=os.path.abspath(path))

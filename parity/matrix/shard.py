@@ -6,7 +6,8 @@ cells are compared with each other, so they always run in the same part.
 Assignment is consistent hashing with bounded loads. Groups are taken in the order of a hash
 of their id (not the matrix's order), each with its own order of preference over the parts
 (rendezvous hashing: the parts sorted by a hash of group id and part number), and each goes to
-the first part it prefers whose load stays under ``(1 + SLACK) x total / N + max_cost``. A
+the first part it prefers whose load stays under ``(1 + SLACK) x total / N`` (one that fits
+in none goes to the least loaded part, so no part passes ``total / N + max_cost`` by it). A
 group's part therefore depends on its own id and only weakly on the rest of the matrix: adding
 or removing groups elsewhere moves few others (``tests/test_shard.py`` measures how few), and
 the loads stay within the bound. Loads are :func:`~parity.matrix.cost.expected_cost`, a cell's
@@ -72,7 +73,7 @@ def assign(cells: list[Cell], count: int) -> dict[str, int]:
     costs: dict[str, float] = {}
     for c in cells:
         costs[c.pair_id] = costs.get(c.pair_id, 0.0) + expected_cost(c)
-    bound = (1.0 + SLACK) * sum(costs.values()) / count + max(costs.values(), default=0.0)
+    bound = (1.0 + SLACK) * sum(costs.values()) / count
     loads = [0.0] * count
     parts: dict[str, int] = {}
     for group in sorted(costs, key=lambda g: (_hash("order", g), g)):
