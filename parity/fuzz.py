@@ -42,10 +42,10 @@ import torch
 from parity.errors import OutputError, writing
 from parity.execute.pool import RankPool
 from parity.interrupt import Interrupted, Signals
-from parity.judge.record import Verdict
+from parity.judge.record import Unpaired, Verdict
 from parity.matrix.cell import Cell
 from parity.report.records import read_records
-from parity.report.summary import ratio_distribution
+from parity.report.summary import nothing_checked, ratio_distribution
 from parity.runner import RunOptions, run_cells
 
 
@@ -84,9 +84,9 @@ def part_seed(seed: int, index: int, count: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}/{count}".encode()).digest()[:4], "big")
 
 
-def examples_of(examples: int, seed: int, *, later_part: bool = False):
+def examples_of(examples: int, seed: int, *, later_part: bool = False, ranks: tuple[int, ...] = (1, 2)):
     """The decorator running ``body(spec, values)`` over ``examples`` generated models and axis
-    values drawn with ``seed`` (a failing body is shrunk by hypothesis). Hypothesis draws its
+    values drawn with ``seed``, on ``ranks`` (a failing body is shrunk by hypothesis). Hypothesis draws its
     simplest example first whatever the seed: part 1 of a split campaign runs it, a
     ``later_part`` skips it (the parts would otherwise each run it instead of a model of their own)."""
     from hypothesis import HealthCheck, assume, given, settings
@@ -100,13 +100,20 @@ def examples_of(examples: int, seed: int, *, later_part: bool = False):
         @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
                   suppress_health_check=list(HealthCheck))
         @fixed_seed(seed)
-        @given(spec=specs(), values=axes())
+        @given(spec=specs(), values=axes(ranks))
         def example(spec, values):
             drawn[0] += 1
             assume(not (later_part and drawn[0] == 1))
             body(spec, values)
         return example
     return wrap
+
+
+def hostable_ranks(device: str) -> tuple[int, ...]:
+    """The rank counts an example may draw: on CUDA no more ranks than visible GPUs (one rank per
+    GPU), so no example is skipped for want of one -- a skipped example checks nothing."""
+    counts = (1, 2)
+    return tuple(r for r in counts if r <= torch.cuda.device_count()) if device == "cuda" else counts
 
 
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
@@ -117,7 +124,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
     index, count = shard
     share = share_of(examples, index, count)
     campaign_of = {"seed": seed, "examples": examples, "fault": fault, "index": index, "count": count,
-                   "device": device, "timeout": timeout}
+                   "device": device, "timeout": timeout, "ranks": list(hostable_ranks(device))}
     # until this part ends, its manifest says so: a part killed mid-way never leaves an earlier
     # campaign's finished manifest in --out for a merge to count
     write_manifest(out_dir, {**campaign_of, "asked": share, "ran": 0, "code": None, "status": "running"})
@@ -138,7 +145,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     ran, tries = [0], [0]
     written: list[str] = []  # this campaign's reproducer files (fuzz.json lists these, no others)
 
-    @examples_of(examples, seed, later_part=campaign_of["index"] > 1)
+    @examples_of(examples, seed, later_part=campaign_of["index"] > 1, ranks=tuple(campaign_of["ranks"]))
     def example(spec, values):
         signals.check()
         tries[0] += 1
@@ -151,7 +158,9 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
         ran[0] += 1
         records = read_records(os.path.join(run_dir, "cells.csv"))
         shutil.rmtree(run_dir, ignore_errors=True)
-        bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT)]
+        bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR, Verdict.TIMEOUT)
+               or (r.verdict == Verdict.UNPAIRED and r.name != Unpaired.EXPECTED_ISOLATION_ERROR)]
+        unchecked = nothing_checked(records) if records else "the run wrote no records"
         blind = sorted({f"{r.check} {r.name}" for r in records if r.verdict == Verdict.INCONCLUSIVE})
         if blind:
             inconclusive.append(f"{spec['name']}: {', '.join(blind)}")
@@ -165,12 +174,13 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
             return
         if failing:
             last_failure[:] = [(spec, values, *failing)]
+        assert not unchecked, f"{spec['name']} {values}: nothing was checked ({unchecked})"
         assert not bad, f"{spec['name']} {values}: " + "; ".join(
             f"{r.cell} {r.check} {r.name} {r.verdict}: {str(r.detail)[:200]}" for r in bad[:3])
 
     origin = f"the fuzz campaign (seed {seed}{', fault ' + fault if fault else ''}; torch {torch.__version__})"
     t0 = time.perf_counter()
-    code = 0
+    code, failure = 0, ""
     try:
         # run_cells prints a table and progress lines per example: the campaign reports instead
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -184,7 +194,8 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
         code = 1
         if last_failure:
             written += _write_reproducer(out_dir, *last_failure[-1], reproducer, replay_matrix, origin, timeout, fault=fault)
-        print(f"  {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}")
+        failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:600]}"
+        print(f"  {failure}")
     finally:
         pools.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -196,6 +207,10 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
+    if tuple(campaign_of["ranks"]) != (1, 2):  # fewer GPUs than the 2-rank examples need: not drawn at all
+        lines.append(f"ranks drawn: {campaign_of['ranks']} only ({torch.cuda.device_count()} GPU(s) visible)")
+    if failure:
+        lines.append(f"failed: {failure}")
     if fault:
         lines.append(f"fault {fault} flagged in {sum(caught)} of {len(caught)} examples "
                      f"({100 * sum(caught) / max(1, len(caught)):.0f} per 100)"

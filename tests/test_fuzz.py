@@ -135,3 +135,21 @@ def test_the_parts_of_a_split_campaign_draw_models_of_their_own():
             drawn.append((index, spec["name"]))
         examples_of(2, part_seed(0, index, 3), later_part=index > 1)(body)()
     assert len(drawn) == 6 and len({name for _, name in drawn}) == 6, drawn
+
+
+def test_an_example_whose_cells_were_all_skipped_checked_nothing_and_fails_the_campaign(tmp_path, monkeypatch):
+    import parity.runner
+    from parity.fuzz import campaign
+
+    monkeypatch.setattr(parity.runner, "_skip_reason", lambda cell, *a, **k: "needs 2 GPUs; 1 visible")
+    assert campaign(examples=2, seed=0, out_dir=str(tmp_path), device="cpu") == 1  # no rank ever started
+    assert "nothing was checked (needs 2 GPUs; 1 visible)" in (tmp_path / "fuzz.md").read_text()
+
+
+def test_a_campaign_on_one_gpu_draws_one_rank_only(monkeypatch):
+    import torch
+
+    from parity.fuzz import hostable_ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert hostable_ranks("cuda") == (1,) and hostable_ranks("cpu") == (1, 2)

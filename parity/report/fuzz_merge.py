@@ -80,7 +80,7 @@ def clear_campaign(out: str, names: list[str] | None = None) -> None:
 
 #: Options (and the hypothesis version) every part shares too, compared where written (a part from before they were written
 #: has neither, and matches only another such part).
-SAME_OPTIONS = ("device", "timeout", "hypothesis")
+SAME_OPTIONS = ("device", "timeout", "hypothesis", "ranks")
 
 
 def is_part(directory: str) -> bool:
