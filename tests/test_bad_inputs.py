@@ -162,6 +162,7 @@ def _files(t) -> dict[str, str]:
          "interrupted": results(t / "interrupted", {A: "PASS"}, status="interrupted"),
          "empty": str(t / "empty"), "empty_toml": _write(t / "empty.toml", "# nothing else\n")}
     os.makedirs(f["empty"])
+    f["harness_clash"] = os.path.dirname(_write(t / "harness_clash" / "harness", "x"))
     matrices = {"axes": "axes = 3", "ranks": "[axes]\nranks = [true]", "reshard": "[axes]\nreshard = [1]",
                 "seed": "[axes]\nseed = [1.5]", "seed_huge": "[axes]\nseed = [18446744073709551616]",
                 "fixture": "[axes]\nfixture = [1]",
@@ -424,6 +425,10 @@ CASES = [
     (["fuzz", "--timeout", "nan", "--out", "{out}"], "got 'nan'"),
     (["fuzz", "--fault", "gremlin", "--out", "{out}"], "--fault: unknown value 'gremlin'"),
     (["fuzz", "--examples", "0", "--out", "{out}"], "--examples: must be a positive integer"),
+    (["bench", "--fixtures", "kda", "--harness", "smoke", "--out", "{harness_clash}"],
+     "--out {harness_clash}: {harness_clash}/harness is a file, where bench --harness writes its run"),
+    (["bench", "--harness-repeats", "0", "--out", "{out}"], "--harness-repeats: must be a positive integer"),
+    (["bench", "--harness-repeats", "101", "--out", "{out}"], "--harness-repeats must be at most 100"),
     (["bench", "--fixtures", "lm", "--paths", "legacy", "--harness", "fp8", "--out", "{out}"],
      "--harness fp8: no cell of that matrix has these models and paths"),
     (["run", "--list", "-k", "ranks == '2'"], "no cells selected from matrix 'smoke'"),

@@ -161,11 +161,43 @@ def test_bench_trains_a_model_keeping_other_gradient_dtypes_with_sgd():
 
 
 @pytest.mark.slow
+def test_parity_s_own_cost_is_per_cell_that_ran_and_compare_weighs_it(tmp_path):
+    """A skipped cell is no cell's cost; a harness run whose figures moved beyond their spread
+    is a regression on a GPU and listed on CPU, as any bench time."""
+    from parity.bench import harness
+    from parity.bench.tables import write_csv
+    from parity.report.compare import compare, digest
+
+    def cost(seconds):
+        runs = [dict.fromkeys(harness.PHASES, s) for s in seconds]
+        return {"matrix": "smoke", "cells": 2, "ran": 1, "repeats": len(runs), "verdicts": {"PASS": 1, "SKIP": 1},
+                **dict.fromkeys(harness.PHASES, seconds[len(seconds) // 2]), "iqr": dict.fromkeys(harness.PHASES, 0.1), "runs": runs}
+
+    assert "| wall | 1.00 | 0.10 | 1.000 |" in harness.markdown(cost([0.9, 1.0, 1.1]))
+    assert harness.csv_rows({**cost([1.0]), "ran": 0}, "cpu") == [] and "| wall | 1.00 | 0.10 | – |" in \
+        harness.markdown({**cost([1.0]), "ran": 0})
+    for device, regressed in (("cuda", True), ("cpu", False)):
+        for name, seconds in (("old", [0.9, 1.0, 1.1]), ("new", [9.9, 10.0, 10.1])):
+            (tmp_path / device / name).mkdir(parents=True)
+            write_csv(str(tmp_path / device / name / "bench.csv"), harness.csv_rows(cost(seconds), device))
+            (tmp_path / device / name / "bench.json").write_text('{"failed": []}')
+        bad, info = compare(digest(str(tmp_path / device / "old")), digest(str(tmp_path / device / "new")))
+        lines = bad if regressed else info
+        assert any(line.startswith("bench harness:smoke / all / harness wall: 1 -> 10") for line in lines), (bad, info)
+
+
+def test_a_spread_s_iqr_lies_within_its_range():
+    from parity.report.summary import spread
+
+    assert spread([1797.0, 43.2])["iqr"] <= 1797.0 - 43.2
+    assert spread([float(x) for x in range(10)])["iqr"] == 4.5
+
+
 @pytest.mark.xdist_group("bench")
 def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     out = str(tmp_path / "bench")
     proc = _parity("bench", "--fixtures", "kda,unisolatable", "--steps", "2", "--warmup", "1", "--out", out,
-                   "--harness", "smoke")
+                   "--harness", "smoke", "--harness-repeats", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(os.path.join(out, "bench.csv")) as fh:
         rows = list(csv.DictReader(fh))
@@ -183,8 +215,10 @@ def test_bench_counts_the_collectives_each_path_issues(tmp_path):
     # parity's own cost: smoke's cells of these models and paths, run as `run` would
     assert "## parity's own cost per cell (matrix smoke, 16 cells" in md
     harness = json.load(open(os.path.join(out, "bench.json")))["harness"]
-    assert harness["cells"] == 16 and 0 < harness["reference+compare"] < harness["wall"]
+    assert harness["cells"] == harness["ran"] == 16 and 0 < harness["reference+compare"] < harness["wall"]
     assert sum(harness["verdicts"].values()) == 16 and "The harness run's cells: " in md
+    assert harness["repeats"] == 2 and "16 ran; median of 2 runs" in md  # figures with a spread, rows compare reads
+    assert len([r for r in rows if r["fixture"] == "harness:smoke" and r["metric"] == "harness wall"]) == 2
 
 
 def test_a_harness_run_that_fails_says_so_where_bench_fails(tmp_path, monkeypatch, capsys):

@@ -42,7 +42,8 @@ def declared_isolation(name: str, source: str, path: str, reason: str) -> bool:
 
 
 def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, device: str, warmup: int,
-              steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none") -> int:
+              steps: int, out_dir: str, plots: bool, timeout: float, harness: str = "none",
+              harness_repeats: int = 1) -> int:
     """``models``: (name, source) pairs. Returns 0, or 1 when a model x path could not be
     measured (other than a declared isolation error, which is listed, not a failure) or nothing
     was measured at all. A path that fell back has rows, and bench.md lists it under "Measured as
@@ -104,7 +105,8 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
         if harness != "none" and not signals():
             from parity.bench.harness import harness_cost
 
-            run_code, cost = harness_cost(harness, models, paths, device=device, out_dir=out_dir, timeout=timeout)
+            run_code, cost = harness_cost(harness, models, paths, device=device, out_dir=out_dir, timeout=timeout,
+                                          repeats=harness_repeats)
             if run_code in (130, 143):
                 signals.received = signals.received or run_code - 128
             elif run_code:  # its table went nowhere: say why bench fails
@@ -133,7 +135,9 @@ def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, 
             "failed": list(failed), "fell_back": list(fell_back), **({"harness": harness} if harness else {})}
     path = os.path.join(out_dir, "bench.csv")
     with writing(path):
-        write_csv(path, rows)
+        from parity.bench.harness import csv_rows
+
+        write_csv(path, rows + (csv_rows(harness, device) if harness else []))
     path = os.path.join(out_dir, "bench.md")
     with writing(path), open(path, "w") as fh:
         text = markdown(rows, env, warmup=warmup, steps=steps, failures=failures, fell_back=fell_back)
@@ -151,7 +155,7 @@ def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, 
 
 
 def add_bench_arguments(sub) -> None:
-    from parity.arguments import RANK_COUNTS, integer, path, positive, steps
+    from parity.arguments import RANK_COUNTS, count, integer, path, positive, steps
 
     bench = sub.add_parser("bench", help="collectives, bytes, packing, memory and step time per model x path")
     bench.add_argument("--fixtures", help="comma list of models (default: every registered one, or --model's)")
@@ -167,6 +171,8 @@ def add_bench_arguments(sub) -> None:
     bench.add_argument("--harness", default="none", metavar="MATRIX",
                        help="also run MATRIX's cells of these models and paths and report parity's own cost per "
                             "cell (none)")
+    bench.add_argument("--harness-repeats", type=count, default=3, metavar="N",
+                       help="runs of the harness matrix; its figures are medians (3)")
 
 
 def bench_command(args) -> int:
@@ -177,6 +183,8 @@ def bench_command(args) -> int:
     from parity.paths import path_names
     from parity.runner import resolve_device
 
+    if args.harness_repeats > 100:
+        raise UsageError(f"--harness-repeats must be at most 100, got {args.harness_repeats}")
     if not 0 <= args.warmup <= MAX_STEPS:
         raise UsageError(f"--warmup must be from 0 to {MAX_STEPS}, got {args.warmup}")
     distinct(tuple(args.model))  # as run refuses it
@@ -189,6 +197,10 @@ def bench_command(args) -> int:
         from parity.bench.harness import harness_cells
 
         harness_cells(args.harness, models, paths)
+        inside = os.path.join(args.out, "harness")
+        if os.path.exists(inside) and not os.path.isdir(inside):
+            raise UsageError(f"--out {args.out}: {inside} is a file, where bench --harness writes its run; remove it "
+                             "or choose another --out")
     device = resolve_device(args.device)
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     if device == "cuda" and args.ranks > gpus:  # one GPU per rank, as run's pools
@@ -197,4 +209,5 @@ def bench_command(args) -> int:
                          f"give --ranks {fit}")
     return run_bench(models=models, paths=paths, ranks=args.ranks,
                      device=device, warmup=args.warmup, steps=args.steps, out_dir=args.out,
-                     plots=args.plot, timeout=args.timeout, harness=args.harness)
+                     plots=args.plot, timeout=args.timeout, harness=args.harness,
+                     harness_repeats=args.harness_repeats)

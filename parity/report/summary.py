@@ -94,7 +94,7 @@ def spread(values: list[float]) -> dict[str, float]:
     """Median, interquartile range and minimum of repeated measurements."""
     if len(values) == 1:
         return {"median": values[0], "iqr": 0.0, "min": values[0]}
-    q = statistics.quantiles(values, n=4)
+    q = statistics.quantiles(values, n=4, method="inclusive")  # within the data: never wider than its range
     return {"median": statistics.median(values), "iqr": q[2] - q[0], "min": min(values)}
 
 
