@@ -119,6 +119,10 @@ def test_cross_path_check_fails_when_the_paths_disagree():
     base = dict(cell="c", fixture="kda", path="legacy~native")
     assert cross_path(legacy, same, 1)[0].record(base).verdict == "PASS"
     assert cross_path(legacy, off, 1)[0].record(base).verdict == "FAIL"
+    # neither path observed the gradient: two empty sides are missing evidence, not agreement
+    lost = [Comparison(0, "grad", "w", torch.zeros(0), g, allow)]
+    record = cross_path(lost, Assembled(grads=[{}]), 1)[0].record(base)
+    assert (record.verdict, record.detail.split(";")[0]) == ("FAIL", "missing: the baseline path produced nothing to compare")
 
 
 def test_moments_are_judged_with_missing_and_unexpected_state_failing():

@@ -146,6 +146,9 @@ class Comparison:
     """The size of what is judged; None: max |expected|."""
     missing: str = ""
     """Why ``actual`` is absent (an empty tensor) when the generic reason would mislead."""
+    absent: bool = False
+    """Evidence is missing whatever ``actual`` and ``expected`` hold (a cross-path comparison
+    whose baseline observed nothing: two empty sides are no agreement): a FAIL."""
 
     def _observed(self) -> tuple[float, float]:
         """(observed, allowed): the worst element's for element-wise allowances."""
@@ -170,7 +173,9 @@ class Comparison:
         signal = self.signal if self.signal is not None else (
             amax(self.expected) if isinstance(self.expected, torch.Tensor) else abs(self.expected))
         verdict = conclusive(verdict, self.allowance.allowed, signal)
-        if _missing(self.actual, self.expected):
+        if self.absent:
+            ratio, verdict = math.inf, Verdict.FAIL
+        if self.absent or _missing(self.actual, self.expected):
             detail = self.missing or "missing: the run produced nothing to compare"
         detail = explained(verdict, self.allowance.allowed, signal,
                            "; ".join(x for x in (detail, self.allowance.basis) if x))
@@ -355,5 +360,7 @@ def cross_path(first: list[Comparison], second: Assembled, micro: int,
             other = second.grad_norms[step]
         key = (c.step, c.check, c.name)
         allowance = _widened(c, widen[key]) if widen and key in widen else c.allowance
-        out.append(Comparison(step, c.check, c.name, other, c.actual, allowance, signal=c.signal))
+        gone = _missing(c.actual, c.expected)  # the baseline observed nothing: no side to agree with
+        out.append(Comparison(step, c.check, c.name, other, c.actual, allowance, signal=c.signal, absent=gone,
+                              missing="missing: the baseline path produced nothing to compare" if gone else ""))
     return out
