@@ -440,6 +440,8 @@ CASES = [
     (["run", "--junit", "", "--out", "{out}"], "argument --junit: must name a file or directory"),
     (["compare", "{complete}", "{complete}", "--write-digest", ""], "argument --write-digest: must name"),
     (["repro", "x", "--from", "{complete}", "--out", ""], "argument --out: must name a file or directory"),
+    (["repro", "x", "--from", "{complete}", "--out", "{complete}/cells.csv"], "--out {complete}/cells.csv: is the "
+     "results' own cells.csv; give another file, e.g. {complete}/repro.py"),
     (["merge", "", "--out", "{out}"], "argument DIR: must name a file or directory"),
     (["bench", "--ranks", "2000", "--out", "{out}"], "argument --ranks: invalid choice: 2000 (choose from 1, 2, 4, 8)"),
     (["run", "--matrix", "{empty_toml}", "--out", "{out}"], "the matrix names no axes and no models"),

@@ -118,8 +118,11 @@ def cmd_compare(args) -> int:
 def cmd_repro(args) -> int:
     """Write (or print) the reproducer of one cell of ``--from``'s run (:mod:`parity.report.repro`)."""
     from parity.cli.run import check_recorded
-    from parity.report.outdir import read_manifest
+    from parity.report.outdir import read_manifest, writable_file
     from parity.report.repro import find_cells, script
+
+    if args.out:  # never over the results it reads; checked before the script is built
+        writable_file(args.out, "--out", "", args.from_dir, example="repro.py")
 
     options = read_manifest(args.from_dir).get("options") or {}
     check_recorded(options, f"repro: {args.from_dir}", "rerun the matrix into a new --out")  # an edited run.json

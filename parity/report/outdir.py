@@ -43,7 +43,7 @@ LOCK = ".parity.lock"
 _held: set[str] = set()
 
 
-def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
+def writable_file(path: str, what: str, out: str = "", *inputs: str, example: str = "junit.xml") -> None:
     """``path`` can be written as a file at the end of a run (``--junit``): not a directory, in an existing
     folder parity can write or in ``out`` (which the run creates), and not one of the files of the results in ``out`` or in ``inputs`` (a
     merge's parts) (:data:`RUN_FILES`: a JUnit file written over ``cells.csv`` would destroy the run
@@ -52,13 +52,13 @@ def writable_file(path: str, what: str, out: str = "", *inputs: str) -> None:
         raise UsageError(f"{what} '': give a file path, e.g. results/junit.xml (or leave the option out)")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise UsageError(f"{what} {path}: is a directory; give a file path, e.g. {os.path.join(path, 'junit.xml')}")
+        raise UsageError(f"{what} {path}: is a directory; give a file path, e.g. {os.path.join(path, example)}")
     for results in (out, *inputs):
         if results and os.path.basename(path) in RUN_FILES and os.path.realpath(folder) == os.path.realpath(results):
             raise UsageError(f"{what} {path}: is the results' own {os.path.basename(path)}; give another file, e.g. "
-                             f"{os.path.join(out or results, 'junit.xml')}")
+                             f"{os.path.join(out or results, example)}")
     if out and os.path.abspath(path) == os.path.abspath(out):
-        raise UsageError(f"{what} {path}: is the --out directory; give a file in it, e.g. {os.path.join(out, 'junit.xml')}")
+        raise UsageError(f"{what} {path}: is the --out directory; give a file in it, e.g. {os.path.join(out, example)}")
     if out and not os.path.exists(out) and os.path.abspath(folder) == os.path.abspath(out):
         return  # in the results folder the run creates (``--out`` is checked on its own)
     if not os.path.isdir(folder):
