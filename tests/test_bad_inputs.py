@@ -606,6 +606,22 @@ def test_compare_flags_a_check_measured_before_and_missing_now(capsys, tmp_path)
     assert main(["compare", new, old]) == 0  # a check measured only now is not a regression
 
 
+def test_compare_flags_a_cell_that_fell_back_now(capsys, tmp_path):
+    """A native cell that passes as a legacy run now (a torch build without the native API) no
+    longer exercises native: its verdict stays PASS, its evidence is gone."""
+    cell = "kda/native/r1/c0"
+
+    def rows(taken):
+        return [Record(cell=cell, fixture="kda", path="native", path_taken=taken, check="grad", name="w",
+                       verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1)]
+    old, new = results(tmp_path / "old", {cell: "PASS"}), results(tmp_path / "new", {cell: "PASS"})
+    _recorded(old, rows("native"))
+    _recorded(new, rows("legacy"))
+    assert main(["compare", old, new]) == 1
+    assert f"cell {cell}: ran its own path before, fell back to legacy now" in capsys.readouterr().out
+    assert main(["compare", new, new]) == 0  # a fallback both runs had is no change
+
+
 def test_compare_of_an_interrupted_new_run_flags_what_it_did_not_run(capsys, tmp_path):
     old = results(tmp_path / "old", {A: "PASS", "kda/native/r1/c0": "PASS"})
     new = results(tmp_path / "new", {A: "ERROR"}, status="interrupted")

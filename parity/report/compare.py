@@ -46,8 +46,9 @@ def _read_digest(path: str) -> dict:
     fix = "write it again with parity compare --write-digest"
     d = read_json(path, fix)
     cells, checks, bench = d.get("cells", {}), d.get("checks", {}), d.get("bench", {})
-    failed = d.get("bench_failed", [])
+    failed, taken = d.get("bench_failed", []), d.get("fell_back", {})
     ok = (isinstance(cells, dict) and all(v in VERDICTS for v in cells.values())
+          and isinstance(taken, dict) and all(isinstance(v, str) for v in taken.values())
           and isinstance(checks, dict) and all(_number(v) for v in checks.values())
           and isinstance(bench, dict) and all(_bench_entry(v) for v in bench.values())
           and isinstance(failed, list) and all(isinstance(f, str) for f in failed))
@@ -93,8 +94,11 @@ def digest(directory: str) -> dict:
         return _read_digest(path)
     cells: dict[str, str] = {}
     checks: dict[str, float] = {}
+    fell_back: dict[str, str] = {}  # cell -> the path it took instead of its own
     fix = "compare against the run's own results or rerun it"
     for r in recorded(directory, "compare", fix) if os.path.isfile(cells_csv) else ():
+        if r.path_taken and r.path_taken != r.path and "~" not in r.path:
+            fell_back[r.cell] = r.path_taken
         prev = cells.get(r.cell)
         if prev is None or SEVERITY[Verdict(r.verdict)] > SEVERITY[Verdict(prev)]:
             cells[r.cell] = str(r.verdict)
@@ -104,7 +108,7 @@ def digest(directory: str) -> dict:
     bench_json = os.path.join(directory, "bench.json")  # read where a bench's status or rows need it
     needed = os.path.isfile(bench_csv) or not os.path.isfile(os.path.join(directory, MANIFEST))
     bench = read_json(bench_json, "rerun parity bench") if needed and os.path.isfile(bench_json) else None
-    out = {"cells": cells, "checks": checks, "bench": {}, **_run_of(directory, bench)}
+    out = {"cells": cells, "checks": checks, "bench": {}, "fell_back": fell_back, **_run_of(directory, bench)}
     if os.path.isfile(bench_csv):
         values, devices = _bench_values(bench_csv)
         for key, v in values.items():
@@ -182,6 +186,10 @@ def compare(old: dict, new: dict, *, factor: float = 2.0, floor: float = 0.1) ->
             bad.append(f"cell {cell}: {was} before, not run now")
         elif now != was:
             (bad if _worse(was, now) else info).append(f"cell {cell}: {was} -> {now}")
+    if "fell_back" in old:  # a digest written before parity recorded fallbacks holds no word on them
+        for cell, taken in sorted(new.get("fell_back", {}).items()):
+            if cell in old.get("cells", {}) and cell not in old["fell_back"]:  # its path is no longer exercised
+                bad.append(f"cell {cell}: ran its own path before, fell back to {taken} now")
     added = sorted(set(new.get("cells", {})) - set(old.get("cells", {})))
     alarms = [c for c in added if _worse(None, new["cells"][c])]
     bad += [f"cell {c}: {new['cells'][c]} (not in the old run)" for c in alarms]
