@@ -26,7 +26,8 @@ def _failing(records, name: str, cell: dict | None = None) -> set[str]:
 
 
 #: Faults also run on a second configuration, for a test of what only that one shows (below).
-ALSO = {"backward_gather_stale": dict(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2)}
+ALSO = {"backward_gather_stale": dict(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2),
+        "owner_reduces_to_rank0": dict(fixture="ignored", path="native", ranks=2, move="grow")}
 
 
 def _run_faults(names: list[str], out: str) -> list[dict]:
@@ -276,3 +277,17 @@ def test_a_rank_lost_in_the_checkpoint_lifecycle_leaves_the_training_judged(requ
     assert "rank 1 died with exit code 17 after it reported 'checkpoint lifecycle: loading into legacy'" in lost["detail"]
     judged = {r["check"] for r in rows if r["verdict"] == "PASS"}
     assert {"output", "input_grad", "grad", "param", "grad_norm", "optim.state", "marker"} <= judged
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a" if "owner_reduces_to_rank0" in HALVES["a"] else "faults-b")
+def test_a_moved_checkpoint_holds_every_loading_rank_to_rank_0(request):
+    """After a grown checkpoint is loaded, rank 1 steps its ignored parameters with an unreduced
+    gradient while rank 0's copies, which the entries and the step are judged by, stay right:
+    only each target's ``ranks`` record of ``checkpoint.moved`` sees rank 1 part."""
+    cell = Cell(**ALSO["owner_reduces_to_rank0"], faults=("owner_reduces_to_rank0",)).id
+    rows = [r for r in _records_of(request, "owner_reduces_to_rank0") if r["cell"] == cell and r["check"] == "checkpoint.moved"]
+    failed = [(r["name"], r["detail"].startswith("differ from rank 0's: rank 1: resumed ")) for r in rows
+              if r["verdict"] != "PASS"]
+    assert failed == [("native:ranks", True)], failed
+    assert len(rows) > 100  # every entry and the step were judged, and held

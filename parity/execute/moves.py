@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.tensor import DTensor
 
+from parity.digests import value_sha256
 from parity.errors import IsolationError
 from parity.execute import collectives, dcp_files, lifecycle, parallel, state_dicts
 from parity.execute.observation import NORM, Moved, Observation
@@ -122,8 +123,10 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
     after, loaded = _layouts(s), lifecycle.snapshot(s)
     resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
     keep = rank == 0
+    witness = {f"{what}:{k}": value_sha256(v) for what, values in (("loaded", loaded), ("resumed", resumed))
+               for k, v in values.items()}
     return Moved(taken=s.report.taken, before=before, after=after, loaded=loaded if keep else {},
-                 resumed=resumed if keep else {}, collectives=segments.calls)
+                 resumed=resumed if keep else {}, witness=witness, collectives=segments.calls)
 
 
 def _agree(error: str, skip: str, world: int) -> tuple[str, str]:

@@ -123,6 +123,9 @@ class Moved:
     saving layout's next step (whole)."""
     resumed: dict[str, torch.Tensor] = field(default_factory=dict)
     """Rank 0: the same after the loading layout's step."""
+    witness: dict[str, str] = field(default_factory=dict)
+    """Every loading rank: ``loaded:KEY`` and ``resumed:KEY`` -> the digest of this rank's copy
+    (:func:`parity.digests.value_sha256`), so each rank is held to rank 0's values."""
     collectives: dict[tuple[int, str, str], list[int]] = field(default_factory=dict)
     """What ``torch.distributed`` issued on this rank while saving (``checkpoint/save``: the cell's
     own path, ranks of the saving layout) and loading (``checkpoint/load``), as in

@@ -92,6 +92,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
                      "load_reads_tensors_only",
                      "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
+    "owner_reduces_to_rank0": "resumed",
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
 }
@@ -268,6 +269,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "not the updated shards (FSDPParamGroup.pre_forward)",
            {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},
            patch=rp.eval_stale_after_step),
+    _fault("owner_reduces_to_rank0", "after resuming, the owner of FSDP-ignored parameters reduces their gradients "
+           "to rank 0 only (dist.reduce for all_reduce): the other ranks' replicas part",
+           {"checkpoint.same", "checkpoint.cross", "checkpoint.collectives"}, {"fixture": "ignored", "path": "native", "ranks": 2},
+           quiet={"ranks": 1}, patch=ckp.owner_reduces_to_rank0, site="sharded", hook=ckp.loaded_models_marked,
+           scopes=("lifecycle",)),
     _fault("step_counter_restarts", "loading optimizer state restarts AdamW's step counters at 1 (set_state_dict)",
            {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"},
            {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},

@@ -93,3 +93,46 @@ def save_rounds_moments():
             return data
         return resolve_data
     return swap_attr(DefaultSavePlanner, "resolve_data", make)
+
+
+#: Models the checkpoint lifecycle built since its scope opened (:func:`owner_reduces_to_rank0`).
+_BUILT = [0]
+
+
+def owner_reduces_to_rank0():
+    """After resuming, the owner of FSDP-ignored parameters reduces their gradients to rank 0
+    only (``dist.reduce`` where ``all_reduce`` was meant): rank 0 steps with the reduced
+    gradient, every other rank with what its buffer holds, and the replicas part -- only
+    another rank than rank 0 shows it. The lifecycle's first model (the one that trains and
+    saves) reduces as it should; :func:`loaded_models_marked` marks the ones built to load."""
+    import torch.distributed as dist
+
+    from parity.execute import parallel
+
+    _BUILT[0] = 0
+
+    def make(orig):
+        def owner_reduce(p, **kwargs):
+            if not getattr(p, "_parity_reduce_to_first", False):
+                return orig(p, **kwargs)
+            real = dist.all_reduce
+
+            def to_first(t, group=None, **rest):
+                return dist.reduce(t, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+            dist.all_reduce = to_first
+            try:
+                return orig(p, **kwargs)
+            finally:
+                dist.all_reduce = real
+        return owner_reduce
+    return swap_attr(parallel, "owner_reduce", make)
+
+
+def loaded_models_marked(value, rank: int, world: int, model, **_):
+    """At each sharded model of the lifecycle: every model after the first is one a checkpoint
+    loads into; its parameters take :func:`owner_reduces_to_rank0`'s faulty reduction."""
+    _BUILT[0] += 1
+    if _BUILT[0] > 1:
+        for p in model.parameters():
+            p._parity_reduce_to_first = True
+    return value

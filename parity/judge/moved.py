@@ -6,6 +6,8 @@ Per target path:
 - ``entry:KEY`` -- every model and optimizer entry (``model/FQN``, ``optim/FQN/step``, the
   moments, the parameter groups' settings) read back whole after the load is bitwise the
   entry saved, in the same dtype: resharding moves bytes, never changes them;
+- ``ranks`` -- every loading rank's copy of every entry, after the load and after the step
+  that follows, is rank 0's (the entries above and below are judged from rank 0's copies);
 - ``layout:KEY`` -- on every loading rank, the entry's type and placements after the load are
   those of the freshly built model (loading fills the target's sharding, never replaces it);
 - ``grad:FQN``, ``param:FQN``, ``optim:FQN.MOMENT`` -- the loading layout's next step against
@@ -49,6 +51,22 @@ def _layouts(base: dict, target: str, per_rank: list[tuple[int, Moved]]) -> list
                            detail=(f"{first} before and after loading on {len(per_rank)} rank(s)" if ok
                                    else "loading changed the entry's layout: " + "; ".join(broken)[:600])))
     return rows
+
+
+def _witnesses(base: dict, target: str, per_rank: list[tuple[int, Moved]], note: str) -> Record:
+    """Every loading rank is a witness: the entries judged are rank 0's copies (after the load
+    and after the resumed step), so each other rank's must be rank 0's, bitwise (by digest)."""
+    first = per_rank[0][1].witness
+    problems = [f"rank {r}: {key.replace(':', ' ', 1)}" for r, m in per_rank[1:]
+                for key in dict.fromkeys([*first, *m.witness]) if m.witness.get(key) != first.get(key)]
+    if not first:
+        problems.insert(0, f"rank {per_rank[0][0]}: no digests reported")
+    ok = not problems
+    return Record(**base, check=CHECK, name=f"{target}:ranks", observed=0.0 if ok else 1.0, allowed=0.0,
+                  ratio=0.0 if ok else float("inf"), verdict=Verdict.PASS if ok else Verdict.FAIL,
+                  detail=(f"every entry after the load and the resumed step bitwise rank 0's on {len(per_rank)} "
+                          f"loading rank(s) ({note})" if ok else
+                          "differ from rank 0's: " + "; ".join(problems[:6])[:600] + f" ({note})"))
 
 
 def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict, straight: dict,
@@ -223,5 +241,6 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
         rows += entries(at, CHECK, f"{target}:entry:", own.saved, [(None, {k: (v, ()) for k, v in m0.loaded.items()})],
                         note, ("saved", "loaded"))
         rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
+        rows.append(_witnesses(at, target, [(r, m) for r, m in per_rank if m.part], note))
         rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note)
     return rows

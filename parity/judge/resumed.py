@@ -12,7 +12,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison, amax, gather_full
+from parity.judge.compare import Comparison, _same, amax, gather_full, replicated
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
@@ -83,6 +83,29 @@ def load_path_rows(base: dict, tag: str, target: str, taken: list[str], expected
                  f"build in the parent shards so)", "; ".join(wrong))]
 
 
+def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: PrecisionPlan, whole: bool) -> list[Record]:
+    """Every rank is a witness of the resumed step: what is replicated (FSDP-ignored parameters,
+    their gradients and moments, scalars; every tensor on a 2-D mesh, whose ranks record whole
+    tensors) is judged from rank 0's copy, so each other rank's must be rank 0's, bitwise."""
+    if len(per_rank) < 2:
+        return []
+    first, problems = per_rank[0], []
+    for kind in ("grads", "params"):
+        for fqn, value in getattr(first, kind).items():
+            if replicated(plan, fqn, value, whole):
+                problems += [f"rank {r}: {kind[:-1]} {fqn}" for r, other in enumerate(per_rank[1:], 1)
+                             if not _same(getattr(other, kind).get(fqn), value)]
+    for fqn, state in first.optim.items():
+        for key, value in state.items():
+            if replicated(plan, fqn, value, whole):
+                problems += [f"rank {r}: optim {fqn}.{key}" for r, other in enumerate(per_rank[1:], 1)
+                             if not _same(other.optim.get(fqn, {}).get(key), value)]
+    return [_row(base, f"checkpoint.{tag}", f"{target}:ranks", not problems,
+                 "replicated tensors of the resumed step bitwise rank 0's on every rank",
+                 ("differ from rank 0's: " + ", ".join(problems[:6])) if problems
+                 else f"held on {len(per_rank)} ranks", f"resumed on {per_rank[0].taken}")]
+
+
 def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Resumed runs against the uninterrupted run's same step: gradients, parameters and
     optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
@@ -114,6 +137,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         per_rank = [o.contracts.resume[target] for o in observations]
         rows += load_path_rows(base, tag, target, [r.taken for r in per_rank],
                                path_taken(cell, observations[0].plan, target))
+        rows += _witnesses(base, tag, target, per_rank, plan, whole)
         state = _full_state([r.optim for r in per_rank], plan, whole)
         comps = []
         grads = [o.grads[step] for o in observations]
