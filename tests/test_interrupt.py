@@ -16,9 +16,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-#: One pool, eight cells: the checkpoint lifecycle's saves (mb1-every) come both before and after
-#: the first rows are recorded, so every pause point below is reached.
-SELECT = ["--matrix", "smoke", "-k", "fixture in ('kda', 'lm') and ranks == 1"]
+#: One pool, four cells, each with a checkpoint lifecycle (mb1-every): its saves and steps come
+#: both before and after the first rows are recorded, so every pause point below is reached.
+SELECT = ["--matrix", "smoke", "-k", "fixture in ('kda', 'lm') and ranks == 1 and microbatches == 1"]
 #: Imported by every process of the run (parent and workers): once some rows are recorded,
 #: pauses a worker's next call of the chosen torch function, after touching a marker file, so a
 #: signal lands inside it. Never the parent (the session leader the test started): its reference
