@@ -123,3 +123,16 @@ def test_a_stage_failing_on_every_rank_says_so():
     assert "forward at step 0, micro-batch 0, rank 1: output rank1/mb0 (ratio 5); rank 0 failed at this stage too;" \
         in got.detail, got.detail
     assert "failed at this stage too" not in first_stage(both[1:], 2, BASE).detail
+
+
+def test_a_shard_over_its_allowance_on_every_rank_names_them_all():
+    """``grad.shard`` writes one record per parameter, for its worst rank, naming the other ranks
+    over the allowance: the stage record counts them as witnesses too (review)."""
+    from parity.judge.shards import ALSO
+
+    shard = Record(**BASE, check="grad.shard", name="w", step=0, verdict=Verdict.FAIL, ratio=5.0,
+                   detail=f"rank 1 after micro-batch 0, shard at [16, 0]: 2 x u(float32); {ALSO} 0, 2")
+    assert "rank 1: grad.shard w (ratio 5); ranks 0, 2 failed at this stage too;" in \
+        first_stage([shard], 2, BASE).detail
+    alone = Record(**{**shard.__dict__, "detail": "rank 1 after micro-batch 0, shard at [16, 0]: 2 x u(float32)"})
+    assert "failed at this stage too" not in first_stage([alone], 2, BASE).detail

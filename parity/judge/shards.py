@@ -30,7 +30,7 @@ import torch
 
 from parity.judge import tolerance
 from parity.judge.compare import Comparison, amax, max_abs
-from parity.judge.record import Record
+from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 
@@ -94,5 +94,27 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
             # the signal is the whole gradient's, as ``grad`` judges it: a shard is a piece of it
             allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, terms, scale)
             row = Comparison(step, CHECK, fqn, got, want, allow, signal=amax(whole)).record(base)
-            rows.append(dataclasses.replace(row, detail=f"rank {rank} after micro-batch {mb}, {where}: {row.detail}"))
+            also = _also_over(observations, step, mb, fqn, whole, allow, rank, base) if row.verdict == Verdict.FAIL else []
+            more = f"; {ALSO} {', '.join(map(str, also))}" if also else ""
+            rows.append(dataclasses.replace(row, detail=f"rank {rank} after micro-batch {mb}, {where}: {row.detail}{more}"))
     return rows
+
+
+#: How a ``grad.shard`` record names the other ranks over the allowance (the ``stage`` record reads it).
+ALSO = "also over the allowance on rank(s)"
+
+
+def _also_over(observations: list[Observation], step: int, mb: int, fqn: str, whole: torch.Tensor,
+               allow, worst: int, base: dict) -> list[int]:
+    """The ranks besides ``worst`` whose shard of ``fqn`` is over the allowance too (every rank
+    is a witness: a fault on every rank reads differently from one on one)."""
+    out = []
+    for o in observations:
+        got_read = o.contracts.shards.get((step, mb), {}).get(fqn)
+        if o.rank == worst or got_read is None or not got_read[1].numel():
+            continue
+        offset, got = got_read
+        comp = Comparison(step, CHECK, fqn, got, _slice(whole, offset, got.shape), allow, signal=amax(whole))
+        if comp.record(base).verdict == Verdict.FAIL:
+            out.append(o.rank)
+    return out

@@ -161,10 +161,20 @@ def _where(r: Record) -> str:
     return "".join(f", {what} {n}" for what, n in (("micro-batch", microbatch), ("rank", rank)) if n is not None)
 
 
+def _also(r: Record) -> list[str]:
+    """The further ranks a record names as failing beside its own (``grad.shard``'s
+    :data:`parity.judge.shards.ALSO`)."""
+    from parity.judge.shards import ALSO
+
+    _, found, rest = str(r.detail).partition(ALSO)
+    return re.findall(r"\d+", rest.split(";")[0]) if found else []
+
+
 def _other_ranks(here: list[Record], worst: Record) -> str:
     """``; rank(s) R failed at this stage too``: the other ranks whose records failed at the same step and stage as
     ``worst`` (every rank is a witness: a fault on every rank reads differently from one on one)."""
-    others = sorted({coordinates(r)[0] for r in here} - {None, coordinates(worst)[0]})
+    named = {coordinates(r)[0] for r in here} | {int(n) for r in here for n in _also(r)}
+    others = sorted(named - {None, coordinates(worst)[0]})
     if not others or coordinates(worst)[0] is None:
         return ""
     return f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed at this stage too"
