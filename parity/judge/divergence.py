@@ -263,8 +263,10 @@ def locate(cell: Cell, observations: list[Observation], base: dict, device="cpu"
     scope = f"every rank and micro-batch of step {step}"
     if where is None:
         return Record(**base, step=step, check="divergence", name="-", verdict=Verdict.PASS,
-                      detail=f"no module's output or input gradient differs beyond its allowance in {scope}: the "
-                             "difference arises after backward (reduction, optimizer) or later" + unjudged)
+                      detail=f"no module's output or input gradient differs beyond its allowance in {scope}: a "
+                             "difference arises outside every module's forward and backward (the root's input or "
+                             "output casts, before the first or after the last module) or after backward "
+                             "(reduction, optimizer)" + unjudged)
     detail = f"{_said(fwd, 'forward')}; {_said(bwd, 'backward')}{unjudged}; traced: {scope}"
     *_, name, observed, allowed, ratio = where
     return Record(**base, step=step, check="divergence", name=name, observed=observed, allowed=allowed, ratio=ratio,
