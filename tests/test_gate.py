@@ -123,6 +123,15 @@ def test_native_that_fell_back_for_an_unsupported_build_is_not_evidence():
     assert d.decision == NO_GO and d.reasons[0].startswith("native not exercised: 2 of 2 native cells")
 
 
+def test_native_cells_that_record_no_path_taken_are_not_evidence():
+    """A run whose native rows name no path taken (a results file written otherwise) showed
+    nothing about which path trained: NO-GO saying so, not a PARTIAL blaming ranks (review)."""
+    rows = [replace(r, path_taken="") if r.path == "native" else r for r in healthy()]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and d.reasons[0] == ("native not shown to run: 2 of 2 native cells record no path "
+                                                   "taken (e.g. m/native/r1/c0); rerun them"), d.reasons
+
+
 def test_a_declared_fallback_is_not_applicable_and_an_undeclared_one_is_no_go():
     rows = [rec("m", "native", 0, taken="legacy", fallback_reason="unit x mixes trainable storage dtypes"),
             rec("m", "native", 0, check="fallback", name="declared", taken="legacy",

@@ -125,6 +125,10 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     if skipped:  # a GO speaks for every cell of the matrix: one that was skipped showed nothing
         d.reasons.append(f"{len(skipped)} of {len(cand_cells)} {candidate} cells were skipped (e.g. {skipped[0]}): "
                          "nothing was checked there")
+    unrecorded = sorted(ran - {r.cell for r in own if r.path_taken})  # no record says which path trained
+    if unrecorded:
+        d.reasons.append(f"{candidate} not shown to run: {len(unrecorded)} of {len(ran)} {candidate} cells record no "
+                         f"path taken (e.g. {unrecorded[0]}); rerun them")
     undeclared = not_taken - declared
     if undeclared:
         why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
