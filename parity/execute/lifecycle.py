@@ -81,7 +81,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
     try:
         try:
-            handed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
+            handed, disturbed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
                            heartbeat=within("checkpoint lifecycle: saving", heartbeat), segments=saving)
         except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
             return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
@@ -98,6 +98,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
         if cell.path in out:
             out[cell.path].collectives.update(saving.calls)
             out[cell.path].saved, out[cell.path].written, out[cell.path].unread = handed, written, unread
+            out[cell.path].disturbed = disturbed
     finally:
         if world > 1:
             dist.barrier()
@@ -206,10 +207,11 @@ def load(s, ckpt: str, group=None) -> None:
 
 
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat,
-          segments: collectives.Segments) -> dict:
+          segments: collectives.Segments) -> tuple[dict, list[str]]:
     """Train ``cell.resume_step`` steps on the cell's path and save model, optimizer (and scaler) with
     DCP; the save's collectives go to ``segments`` (``checkpoint/save``). Returns every entry as this
-    rank handed it to DCP (:func:`pieces`, taken outside the counted save)."""
+    rank handed it to DCP (:func:`pieces`, taken outside the counted save) and the entries the save
+    changed in the live model or optimizer."""
     first = build(cell, cell.path, mesh=mesh, device=device, inject=inject)
     for step in range(cell.resume_step):
         train_step(cell, first, step, rank=rank, world=world, device=device, obs=Observation(rank=rank),
@@ -218,7 +220,19 @@ def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject:
     with segments.counted(cell.resume_step, "checkpoint/save"):
         save(first, ckpt)
     heartbeat("checkpoint saved")
-    return handed
+    after = pieces(first)  # a training job carries on after it saves: the save must leave its state alone
+    return handed, [k for k in dict.fromkeys([*handed, *after]) if not _same_piece(handed.get(k), after.get(k))]
+
+
+def _same_piece(a, b) -> bool:
+    """Two :func:`pieces` entries equal bitwise: region, dtype, shape and values."""
+    if a is None or b is None:
+        return a is b
+    (va, ra), (vb, rb) = a, b
+    if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
+        return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and ra == rb and va.dtype == vb.dtype
+                and va.shape == vb.shape and bool(torch.equal(va, vb)))
+    return ra == rb and va == vb
 
 
 def _written(ckpt: str) -> tuple[dict, str]:

@@ -84,6 +84,9 @@ class Resumed:
     saved: dict[str, tuple[object, tuple]] = field(default_factory=dict)
     """The cell's own path: every entry as this rank handed it to DCP, ``(value, region)``
     (:func:`parity.execute.lifecycle.pieces`)."""
+    disturbed: list[str] = field(default_factory=list)
+    """The cell's own path: the entries whose live value (or region) the save changed on this
+    rank -- a training job carries on after it saves (expected: none)."""
     written: dict[str, bytes] = field(default_factory=dict)
     """Rank 0, the cell's own path: the checkpoint's files, name -> bytes, for the parent to read
     without DCP's loader (:func:`parity.execute.dcp_files.read`)."""

@@ -88,7 +88,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
-    **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments"), "checkpoint-save"),
+    **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments", "save_narrows_live_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
                      "load_reads_tensors_only",
                      "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
@@ -186,6 +186,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "(DefaultSavePlanner.resolve_data): the training state is right, the checkpoint is not",
            {"checkpoint.saved", "checkpoint.same", "checkpoint.cross"}, _KDA2,
            patch=ckp.save_rounds_moments, scopes=("lifecycle",)),
+    _fault("save_narrows_live_moments", "DCP's save leaves the live optimizer moments rounded to BF16 after writing "
+           "them (dcp.save): the checkpoint is right, the state the job trains on is not",
+           {"checkpoint.saved"}, _KDA2, patch=ckp.save_narrows_live_moments, scopes=("lifecycle",)),
     _fault("swap_optimizer_state", "DCP loads two same-shape parameters' optimizer states swapped (set_state_dict)",
            {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, {"fixture": "frozen", "path": "native", "ranks": 2},
            patch=p.swap_optimizer_state, scopes=("lifecycle",)),

@@ -136,3 +136,24 @@ def loaded_models_marked(value, rank: int, world: int, model, **_):
         for p in model.parameters():
             p._parity_reduce_to_first = True
     return value
+
+
+def save_narrows_live_moments():
+    """DCP's save, after writing, leaves the live optimizer moments rounded to BF16 (a writer that
+    narrows state it already wrote, to free memory): the checkpoint is right, the job that
+    trains on after saving is not -- and every run resumed from the files looks fine."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    def make(orig):
+        def save(state_dict, *args, **kwargs):
+            out = orig(state_dict, *args, **kwargs)
+            for entry in state_dict.get("optim", {}).get("state", {}).values():
+                for key, t in entry.items():
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    if key != "step" and isinstance(local, torch.Tensor) and local.is_floating_point():
+                        with torch.no_grad():
+                            local.copy_(local.to(torch.bfloat16))
+            return out
+        return save
+    return swap_attr(dcp, "save", make)
