@@ -281,6 +281,12 @@ def test_a_bf16_weight_meeting_an_fp32_activation_keeps_its_gradient_as_fsdp_doe
      "return replace(r, units=(replace(u, modules=('blocks.0.nope',), params=u.params + ('ghost.weight',)),) + r.units[1:])",
      "error: its plan() failed: TypeError: path 'broken': its plan() names module 'blocks.0.nope', parameter "
      "'ghost.weight', which the model does not have; fix that path's plan()"),
+    # a parameter left out of every unit, or no unit at all: judged against units that do not exist (review)
+    ("r = type(self).__mro__[1].plan(self, *a, **k); u = r.units[0]; "
+     "return replace(r, units=(replace(u, params=u.params[1:]),) + r.units[1:])",
+     "error: its plan() failed: TypeError: path 'broken': its plan() leaves '"),
+    ("r = type(self).__mro__[1].plan(self, *a, **k); return replace(r, units=())",
+     "error: its plan() failed: TypeError: path 'broken': its plan() reports no unit"),
     ("return None\ndef unavailable(self):\n    return True",
      "error: its plan() failed: TypeError: path 'broken': its unavailable() returned True, not None or a reason "
      "(a str); fix that path's unavailable()"),
@@ -304,3 +310,20 @@ def test_a_path_plugin_whose_plan_fails_is_named_and_plan_still_shows_the_other_
     monkeypatch.setattr(registry, "_extra", {})
     assert main(["plan", "--fixture", "unisolatable"]) == 0  # legacy's isolation error is its answer, not a crash
     assert "requested=legacy: error: legacy dtype-split cannot isolate" in capsys.readouterr().out
+
+
+def test_a_path_plugin_whose_methods_parity_cannot_call_is_refused_when_registered(monkeypatch):
+    """A wrong signature would fail every cell with a traceback, far from the cause (review)."""
+    from parity.errors import UsageError
+    from parity.paths import registry
+    from parity.paths.legacy import LegacyPath
+
+    monkeypatch.setattr(registry, "_extra", {})
+    wrong = type("Wrong", (LegacyPath,), {"name": "wrong", "plan": lambda self, model: None})()
+    with pytest.raises(UsageError, match=r"plan\(\) cannot be called as plan\(model, roots, plan, ignored\)"):
+        registry.register(wrong)
+
+    def fully_shard_by_dtype(model, mesh=None):  # a team's helper function, registered as it is
+        raise AssertionError("not called by the check")
+    with pytest.raises(UsageError, match="a sharding helper function is wrapped in a ShardingPath class"):
+        registry.register(fully_shard_by_dtype)

@@ -56,6 +56,7 @@ def plan_sharding(
                     raise TypeError(f"path {path!r}: its plan() returned {type(report).__name__}, not a ShardReport; "
                                     "fix that path's plan()")
                 _check_names(report, model, path)
+                _check_covered(report, plan, path)
                 return replace(report, requested=requested, taken=path, contract=impl.contract,
                                fallback_reason="; ".join(reasons))
         reasons.append(reason)
@@ -104,6 +105,26 @@ def _check_names(report: ShardReport, model: nn.Module, path: str) -> None:
         raise TypeError(f"path {path!r}: its plan() names {', '.join(unknown[:5])}"
                          f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}, which the model does not "
                          "have; fix that path's plan()")
+
+
+def _check_covered(report: ShardReport, plan: PrecisionPlan, path: str) -> None:
+    """The report names at least one unit, and every parameter the plan has FSDP manage in exactly
+    one of them: a parameter a plugin leaves out (or counts twice) would be sharded by whichever
+    unit's module holds it while every check read the report -- judged against units that do not
+    exist, failing (if at all) as a byte count far from the cause."""
+    if not report.units:
+        raise TypeError(f"path {path!r}: its plan() reports no unit; report every module apply() passes to "
+                        "fully_shard (at least the root)")
+    count: dict[str, int] = {}
+    for q in (q for u in report.units for q in u.params):
+        count[q] = count.get(q, 0) + 1
+    problems = [f"leaves {t.fqn!r} out of every unit" for t in plan.params
+                if t.ownership == "managed" and t.fqn not in count]
+    problems += [f"lists {q!r} in {n} units" for q, n in count.items() if n > 1]
+    if problems:
+        raise TypeError(f"path {path!r}: its plan() {'; '.join(problems[:3])}"
+                        f"{f' and {len(problems) - 3} more' if len(problems) > 3 else ''}; report every parameter "
+                        "FSDP manages in exactly one unit, the one whose module holds it")
 
 
 def fsdp_params(model: nn.Module):

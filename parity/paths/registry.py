@@ -8,6 +8,7 @@ baseline, fallback and contract are each path's declared attributes.
 from __future__ import annotations
 
 import functools
+import inspect
 from importlib.metadata import entry_points
 
 from parity.errors import UsageError, plugin_fix
@@ -19,16 +20,33 @@ GROUP = "parity.paths"
 _extra: dict[str, ShardingPath] = {}
 
 
+#: How parity calls a path's methods (positionally; ``apply`` may get recipe keywords beside).
+CALLS = {"unavailable": (), "plan": ("model", "roots", "plan", "ignored"),
+         "apply": ("model", "report", "mesh", "reshard_after_forward", "ignored")}
+
+
 def _check(path: object, where: str) -> ShardingPath:
     if isinstance(path, type) or (callable(path) and not isinstance(path, ShardingPath)):
         try:
             path = path()
         except Exception as exc:  # noqa: BLE001 - a plugin failing to construct is bad input
-            raise UsageError(f"{where}: constructing the path failed: {type(exc).__name__}: {exc}") from None
+            hint = "" if isinstance(path, type) else (
+                "; a sharding helper function is wrapped in a ShardingPath class whose apply() calls it "
+                "(examples/external_path)")
+            raise UsageError(f"{where}: constructing the path failed: {type(exc).__name__}: {exc}{hint}") from None
     if not isinstance(path, ShardingPath):
         raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply)")
     if path.contract not in CONTRACTS:
         raise UsageError(f"{where}: contract {path.contract!r}; valid: {', '.join(CONTRACTS)}")
+    for method, args in CALLS.items():  # a wrong signature would fail every cell, far from the cause
+        try:
+            inspect.signature(getattr(path, method)).bind(*args)
+        except TypeError as exc:
+            raise UsageError(f"{where}: {method}() cannot be called as {method}({', '.join(args)}) ({exc}); "
+                             f"define {method}(self{''.join(', ' + a for a in args)}) as parity.paths.base."
+                             "ShardingPath does") from None
+        except ValueError:  # no signature to read (a builtin): it is called as it is
+            pass
     return path
 
 
