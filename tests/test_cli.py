@@ -195,3 +195,22 @@ def test_resume_refuses_a_changed_model_file_or_parity_version(capsys, tmp_path)
     assert main(["run", "--resume", str(d)]) == 2
     assert f"it was written by parity 0.0.1, this is parity {parity_version()['version']}" in capsys.readouterr().err
 
+
+
+def test_a_model_file_imports_the_modules_beside_it_from_any_folder(tmp_path):
+    """``--model dir/model.py:f`` finds ``dir``'s other modules as ``python dir/model.py`` would,
+    whatever the working folder: the ranks and a reproducer load the file from elsewhere (review)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    model_dir, elsewhere = tmp_path / "team_model", tmp_path / "elsewhere"
+    model_dir.mkdir()
+    elsewhere.mkdir()
+    text = (pathlib.Path(__file__).parents[1] / "examples" / "own_model" / "my_model.py").read_text()
+    (model_dir / "model.py").write_text(text.replace("from __future__ import annotations\n",
+                                                     "from __future__ import annotations\nimport team_helpers\n", 1))
+    (model_dir / "team_helpers.py").write_text("WIDTH = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "parity", "run", "--model", f"{model_dir / 'model.py'}:parity_model",
+                           "--matrix", "smoke", "--list"], capture_output=True, text=True, cwd=elsewhere, timeout=120)
+    assert proc.returncode == 0 and "8 cells" in proc.stdout, proc.stderr[-2000:]

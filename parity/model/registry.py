@@ -174,6 +174,8 @@ def _import_source(source: str, label: str = "--model"):
             _still_as_imported(path, source, label)
         else:
             _imported_digests[path] = file_sha256(path)
+            if os.path.dirname(path) not in sys.path:  # modules beside it import, as under `python file.py`
+                sys.path.append(os.path.dirname(path))
             spec = importlib.util.spec_from_file_location(name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module

@@ -170,8 +170,9 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
     ``with_model`` that writes it to a fresh folder (removed when the script ends) and points the
     cell there, so the reproducer runs where that file is not (a bug report's reader). A file
     whose digest differs from the one the run recorded in ``sources`` is a :class:`UsageError`:
-    the script would re-run another model than the one that failed. Other sources -- an
-    installed ``pkg.module`` -- are named in the cell and must be installed."""
+    the script would re-run another model than the one that failed. Modules the file imports from
+    beside it are not embedded: the script finds them in the file's folder where it still exists.
+    Other sources -- an installed ``pkg.module`` -- are named in the cell and must be installed."""
     target, _, attr = cell.source.rpartition(":")
     if not target.endswith(".py") or not os.path.isfile(target):
         return ""
@@ -186,6 +187,10 @@ def _embedded_model(cell: Cell, sources: dict) -> str:
     return (f"\n#: {target}, as the run loaded it\nMODEL_SOURCE = {text!r}\n\n\n"
             "def with_model(cell):\n"
             "    import atexit, dataclasses, os, shutil, tempfile\n\n"
+            f"    beside = {os.path.dirname(os.path.abspath(target))!r}  # modules the model imports from its folder\n"
+            "    if os.path.isdir(beside):  # this process and the ranks it starts\n"
+            "        sys.path.append(beside)\n"
+            "        os.environ['PYTHONPATH'] = os.pathsep.join(filter(None, (os.environ.get('PYTHONPATH'), beside)))\n"
             "    folder = tempfile.mkdtemp(prefix='parity-repro-')\n"
             "    atexit.register(shutil.rmtree, folder, True)\n"
             f"    path = os.path.join(folder, {name!r})\n"
