@@ -1,7 +1,9 @@
 """nox sessions: ``parity`` (the smoke matrix, per torch version), ``gate`` (GO / NO-GO per
 model on the default matrix, per torch version), ``models`` (real Hugging Face model classes
 through the gate), ``bench`` (collectives, bytes, packing, memory, step time per path),
-``report`` (the HTML report, checked in headless Chromium) and ``tests``.
+``report`` (the HTML report, checked in headless Chromium), ``fuzz`` (the generated-model
+campaign), ``merge`` (join a sharded run's parts), ``device`` (the prepared GPU check) and
+``tests``.
 
 ``nox -s parity`` runs the smoke matrix under torch 2.15.0 (native API present) and 2.13.0
 (no ``param_dtype_override_fn``: every native cell must fall back to legacy and still pass).

@@ -459,6 +459,7 @@ CASES = [
     (["fixtures", "extra"], "unrecognized arguments: extra"),
     # a GPU asked for where torch sees none: every cell would be the same ERROR
     *([([cmd, "--device", "cuda", "--out", "{out}"], "--device cuda: torch ") for cmd in ("run", "gate", "fuzz", "bench")]
+      + [(["run", "--list", "--device", "cuda"], "--device cuda: torch ")]
       if not torch.cuda.is_available() else []),
 ]
 

@@ -245,6 +245,9 @@ def cmd_run(args) -> int:
     matrix, cells = _select(opts)
     if args.list:
         _nonempty(matrix, cells)
+        from parity.runner import resolve_device
+
+        resolve_device(opts["device"])  # a device the run could not use is refused here too
     if args.list and opts["shard"]:
         cells = _part_of(cells, opts["shard"], matrix.name)[0]
     if args.list:
