@@ -33,6 +33,10 @@ KEEP_AS_TEXT = ("import dataclasses\n\nfrom parity.model.registry import registe
                 "def model():\n    return dataclasses.replace(registered()['kda'], name='{name}', keep_fp32={keep!r})\n")
 TWICE_FACTORY = ("from parity.model.registry import registered\n\n\ndef model():\n"
                  "    return [registered()['kda'], registered()['kda']]\n")
+#: A Fixture without a required field.
+NO_BLOCKS = ("from parity.model import Fixture\nfrom parity.model.registry import registered\n\n\n"
+             "def model():\n    k = registered()['kda']\n    return Fixture(name='nob', description='d', build=k.build, "
+             "unit_roots=k.unit_roots, make_batch=k.make_batch, loss=k.loss)\n")
 #: ``kda`` with one thing changed: ``build`` from ``{code}``'s ``_build``, or other ``{fields}``.
 ADJUSTED = ("import dataclasses\n\nimport torch\nfrom torch import nn\n\nfrom parity.model.registry import registered\n\n"
             "{code}\n\ndef model():\n    return dataclasses.replace(registered()['kda'], name='{name}', {fields})\n")
@@ -130,6 +134,7 @@ def _files(t) -> dict[str, str]:
              name="keepalias", keep=("head",))) + ":model",
          "empty_factory": _write(t / "empty_factory.py", EMPTY_FACTORY) + ":model",
          "twice_factory": _write(t / "twice_factory.py", TWICE_FACTORY) + ":model",
+         "no_blocks": _write(t / "no_blocks.py", NO_BLOCKS) + ":model",
          "model_class": _write(t / "model_class.py", "from torch import nn\n\n\nclass MyModel(nn.Module):\n    pass\n")
          + ":MyModel",
          "factory_factory": _write(t / "factory_factory.py", "def model():\n    return model\n") + ":model",
@@ -261,6 +266,8 @@ CASES = [
      "model_file.toml: models entry '"),
     (["run", "--matrix", "{matrix_twice}", "--out", "{out}"], "axes.ranks has 1 twice; give each value once"),
     (["run", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
+    (["run", "--model", "{no_blocks}", "--out", "{out}"], "missing 1 required keyword-only argument: 'blocks'; give "
+     "Fixture(name=..., description=..., build=..., unit_roots=..., blocks=..., make_batch=..., loss=...)"),
     (["bench", "--model", "{twice_factory}", "--model", "{twice_factory}", "--out", "{out}"], "is given twice"),
     # run: options
     # the first would silently not run (the second replaced it) and its gate read GO

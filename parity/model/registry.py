@@ -41,6 +41,9 @@ _USER_FAILURES = (Exception, SystemExit)
 def _failed(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r}); a model source must not exit"
+    if isinstance(exc, TypeError) and "Fixture.__init__()" in str(exc):  # a field left out or misspelled
+        return (f"{type(exc).__name__}: {exc}; give Fixture(name=..., description=..., build=..., unit_roots=..., "
+                "blocks=..., make_batch=..., loss=...) (the README's table of Fixture fields)")
     return f"{type(exc).__name__}: {exc}"
 
 
