@@ -61,6 +61,12 @@ class CellFailure(Exception):
 INLINE = 1024
 
 
+def backend(device_type: str) -> str:
+    """The process group's backend: on CUDA, NCCL for CUDA tensors and gloo for CPU ones (a
+    CPU-offloaded gradient's norm, the object collectives); gloo on CPU."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def _send(results, tmp: str, item: tuple) -> None:
     """Put ``(status, rank, payload)`` on ``results``; a payload over :data:`INLINE` bytes is
     written to a file under ``tmp`` first (renamed into place once whole) and sent as its path."""
@@ -114,11 +120,10 @@ def _worker(rank: int, world: int, store: str, device_type: str, tasks, results,
         if os.getppid() == parent:
             _send(results, tmp, item)
 
-    backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(backend(device_type), init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh(device_type, (world,))
     put(("ready", rank, b""))
     while (task := _next_task(tasks, parent)) is not None:

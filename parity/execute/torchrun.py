@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from parity.errors import UsageError
 from parity.matrix.cell import Cell
-from parity.execute.pool import CellFailure
+from parity.execute.pool import CellFailure, backend
 from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted, at_once
 
@@ -176,7 +176,7 @@ class TorchrunExecutor:
         """The group's timeout when parity set it (0: a group the caller started keeps its own)."""
         self._released = False
         if not dist.is_initialized():
-            _join("nccl" if device_type == "cuda" else "gloo", timeout)
+            _join(backend(device_type), timeout)
             self.timeout = timeout
             _control = dist.new_group(timeout=dist.default_pg_timeout)
         self.mesh = init_device_mesh(device_type, (self.world,))

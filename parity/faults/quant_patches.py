@@ -48,7 +48,7 @@ def _bf16_payload(self, elements, scale, padded, shape):
     """The dequantized shard in BF16, padded as the FP8 payload would be."""
     from parity.model import formats as F
 
-    payload = torch.zeros(padded, *shape[1:], dtype=torch.bfloat16)
+    payload = torch.zeros(padded, *shape[1:], dtype=torch.bfloat16, device=elements.device)
     if elements.numel():
         payload[: elements.shape[0]] = F.dequantize(elements, self.fmt, scale, torch.bfloat16)
     return payload

@@ -273,8 +273,9 @@ def early_reduce_scatter():
             out = orig(self, *unused)
             if not self.reduce_grads and self._reduce_scatter_process_group.size() > 1:
                 group = self._reduce_scatter_process_group
-                scratch = torch.zeros(group.size(), dtype=torch.float32)
-                dist.reduce_scatter_tensor(torch.zeros(1), scratch, group=group)
+                on = self.device  # NCCL takes tensors on the group's device
+                scratch = torch.zeros(group.size(), dtype=torch.float32, device=on)
+                dist.reduce_scatter_tensor(torch.zeros(1, device=on), scratch, group=group)
             return out
         return post_backward
     return swap_attr(_param_group(), "post_backward", make)

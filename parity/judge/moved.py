@@ -30,6 +30,7 @@ from parity.judge import tolerance
 from parity.judge.checkpoint_entries import entries, exact, missing
 from parity.judge.compare import Comparison, amax
 from parity.judge.record import Record, Verdict
+from parity.judge.rows import skipped
 from parity.matrix.cell import Cell
 from parity.model.dtypes import coarser, unit_roundoff
 from parity.model.plan import PrecisionPlan
@@ -56,6 +57,8 @@ def _layouts(base: dict, target: str, per_rank: list[tuple[int, Moved]]) -> list
 def _witnesses(base: dict, target: str, per_rank: list[tuple[int, Moved]], note: str) -> Record:
     """Every loading rank is a witness: the entries judged are rank 0's copies (after the load
     and after the resumed step), so each other rank's must be rank 0's, bitwise (by digest)."""
+    if len(per_rank) < 2:  # nothing to hold rank 0's copies to: no evidence either way
+        return skipped(base, CHECK, f"{target}:ranks", f"one loading rank: no other rank to hold to rank 0's ({note})")
     first = per_rank[0][1].witness
     problems = [f"rank {r}: {key.replace(':', ' ', 1)}" for r, m in per_rank[1:]
                 for key in dict.fromkeys([*first, *m.witness]) if m.witness.get(key) != first.get(key)]
