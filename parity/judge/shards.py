@@ -62,19 +62,24 @@ def worst_shard(observations: list[Observation], read, whole_of, missing: str):
     a rank with nothing recorded as ``missing`` (infinite error); None when every shard is empty
     (uneven sharding: nothing to compare)."""
     worst = None
+    for rank, got, want, where in _pieces(observations, read, whole_of, missing):
+        err = _error(got, want)
+        if worst is None or err > worst[0]:
+            worst = (err, rank, got, want, where)
+    return worst
+
+
+def _pieces(observations: list[Observation], read, whole_of, missing: str):
+    """(rank, its shard, the slice of the whole it must equal, where) for every rank: a rank with
+    nothing recorded as an empty shard against the whole, ``missing``; empty shards skipped."""
     for o in observations:
         whole, got_read = whole_of(o), read(o)
         if got_read is None:
-            got, want, where = torch.zeros(0), whole, missing
-        else:
-            offset, got = got_read
-            if not got.numel():
-                continue
-            want, where = _slice(whole, offset, got.shape), f"shard at {list(offset)}"
-        err = _error(got, want)
-        if worst is None or err > worst[0]:
-            worst = (err, o.rank, got, want, where)
-    return worst
+            yield o.rank, torch.zeros(0), whole, missing
+            continue
+        offset, got = got_read
+        if got.numel():
+            yield o.rank, got, _slice(whole, offset, got.shape), f"shard at {list(offset)}"
 
 
 def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: PrecisionPlan,
@@ -86,15 +91,16 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
             entry = plan.get(fqn)
             if entry is None:
                 continue
-            worst = worst_shard(observations, lambda o: o.contracts.shards.get((step, mb), {}).get(fqn),
-                                lambda o: whole, "no shard recorded")
+            read = lambda o: o.contracts.shards.get((step, mb), {}).get(fqn)  # noqa: E731
+            worst = worst_shard(observations, read, lambda o: whole, "no shard recorded")
             if worst is None:
                 continue
             _, rank, got, want, where = worst
             # the signal is the whole gradient's, as ``grad`` judges it: a shard is a piece of it
             allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, terms, scale)
             row = Comparison(step, CHECK, fqn, got, want, allow, signal=amax(whole)).record(base)
-            also = _also_over(observations, step, mb, fqn, whole, allow, rank, base) if row.verdict == Verdict.FAIL else []
+            also = _also_over(_pieces(observations, read, lambda o: whole, ""), rank, lambda got, want: Comparison(
+                step, CHECK, fqn, got, want, allow, signal=amax(whole)).record(base)) if row.verdict == Verdict.FAIL else []
             more = f"; {ALSO} {', '.join(map(str, also))}" if also else ""
             rows.append(dataclasses.replace(row, detail=f"rank {rank} after micro-batch {mb}, {where}: {row.detail}{more}"))
     return rows
@@ -104,17 +110,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, plan: 
 ALSO = "also over the allowance on rank(s)"
 
 
-def _also_over(observations: list[Observation], step: int, mb: int, fqn: str, whole: torch.Tensor,
-               allow, worst: int, base: dict) -> list[int]:
-    """The ranks besides ``worst`` whose shard of ``fqn`` is over the allowance too (every rank
-    is a witness: a fault on every rank reads differently from one on one)."""
-    out = []
-    for o in observations:
-        got_read = o.contracts.shards.get((step, mb), {}).get(fqn)
-        if o.rank == worst or got_read is None or not got_read[1].numel():
-            continue
-        offset, got = got_read
-        comp = Comparison(step, CHECK, fqn, got, _slice(whole, offset, got.shape), allow, signal=amax(whole))
-        if comp.record(base).verdict == Verdict.FAIL:
-            out.append(o.rank)
-    return out
+def _also_over(pieces, worst: int, judged) -> list[int]:
+    """The ranks besides ``worst`` whose shard (of :func:`_pieces`) ``judged`` finds over the
+    allowance too (every rank is a witness: a fault on every rank reads differently from one on one)."""
+    return [rank for rank, got, want, _ in pieces
+            if rank != worst and got.numel() and judged(got, want).verdict == Verdict.FAIL]
