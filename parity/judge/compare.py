@@ -84,6 +84,14 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
     return run
 
 
+def differing(plan: PrecisionPlan, whole: bool, per_rank: list[dict], fqn_of=lambda key: key) -> list[tuple[int, object]]:
+    """(index into ``per_rank``, key) of every replicated entry of rank 0's ``per_rank[0]`` (key ->
+    value; ``fqn_of(key)`` its parameter) that another rank holds otherwise, bitwise: what is
+    replicated is judged from rank 0's copy, so each other rank is held to it."""
+    return [(i, key) for key, value in per_rank[0].items() if replicated(plan, fqn_of(key), value, whole)
+            for i, other in enumerate(per_rank[1:], 1) if not _same(other.get(key), value)]
+
+
 def agreement_records(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Every rank is a witness of what is replicated: each step's global gradient norm (one
     all-reduced scalar) and every replicated gradient and parameter must be bitwise the same
@@ -94,12 +102,8 @@ def agreement_records(observations: list[Observation], plan: PrecisionPlan, base
         problems = [f"rank {o.rank}: grad_norm {o.grad_norms[step]!r} vs rank 0's {first.grad_norms[step]!r}"
                     for o in observations[1:] if o.grad_norms[step:step + 1] != first.grad_norms[step:step + 1]]
         for kind in ("grads", "params"):
-            mine = getattr(first, kind)[step]
-            for fqn, value in mine.items():
-                if not replicated(plan, fqn, value, whole):
-                    continue
-                problems += [f"rank {o.rank}: {kind[:-1]} {fqn} differs from rank 0's" for o in observations[1:]
-                             if not _same(getattr(o, kind)[step].get(fqn), value)]
+            problems += [f"rank {observations[i].rank}: {kind[:-1]} {fqn} differs from rank 0's" for i, fqn in
+                         differing(plan, whole, [getattr(o, kind)[step] for o in observations])]
         ok = not problems
         rows.append(Record(**base, step=step, check="ranks", name="replicated", observed=0.0 if ok else 1.0,
                            allowed=0.0, ratio=0.0 if ok else math.inf, verdict=Verdict.PASS if ok else Verdict.FAIL,

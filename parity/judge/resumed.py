@@ -12,7 +12,7 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison, _same, amax, gather_full, replicated
+from parity.judge.compare import Comparison, amax, differing, gather_full
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
@@ -89,17 +89,10 @@ def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: Precisio
     tensors) is judged from rank 0's copy, so each other rank's must be rank 0's, bitwise."""
     if len(per_rank) < 2:
         return []
-    first, problems = per_rank[0], []
-    for kind in ("grads", "params"):
-        for fqn, value in getattr(first, kind).items():
-            if replicated(plan, fqn, value, whole):
-                problems += [f"rank {r}: {kind[:-1]} {fqn}" for r, other in enumerate(per_rank[1:], 1)
-                             if not _same(getattr(other, kind).get(fqn), value)]
-    for fqn, state in first.optim.items():
-        for key, value in state.items():
-            if replicated(plan, fqn, value, whole):
-                problems += [f"rank {r}: optim {fqn}.{key}" for r, other in enumerate(per_rank[1:], 1)
-                             if not _same(other.optim.get(fqn, {}).get(key), value)]
+    problems = [f"rank {r}: {kind[:-1]} {fqn}" for kind in ("grads", "params")
+                for r, fqn in differing(plan, whole, [getattr(x, kind) for x in per_rank])]
+    moments = [{(fqn, key): v for fqn, state in x.optim.items() for key, v in state.items()} for x in per_rank]
+    problems += [f"rank {r}: optim {fqn}.{key}" for r, (fqn, key) in differing(plan, whole, moments, lambda k: k[0])]
     return [_row(base, f"checkpoint.{tag}", f"{target}:ranks", not problems,
                  "replicated tensors of the resumed step bitwise rank 0's on every rank",
                  ("differ from rank 0's: " + ", ".join(problems[:6])) if problems
