@@ -15,6 +15,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from parity.digests import value_sha256
 from parity.errors import IsolationError
 from parity.execute import collectives, dcp_files, probes
 from parity.execute.observation import MarkerSeen, Observation, Resumed
@@ -220,19 +221,14 @@ def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject:
     with segments.counted(cell.resume_step, "checkpoint/save"):
         save(first, ckpt)
     heartbeat("checkpoint saved")
-    after = pieces(first)  # a training job carries on after it saves: the save must leave its state alone
-    return handed, [k for k in dict.fromkeys([*handed, *after]) if not _same_piece(handed.get(k), after.get(k))]
+    # a training job carries on after it saves: the save must leave its state alone, bitwise
+    before, after = _digests(handed), _digests(pieces(first))
+    return handed, [k for k in dict.fromkeys([*before, *after]) if before.get(k) != after.get(k)]
 
 
-def _same_piece(a, b) -> bool:
-    """Two :func:`pieces` entries equal bitwise: region, dtype, shape and values."""
-    if a is None or b is None:
-        return a is b
-    (va, ra), (vb, rb) = a, b
-    if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
-        return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and ra == rb and va.dtype == vb.dtype
-                and va.shape == vb.shape and bool(torch.equal(va, vb)))
-    return ra == rb and va == vb
+def _digests(entries: dict) -> dict:
+    """:func:`pieces` entries as (digest of the value, region): equal only when bitwise equal."""
+    return {k: (value_sha256(v), region) for k, (v, region) in entries.items()}
 
 
 def _written(ckpt: str) -> tuple[dict, str]:

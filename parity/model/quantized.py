@@ -16,7 +16,6 @@ Every all-gather is recorded (:class:`GatherStats`) for the ``quant.*`` contract
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from parity.digests import value_sha256
 from parity.model import formats as F
 from parity.model.dtypes import dtype_name
 
@@ -184,9 +184,10 @@ class QuantizedWeight(torch.Tensor):
 
 
 def fingerprint(w: torch.Tensor) -> str:
-    """The exact values of a weight, element by element and in place: two weights share it only
-    if they are equal bitwise (a sum of magnitudes would miss a moved row or a flipped sign)."""
-    return hashlib.sha256(w.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+    """The exact values of a weight, element by element and in place, whatever dtype holds them
+    (:func:`parity.digests.value_sha256` of its FP32 copy): two weights share it only if they are
+    equal (a sum of magnitudes would miss a moved row or a flipped sign)."""
+    return value_sha256(w.detach().float())
 
 
 def main_weight(t):
