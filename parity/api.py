@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import re
@@ -176,17 +175,13 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
                              "temporary directory")
         out = os.fspath(out) if out is not None else tempfile.mkdtemp(prefix=f"parity-{command}-")
         argv.append(f"--out={out}")
-    from parity.runner import QUIET
+    from parity.runner import quietly
 
     if not isinstance(quiet, bool):
         raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
     args = _parse(command, argv)
-    token = QUIET.set(quiet)
-    try:  # the command's own refusals (an empty selection, a bad directory) in the keywords' words
-        with _in_keywords(command), contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            code = _command(args)
-    finally:
-        QUIET.reset(token)
+    with quietly(quiet), _in_keywords(command):  # the command's own refusals in the keywords' words
+        code = _command(args)
     return Result(out=out, code=max(0, code))
 
 

@@ -25,12 +25,15 @@ recorded is kept and ``--resume`` continues once there is room.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import io
 import json
 import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,6 +106,18 @@ def resolve_device(device: str) -> str:
 #: Set by a quiet Python API call (:func:`parity.run` ``quiet=True``): no progress lines on stderr
 #: (warnings and errors still go there).
 QUIET = contextvars.ContextVar("parity_quiet", default=False)
+
+
+@contextlib.contextmanager
+def quietly(on: bool = True) -> Iterator[None]:
+    """While open (``on``): no progress line per cell (:data:`QUIET`) and the runs' own tables
+    written nowhere -- for a caller that reports instead (the Python API, the bench's harness)."""
+    token = QUIET.set(on)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) if on else contextlib.nullcontext():
+            yield
+    finally:
+        QUIET.reset(token)
 
 
 class _Progress:

@@ -10,8 +10,6 @@ parent's judging of the cell before), the parent's reference and comparisons, an
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 
@@ -32,7 +30,7 @@ def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *
 
     from parity.report.records import read_records
     from parity.report.summary import cell_verdicts, spread
-    from parity.runner import QUIET, RunOptions, run_cells
+    from parity.runner import RunOptions, quietly, run_cells
 
     m, cells = harness_cells(matrix, models, paths)
     out = os.path.join(out_dir, "harness")
@@ -40,12 +38,8 @@ def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *
                          overwrite=True)
     runs, code, verdicts = [], 0, {}
     for _ in range(repeats):
-        quiet = QUIET.set(True)  # no progress line per cell (warnings and errors still reach stderr)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # the run's own table: the bench reports instead
-                code = run_cells(cells, options, skip_reason=m.skip_reason)
-        finally:
-            QUIET.reset(quiet)
+        with quietly():  # the bench reports instead (warnings and errors still reach stderr)
+            code = run_cells(cells, options, skip_reason=m.skip_reason)
         with open(os.path.join(out, "timings.json")) as fh:
             timings = json.load(fh)
         runs.append({k: float(timings.get(k, 0.0)) for k in PHASES})
