@@ -84,7 +84,7 @@ def part_seed(seed: int, index: int, count: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}/{count}".encode()).digest()[:4], "big")
 
 
-def examples_of(examples: int, seed: int, *, later_part: bool = False, ranks: tuple[int, ...] = (1, 2)):
+def examples_of(examples: int, seed: int, *, later_part: bool = False, ranks: tuple[int, ...] | None = None):
     """The decorator running ``body(spec, values)`` over ``examples`` generated models and axis
     values drawn with ``seed``, on ``ranks`` (a failing body is shrunk by hypothesis). Hypothesis draws its
     simplest example first whatever the seed: part 1 of a split campaign runs it, a
@@ -100,7 +100,7 @@ def examples_of(examples: int, seed: int, *, later_part: bool = False, ranks: tu
         @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
                   suppress_health_check=list(HealthCheck))
         @fixed_seed(seed)
-        @given(spec=specs(), values=axes(ranks))
+        @given(spec=specs(), values=axes(ranks) if ranks else axes())
         def example(spec, values):
             drawn[0] += 1
             assume(not (later_part and drawn[0] == 1))
@@ -112,8 +112,9 @@ def examples_of(examples: int, seed: int, *, later_part: bool = False, ranks: tu
 def hostable_ranks(device: str) -> tuple[int, ...]:
     """The rank counts an example may draw: on CUDA no more ranks than visible GPUs (one rank per
     GPU), so no example is skipped for want of one -- a skipped example checks nothing."""
-    counts = (1, 2)
-    return tuple(r for r in counts if r <= torch.cuda.device_count()) if device == "cuda" else counts
+    from parity_fixtures.generated import RANKS
+
+    return tuple(r for r in RANKS if r <= torch.cuda.device_count()) if device == "cuda" else RANKS
 
 
 def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device: str = "cpu",
@@ -136,7 +137,7 @@ def campaign(*, examples: int, seed: int, out_dir: str, fault: str = "", device:
 
 def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str, timeout: float,
               signals: Signals, campaign_of: dict, part: str = "") -> int:
-    from parity_fixtures.generated import replay_matrix, reproducer, source_for
+    from parity_fixtures.generated import RANKS, replay_matrix, reproducer, source_for
 
     tmp = tempfile.mkdtemp(prefix="parity-fuzz-")
     pools = _Pools(device, tmp, signals)
@@ -207,7 +208,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     wall = time.perf_counter() - t0
     lines = [f"fuzz: {ran[0]} runs ({examples} examples asked, seed {seed}) in {wall:.1f} s: "
              f"{ran[0] / wall:.2f} runs/s" + (f"; fault {fault}" if fault else "") + (f"; {part}" if part else "")]
-    if tuple(campaign_of["ranks"]) != (1, 2):  # fewer GPUs than the 2-rank examples need: not drawn at all
+    if tuple(campaign_of["ranks"]) != RANKS:  # fewer GPUs than the 2-rank examples need: not drawn at all
         lines.append(f"ranks drawn: {campaign_of['ranks']} only ({torch.cuda.device_count()} GPU(s) visible)")
     if failure:
         lines.append(f"failed: {failure}")

@@ -7,6 +7,7 @@ checks that every rank resolved the same plan and lets the taken path call ``ful
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import torch.distributed as dist
@@ -115,9 +116,7 @@ def _check_covered(report: ShardReport, plan: PrecisionPlan, path: str) -> None:
     if not report.units:
         raise TypeError(f"path {path!r}: its plan() reports no unit; report every module apply() passes to "
                         "fully_shard (at least the root)")
-    count: dict[str, int] = {}
-    for q in (q for u in report.units for q in u.params):
-        count[q] = count.get(q, 0) + 1
+    count = Counter(q for u in report.units for q in u.params)
     problems = [f"leaves {t.fqn!r} out of every unit" for t in plan.params
                 if t.ownership == "managed" and t.fqn not in count]
     problems += [f"lists {q!r} in {n} units" for q, n in count.items() if n > 1]
