@@ -162,14 +162,14 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         raise UsageError(f"parity.{command}(list=True) runs nothing; list the cells with parity.select(...)")
     argv = _argv(command, options)
     # a directory the command works in, as the command line does (_argv refused an option the command lacks)
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
     key = next((k for k in _IN_PLACE if options.get(k)), None)
     if key:
         if out and os.path.abspath(out) != os.path.abspath(options[key]):
             raise UsageError(f"{key}={options[key]!r} {_IN_PLACE[key]}; drop out={out!r}")
-        out = options[key]
+        out = os.fspath(options[key])
     else:
-        if out is not None and not isinstance(out, (str, os.PathLike)):
-            raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
         if out is not None and not os.fspath(out):  # an empty path is a mistake, not "a new temporary one"
             raise UsageError(f"parity.{command}(out=''): give a directory path, or leave out= out for a new "
                              "temporary directory")
@@ -222,16 +222,18 @@ def _as_keywords(command: str, message: str) -> str:
 
 def _refuse_in_bootstrap(command: str) -> None:
     """A script calling :func:`run` without an ``if __name__ == "__main__":`` guard is imported
-    again by every rank process multiprocessing starts: refuse there, in one line, instead of
-    starting runs inside ranks."""
+    again by every rank process multiprocessing starts: such a process says so in one line and
+    exits with :data:`~parity.errors.EXIT_UNGUARDED`, which the run that started it turns into
+    the same :class:`~parity.errors.UsageError` (:mod:`parity.execute.pool`), instead of starting
+    runs inside ranks or judging dead ones."""
     import multiprocessing
 
-    from parity.errors import UsageError
+    from parity.errors import EXIT_UNGUARDED, UNGUARDED
 
     if getattr(multiprocessing.current_process(), "_inheriting", False) or (
             getattr(sys.modules.get("__main__"), "__name__", "") == "__mp_main__"):
-        raise UsageError(f"parity.{command}() was called while a rank process imported your script; put the call "
-                         "under `if __name__ == \"__main__\":`")
+        print(f"parity.{command}(): {UNGUARDED}", file=sys.stderr, flush=True)
+        os._exit(EXIT_UNGUARDED)
 
 
 def select(*, matrix: str | None = None, **options):

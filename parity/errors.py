@@ -70,3 +70,11 @@ class IsolationError(ValueError):
 
 class RankMismatchError(RuntimeError):
     """Ranks resolved different compute dtypes for the same parameter."""
+
+EXIT_UNGUARDED = 87
+"""A rank process that found the user's script calling parity at import (no ``__main__`` guard)
+exits with this code, so the run that started it refuses with one line instead of judging a
+dead rank (:func:`parity.api._refuse_in_bootstrap`)."""
+
+UNGUARDED = ("your script calls parity when imported, and every rank process imports it again; put the call "
+             "under `if __name__ == \"__main__\":`")

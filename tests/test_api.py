@@ -98,18 +98,29 @@ def test_a_quoted_command_line_keeps_its_flags():
     assert said == "resume d: unfinished; finish it with python -m parity run --resume d; loosen filter"
 
 
-def test_a_call_from_a_rank_importing_an_unguarded_script_is_refused_in_one_line(monkeypatch):
+def test_a_call_from_a_rank_importing_an_unguarded_script_exits_with_the_code_its_run_refuses(monkeypatch, capsys):
     """Ranks start as processes that import the caller's main script: a call without an
-    ``if __name__ == "__main__":`` guard would start runs inside ranks."""
+    ``if __name__ == "__main__":`` guard would start runs inside ranks. Such a rank says so in
+    one line and exits with EXIT_UNGUARDED, which the run that started it turns into one
+    UsageError (the test below, in real processes)."""
     import multiprocessing
 
-    import pytest
+    import parity.api
+    from parity.errors import EXIT_UNGUARDED
 
-    from parity.errors import UsageError
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
 
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
-    with pytest.raises(UsageError, match='put the call under `if __name__ == "__main__":`'):
+    monkeypatch.setattr(parity.api.os, "_exit", exit_)
+    with pytest.raises(Exited) as exited:
         parity.run(matrix="smoke")
+    assert exited.value.args == (EXIT_UNGUARDED,)
+    assert capsys.readouterr().err == ("parity.run(): your script calls parity when imported, and every rank process "
+                                       'imports it again; put the call under `if __name__ == "__main__":`\n')
 
 
 def test_a_model_file_edited_after_this_process_imported_it_is_refused(tmp_path):
@@ -158,3 +169,30 @@ def test_api_values_starting_with_a_dash_are_values_and_select_resumes_the_recor
     assert found.name == "default" and cells
     with pytest.raises(UsageError, match=r"parity.select\(resume=...\) uses the matrix that run recorded"):
         parity.select(resume=str(tmp_path), matrix="default")
+
+
+def test_out_of_the_wrong_type_beside_a_directory_option_is_a_usage_error(tmp_path):
+    """``out`` was checked only without ``from_dir`` / ``resume``: a bare TypeError (review)."""
+    for call in (lambda: parity.gate(from_dir=str(tmp_path), out=3), lambda: parity.run(resume=str(tmp_path), out=3)):
+        with pytest.raises(UsageError, match=r"\(out=...\): got int 3; give a directory path"):
+            call()
+
+
+@pytest.mark.slow
+def test_a_script_calling_parity_without_a_main_guard_is_one_usage_error(tmp_path):
+    """Every rank re-imports the script: the ranks died with a traceback each and the run judged
+    an ERROR cell, exit 1, naming no guard (review). Now the call raises the one line."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import parity\n"
+                      f"parity.run(matrix='smoke', filter={FEW!r}, paths=['legacy'], out={str(tmp_path / 'o')!r})\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last == (
+        "parity.errors.UsageError: your script calls parity when imported, and every rank process imports it again; "
+        'put the call under `if __name__ == "__main__":`'), proc.stderr[-2000:]
+    assert proc.stderr.count("Traceback") == 1  # the script's own; no rank's
+    cells = tmp_path / "o" / "cells.csv"
+    assert not cells.exists() or "ERROR" not in cells.read_text()  # no verdict judged a dead rank

@@ -327,3 +327,42 @@ def test_a_path_plugin_whose_methods_parity_cannot_call_is_refused_when_register
         raise AssertionError("not called by the check")
     with pytest.raises(UsageError, match="a sharding helper function is wrapped in a ShardingPath class"):
         registry.register(fully_shard_by_dtype)
+
+
+def test_a_registered_path_named_like_another_or_falling_back_to_nothing_is_refused(monkeypatch):
+    """``paths()`` kept the built-in under a clashing name, silently; an unregistered fallback
+    was accepted, and every later path lookup raised for the rest of the process (review)."""
+    from parity.errors import UsageError
+    from parity.paths import get_path, registry
+    from parity.paths.legacy import LegacyPath
+
+    monkeypatch.setattr(registry, "_extra", {})
+    with pytest.raises(UsageError, match="path 'legacy' is the name of a built-in path; give the registered path its own"):
+        registry.register(type("Mine", (LegacyPath,), {"name": "legacy"})())
+    with pytest.raises(UsageError, match="path 'bad' declares fallback 'nope', which is not registered"):
+        registry.register(type("Bad", (LegacyPath,), {"name": "bad", "fallback": "nope"})())
+    assert registry._extra == {} and get_path("legacy")
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("plugins")
+def test_a_path_registered_in_this_process_reaches_the_rank_processes(tmp_path, monkeypatch):
+    """Ranks start without the parent's ``register()``: every cell of such a path was an ERROR
+    "unknown path" (review). One whose class the ranks cannot import is refused before any runs."""
+    import parity
+    from parity.errors import UsageError
+    from parity.paths import registry
+
+    monkeypatch.setattr(registry, "_extra", {})
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples", "external_path"))
+    from parity_owner_split import OwnerSplitPath
+
+    registry.register(OwnerSplitPath())
+    few = "fixture == 'frozen' and ranks == 1 and microbatches == 1"
+    got = parity.run(matrix="smoke", filter=few, paths=["legacy", "owner_split"], out=str(tmp_path / "r"), quiet=True)
+    own = [r for r in _rows(got.out) if r["path"] == "owner_split"]
+    assert got.code == 0 and own and {r["verdict"] for r in own} <= {"PASS", "SKIP"}, own[:3]
+    registry.register(type("Local", (OwnerSplitPath,), {"name": "local"})())
+    with pytest.raises(UsageError, match="rank processes cannot import its class 'Local'; define the class at the top"):
+        parity.run(matrix="smoke", filter=few, paths=["legacy", "local"], out=str(tmp_path / "l"), quiet=True)
+    assert not os.path.exists(tmp_path / "l")

@@ -75,7 +75,7 @@ def _select(opts: dict):
     """(matrix, cells) the options select."""
     from parity.faults import check_faults
     from parity.matrix import load, select
-    from parity.paths import check_path, path_names
+    from parity.paths import check_path, path_names, registry
 
     matrix = load(opts["matrix"], tuple(opts["model"]))
     cells = list(matrix.cells)
@@ -97,6 +97,7 @@ def _select(opts: dict):
                 unique.append(c)
         cells = unique
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
+    registry.check_carried(sorted({c.path for c in cells} | {baseline}))
     return matrix, select(cells, opts["filter"])
 
 

@@ -35,10 +35,12 @@ import warnings
 
 import torch
 
+from parity.errors import EXIT_UNGUARDED, UNGUARDED, UsageError
 from parity.execute import spawned, starting
 from parity.execute.starting import context
 from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted
+from parity.paths import registry
 
 __all__ = ["CellFailure", "Interrupted", "RankPool", "context"]
 
@@ -105,7 +107,9 @@ def _next_task(tasks, parent: int):
                 return None
 
 
-def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, tmp: str) -> None:
+def _worker(rank: int, world: int, store: str, device_type: str, tasks, results, tmp: str,
+            paths: tuple = ()) -> None:
+    registry.receive(paths)  # the parent's registered paths (parity.paths.register)
     parent = os.getppid()  # this run's process, or the fork server that lives as long as it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent during spawn
@@ -201,7 +205,8 @@ class RankPool:
             ctx.Process(  # spawned.start: die-with-parent first, then import this module (and torch)
                 target=spawned.start,
                 args=(f"{__name__}:_worker", 0 if ctx.get_start_method() == "forkserver" else os.getpid(),
-                      r, self.world, store, self.device_type, self.tasks[r], self.results, self.tmp),
+                      r, self.world, store, self.device_type, self.tasks[r], self.results, self.tmp,
+                      registry.carried()),
                 daemon=True,
             )
             for r in range(self.world)
@@ -257,6 +262,8 @@ class RankPool:
         def after(r: int) -> str:
             return f" after it reported {last[r]!r}" if r in last else ""
 
+        if any(p.exitcode == EXIT_UNGUARDED for p in self.procs):  # the user's script, not the cell
+            raise UsageError(UNGUARDED)
         causes = [f"rank {r} died with exit code {p.exitcode}{after(r)}"
                   for r, p in enumerate(self.procs) if p.exitcode is not None]
         causes += [f"rank {r} raised {errors[r].strip()}" for r in sorted(errors)]

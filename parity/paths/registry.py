@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pickle
 from importlib.metadata import entry_points
 
 from parity.errors import UsageError, plugin_fix
@@ -70,10 +71,51 @@ def _entry_point_paths() -> dict[str, ShardingPath]:
 
 
 def register(path: ShardingPath) -> ShardingPath:
-    """Register a path in this process (tests, notebooks); entry points do it for installs."""
+    """Register a path in this process (tests, notebooks); entry points do it for installs. Rank
+    processes start without it: a run hands them the registered paths it can pickle
+    (:func:`carried`), and refuses a selected one it cannot (:func:`check_carried`)."""
     path = _check(path, f"path {getattr(path, 'name', path)!r}")
+    taken = {"legacy": "a built-in path", "native": "a built-in path", **{n: "an installed plugin" for n in _entry_point_paths()}}
+    if path.name in taken:  # paths() would keep the other one, silently
+        raise UsageError(f"path {path.name!r} is the name of {taken[path.name]}; give the registered path its own name")
+    if path.fallback is not None and path.fallback not in {**paths(), path.name: path}:
+        raise UsageError(f"path {path.name!r} declares fallback {path.fallback!r}, which is not registered; register "
+                         "that path first or give a registered one")
     _extra[path.name] = path
     return path
+
+
+def carried() -> tuple[ShardingPath, ...]:
+    """The paths :func:`register` added in this process that a rank process can unpickle (its
+    class importable by name), for the ranks to register in turn."""
+    return tuple(p for p in _extra.values() if _pickles(p))
+
+
+def receive(paths: tuple[ShardingPath, ...]) -> None:
+    """In a rank process: the paths its run :func:`carried`, as registered there (checked there)."""
+    _extra.update((p.name, p) for p in paths)
+
+
+def check_carried(names) -> None:
+    """Refuse a selected path of ``names`` (and its fallback) registered in this process that the
+    rank processes could not receive: each of its cells would fail with "unknown path"."""
+    seen = set()
+    for name in names:
+        while name in _extra and name not in seen:
+            seen.add(name)
+            if not _pickles(_extra[name]):
+                raise UsageError(f"path {name!r} was registered in this process, and rank processes cannot import its "
+                                 f"class {type(_extra[name]).__qualname__!r}; define the class at the top level of "
+                                 "a module, or install it through the parity.paths entry point (examples/external_path)")
+            name = _extra[name].fallback
+
+
+def _pickles(path: ShardingPath) -> bool:
+    try:
+        pickle.dumps(path)
+    except Exception:  # noqa: BLE001 - a local or dynamic class, an unpicklable attribute
+        return False
+    return True
 
 
 def paths() -> dict[str, ShardingPath]:
