@@ -236,6 +236,37 @@ def test_a_selection_edited_under_its_digest_is_refused(sharded, tmp_path, capsy
     assert err.count("\n") == 1 and "run.json: shard.selection is not the selection its digest" in err, err
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda g: g + g[:1], "run.json: shard.groups names a pair group twice"),
+    (lambda g: g[1:2] + g[:1] + g[2:], "record different pair-group orders (shard.groups)")])
+def test_a_parts_pair_group_order_edited_or_doubled_is_refused(sharded, tmp_path, capsys, edit, said):
+    """The merged ``cells.csv`` follows ``shard.groups``: a group named twice was written twice
+    and gated, exit 0; a reordered list merged out of the single run's order (review)."""
+    root, whole, parts, merged, code = sharded
+    bad = str(tmp_path / "bad")
+    shutil.copytree(parts[1], bad)
+    manifest = json.loads(pathlib.Path(bad, "run.json").read_text())
+    manifest["shard"]["groups"] = edit(manifest["shard"]["groups"])
+    pathlib.Path(bad, "run.json").write_text(json.dumps(manifest))
+    assert main(["merge", parts[0], bad, *parts[2:], "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err, err
+
+
+def test_a_model_file_is_compared_by_name_and_contents_not_by_the_folder_it_lay_in():
+    """Each CI job may check a ``--model`` file out elsewhere: the literal path made identical
+    parts "run with different --model" (review); its contents are compared through sources."""
+    from parity.report.merge import _options
+
+    def options(*models):
+        return _options({"options": {"model": list(models), "shard": "1/2", "fp64": False}})
+
+    assert options("/ci/a/my_model.py:parity_model") == options("work/b/my_model.py:parity_model")
+    assert options("/ci/a/my_model.py:parity_model") != options("/ci/a/my_model.py:other")
+    assert options("/ci/a/my_model.py:f") != options("/ci/a/their_model.py:f")
+    assert options("pkg.models:f") == options("pkg.models:f") != options("pkg.other:f")
+
+
 def _cut(path: str, keep) -> None:
     """Rewrite ``cells.csv`` at ``path`` keeping the header and the rows ``keep(row)`` accepts."""
     with open(path, newline="") as fh:
@@ -420,6 +451,9 @@ def test_a_fuzz_campaigns_parts_merge_into_one_verdict(tmp_path, capsys):
         assert main(["merge", parts[0], _fuzz_part(elsewhere, 2, **{option: value}), "--out", str(elsewhere / "m")]) == 2
         assert f"differ in {option}" in capsys.readouterr().err
     assert main(["merge", *parts, "--out", str(tmp_path / "m4"), "--gate"]) == 2
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "m"), parts[1], "--out", str(tmp_path / "m6")]) == 2  # said "index is None"
+    assert "m/fuzz.json is a merged campaign, not a part; give the parts' directories" in capsys.readouterr().err
     for i, (key, value) in enumerate((("count", "2"), ("ran", None), ("verdicts", [1]), ("reproducers", ["../x.py"]),
                                       ("asked", -1), ("caught", "1"), ("interrupted", 1))):  # hand-edited: one line, not a traceback
         edited = tmp_path / f"edited-{i}"

@@ -97,6 +97,9 @@ def _read(directory: str) -> dict:
     if not isinstance(data, dict) or data.get("kind") != "parity-fuzz/1" or not {*SAME, "index", "ran", "asked",
                                                                                   "code"} <= set(data):
         raise UsageError(f"merge: {path} is not a fuzz part's manifest; give directories written by fuzz --shard I/N")
+    if data.get("parts"):  # a merge's own manifest: its index and count are the parts'
+        raise UsageError(f"merge: {path} is a merged campaign, not a part; give the parts' directories "
+                         "(fuzz --shard I/N)")
     bad = _malformed(data)
     if bad:
         raise UsageError(f"merge: {path}: {bad}; rerun that fuzz part")

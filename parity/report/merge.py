@@ -82,6 +82,8 @@ def _malformed(shard: dict, cells) -> str:
             return f"{key} must be a list of strings, not {_short(shard[key])}"
     if isinstance(cells, list) and len(shard["cell_groups"]) != len(cells):
         return f"cell_groups holds {len(shard['cell_groups'])} groups for {len(cells)} cells"
+    if len(set(shard["groups"])) != len(shard["groups"]):  # its rows would be written twice
+        return "groups names a pair group twice"
     if ids_digest(shard["selection"]) != shard["digest"]:  # an edited list would merge as a smaller run
         return f"selection is not the selection its digest {_short(shard['digest'])} names"
     return ""
@@ -106,6 +108,9 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
             raise UsageError(f"merge: {d} is part {m['shard']['index']}/{m['shard']['count']} of selection "
                              f"{m['shard']['digest']}, {first_dir} is part {first['shard']['index']}/{count} of "
                              f"{first['shard']['digest']}; merge the parts of one run only")
+        if m["shard"]["groups"] != first["shard"]["groups"]:  # the merged run's order: every part records it
+            raise UsageError(f"merge: {d} and {first_dir} record different pair-group orders (shard.groups); "
+                             "rerun the parts of one run")
         options, first_options = _options(m), _options(first)
         if options != first_options:
             key = next(k for k in sorted({*options, *first_options}) if options.get(k) != first_options.get(k))
@@ -141,7 +146,19 @@ def _options(manifest: dict) -> dict:
     """The options that define what a part computes (``run.json``'s, those ``--resume`` keeps), less
     the two that differ between parts of one run by design: ``shard``, and ``matrix``, whose file
     may lie at another path on another machine (the shard digest already pins the selection)."""
-    return {k: v for k, v in (manifest.get("options") or {}).items() if k not in ("shard", "matrix")}
+    options = {k: v for k, v in (manifest.get("options") or {}).items() if k not in ("shard", "matrix")}
+    if isinstance(options.get("model"), list):  # a model file, too, lies where each job checked it out
+        options["model"] = [_where_free(m) for m in options["model"]]
+    return options
+
+
+def _where_free(source):
+    """``--model`` ``DIR/FILE.py:factory`` as ``FILE.py:factory``: the files' contents are compared
+    through ``sources`` (:data:`SAME`)."""
+    if not isinstance(source, str):
+        return source
+    file, colon, factory = source.rpartition(":") if ":" in source else (source, "", "")
+    return os.path.basename(file) + colon + factory
 
 
 def _short(value) -> str:
