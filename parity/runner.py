@@ -406,7 +406,7 @@ class _Run:
         with writing(path), open(path, "w") as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
                                       not_run=not_run if stopped else [], interrupted=why, faults=faults,
-                                      resumable=not self.lost, resume_dir=out))
+                                      resumable=self.executor is None, resume_dir=out))
         path = os.path.join(out, "timings.json")
         with writing(path), open(path, "w") as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
@@ -424,14 +424,17 @@ class _Run:
         outdir.write_manifest(out, final())
         if self.lost:
             cell = self.todo[self.position].id
-            verdict = next((r.verdict for r in records if r.cell == cell and r.check == "run"), "an ERROR")
-            print(f"parity: {self.executor.lost_how} during {cell}{also}; that cell is {verdict}, the {len(not_run)} "
-                  f"cells after it were not run; finished rows kept in {out} (torchrun runs do not resume: run the "
-                  "matrix again)", file=sys.stderr)
-            return 1
+            verdict = next((r.verdict for r in records if r.cell == cell and r.check == "run"), None)
+            fate = f"that cell is {verdict}" if verdict else "that cell did not finish"
+            print(f"parity: {self.executor.lost_how} during {cell}{also}; {fate}, the "
+                  f"{len([c for c in not_run if c != cell])} cells after it were not run; finished rows kept in {out} "
+                  "(torchrun runs do not resume: run the matrix again)", file=sys.stderr)
+            return signals.code if self.executor.signalled and signals() else 1
         if stopped:
+            again = ("torchrun runs do not resume: run the matrix again" if self.executor is not None
+                     else f"continue: python -m parity run --resume {out}")
             print(f"parity: interrupted by {why} after {len(self.cells) - len(not_run)} of {len(self.cells)} cells; "
-                  f"finished rows kept in {out} (continue: python -m parity run --resume {out})", file=sys.stderr)
+                  f"finished rows kept in {out} ({again})", file=sys.stderr)
             return exit_code(stopped)
         if signals():
             print(f"parity: interrupted by {signals.name} while writing the results; all {len(self.cells)} cells are "

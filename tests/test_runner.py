@@ -323,6 +323,33 @@ if os.environ["RANK"] == "0":
     assert codes == ["143", "143"], proc.stderr[-3000:]
 
 
+@pytest.mark.xdist_group("runner")
+def test_a_torchrun_rank_0_stopped_during_its_own_part_of_a_cell_is_a_stop_not_a_lost_rank(tmp_path):
+    """SIGTERM to rank 0 while it trains its part of a cell (a CI job's cancel lands there): the
+    run said "a rank left the torchrun group", "that cell is an ERROR" with no such row, and exit 1
+    (review). Such a run, like any torchrun run, does not resume: --resume without torchrun mixed
+    two launches' skips and called the result complete."""
+    script = """import os, signal, sys
+import parity.execute.worker as W
+if os.environ["RANK"] == "0":
+    run = W.run_rank
+    def stopped(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return run(*a, **k)
+    W.run_rank = stopped
+"""
+    proc, out, rows, junit = _torchrun(tmp_path, script=script)
+    assert rows == [] and (tmp_path / "0").read_text() == "143", proc.stderr[-3000:]
+    assert (tmp_path / "1").read_text() != "0"
+    assert "rank 0 was stopped by a signal during kda/legacy/r2" in proc.stderr
+    assert "that cell did not finish, the 3 cells after it were not run" in proc.stderr
+    summary = (out / "summary.md").read_text()
+    assert "a rank left" not in summary and "--resume" not in summary
+    from parity.cli import main
+
+    assert main(["run", "--resume", str(out)]) == 2
+
+
 def test_a_rank_sends_only_messages_one_atomic_pipe_write_carries(tmp_path):
     """A rank killed while sending must leave a whole message or none: a half-written one held the
     parent in a read no timeout or signal ended (review, 2026-12-06). Payloads over INLINE bytes

@@ -124,12 +124,17 @@ def _execute(args, opts: dict, matrix, cells) -> int:
         cells, shard = _part_of(cells, opts["shard"], matrix.name)
     manifest = {"options": {k: opts[k] for k in RUN_IDENTITY}, "torch": _torch_version(), "device": device,
                 "cells": [c.id for c in cells], **shard, **identity(matrix.path, selection)}
+    if under_torchrun():  # such a run does not resume (its cells' skips follow the launch)
+        manifest["launch"] = "torchrun"
     if args.resume:
         from parity.report.outdir import read_manifest
 
         if under_torchrun():
             raise UsageError("--resume is not supported under torchrun; resume without torchrun or rerun the matrix")
         recorded = read_manifest(args.resume)
+        if recorded.get("launch") == "torchrun":
+            raise UsageError(f"--resume {args.resume}: that run ran under torchrun, whose runs do not resume (its "
+                             "skips follow the launch); run the matrix again with --overwrite")
         for key in ("torch", "device"):
             if recorded.get(key) != manifest[key]:
                 raise UsageError(f"--resume {args.resume}: the interrupted run used {key} {recorded.get(key)!r}, this "

@@ -74,6 +74,20 @@ def _lose(when: str, exc: BaseException | None, own: str = "", timeout: float = 
     return _lost
 
 
+#: :attr:`TorchrunExecutor.lost_how` when rank 0 itself was stopped by a signal during its own part
+#: of a cell: no rank left as far as it knows (a stop of the job, or torchrun's teardown after one did).
+SIGNALLED = "rank 0 was stopped by a signal"
+
+
+def _lose_to_signal() -> None:
+    """Record that rank 0 was stopped during its own part of a cell: its peers wait in an exchange
+    it will not join, so the group is lost too, but nothing says a rank left."""
+    global _lost, _lost_how
+    _lost_how = SIGNALLED
+    _lost = (f"{SIGNALLED} during its part of a cell (a stop of the job, or torchrun's teardown after a rank left: "
+             "torchrun's log says which)")
+
+
 #: What a collective's error says when it timed out: gloo's "Timed out waiting ...", NCCL's watchdog's
 #: "collective operation timeout ... before timing out". Not any "timeout": a model's own error
 #: mentioning one (``timeout_ms must be positive``) is an ERROR, not a hung group.
@@ -191,6 +205,11 @@ class TorchrunExecutor:
         """:attr:`lost` in a few words ('' while the group can exchange)."""
         return _lost_how
 
+    @property
+    def signalled(self) -> bool:
+        """Whether the group was lost because rank 0 itself was stopped by a signal mid-cell."""
+        return _lost_how == SIGNALLED
+
     def skip_reason(self, cell: Cell) -> str:
         return "" if cell.ranks == self.world else f"needs {cell.ranks} ranks; torchrun launched {self.world}"
 
@@ -284,7 +303,7 @@ class TorchrunExecutor:
                                                "(twice --timeout)", timeout,
                                                hang="rank 0's own part of it reported nothing")) from None
         except Interrupted:  # torchrun's teardown (a peer left) or a signal: the peers cannot follow
-            _lose("during this cell", None, "rank 0 was stopped by a signal")
+            _lose_to_signal()
             raise
         except Exception as exc:  # noqa: BLE001
             payload = ("error", f"rank {self.rank} raised {type(exc).__name__}: {exc}")
