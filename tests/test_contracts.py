@@ -133,3 +133,47 @@ def test_the_references_forward_readers_stay_out_of_compiled_blocks():
     finally:
         for h in handles:
             h.remove()
+
+
+def _base(cell):
+    from parity.judge.cell import base_fields
+
+    return base_fields(cell, cell.path, "")
+
+
+def test_collectives_counted_outside_the_cells_steps_fail_naming_them():
+    """Between steps and around the loop nothing may issue a collective, and no step's row read
+    what was counted there: such calls passed unseen (review)."""
+    from parity.judge.collectives import _outside
+
+    cell = Cell(fixture="kda", path="native", ranks=2)
+    assert _outside(cell, {(0, "mb0/forward", "all-gather"): [8], (1, "optimizer", "all-reduce"): [4]}, _base(cell)) == []
+    (row,) = _outside(cell, {(-1, "outside", "all-gather"): [8, 8], (2, "mb0/forward", "all-gather"): [8]}, _base(cell))
+    assert (row.check, row.name, row.verdict.value) == ("collectives", "outside", "FAIL")
+    assert row.detail == ("expected no collective outside the cell's steps, observed 2 all-gather at no step (outside); "
+                          "1 all-gather at step 2 (mb0/forward)")
+
+
+def test_an_evaluation_state_that_leaves_out_a_unit_or_names_another_fails():
+    """``eval.reshard`` judged only the units a rank reported: one unit of three, or a unit the
+    model does not have, passed as "every unit sharded" (review)."""
+    from types import SimpleNamespace
+
+    from parity.execute.observation import EvalSeen
+    from parity.judge.contracts import eval_checks
+
+    cell = Cell(fixture="kda", path="native", ranks=2, eval="between-steps")
+    units = [SimpleNamespace(modules=(m,), params=("w",)) for m in ("blocks.0", "blocks.1", "")]
+    units.append(SimpleNamespace(modules=("empty",), params=()))  # no parameter: FSDP holds no state to report
+
+    def judged(states):
+        evals = [EvalSeen(step=s, label="after-step", output=torch.zeros(1), units=dict(states)) for s in range(2)]
+        obs = SimpleNamespace(evals=evals, report=SimpleNamespace(units=units))
+        return [(r.verdict.value, r.detail) for r in eval_checks(cell, obs, _base(cell))]
+
+    every = {"blocks.0": "sharded", "blocks.1": "sharded", "<root>": "sharded"}
+    assert {v for v, _ in judged(every)} == {"PASS"}
+    verdict, detail = judged({"blocks.0": "sharded"})[0]
+    assert verdict == "FAIL" and "after the forward: <root>: not reported; after the forward: blocks.1: not reported" in detail
+    verdict, detail = judged({**every, "ghost": "sharded"})[0]
+    assert verdict == "FAIL" and detail.endswith("after the forward: ghost: not a unit; reshard on")

@@ -247,6 +247,9 @@ class ContractsSeen:
     compiled, (step, segment); None: nothing was compiled."""
     graph_runs: dict[tuple[int, str], int] = field(default_factory=dict)
     """Compiled blocks: (step, segment) -> how many times a compiled graph ran forward there."""
+    block_runs: dict[tuple[int, str, str], int] = field(default_factory=dict)
+    """Compiled blocks: (step, segment, block) -> the graph runs there while that block's compiled
+    call was running (a block run eagerly has none)."""
 
 
 @dataclass(kw_only=True)

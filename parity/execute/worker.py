@@ -108,6 +108,7 @@ def _train(cell: Cell, obs: Observation, inject: Injector, *, rank: int, world: 
             obs.contracts.collectives = recorder.segments.calls
             if s.compiled is not None:
                 obs.contracts.compiles, obs.contracts.graph_runs = list(s.compiled.compiled), dict(s.compiled.calls)
+                obs.contracts.block_runs = dict(s.compiled.block_calls)
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
             if tp is not None:

@@ -68,7 +68,8 @@ STAGE_OF_FAULT = {
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
                      "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped",
                      "reshard_group_ignored"), "setup"),
-    **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips"), "forward"),
+    **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips",
+                     "compiled_forward_dropped"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_gather_off_one_weight",
                      "fp8_payload_misreported",
@@ -78,7 +79,7 @@ STAGE_OF_FAULT = {
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
-                     "prefetch_regathers", "explicit_unshard_regathers", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "prefetch_regathers", "explicit_unshard_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
@@ -268,6 +269,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "keep the compute dtype (FSDPState._cast_output_dtype)",
            {"dtype.output", "dtype.boundary"}, {**_KDA2, "output_dtype": "float32", "eval": "between-steps"},
            quiet={"eval": "none"}, patch=rp.eval_skips_output_cast),
+    _fault("post_backward_keeps_gathered", "FSDP's post-backward reshards nothing "
+           "(FSDPParamGroup.post_backward): a later micro-batch's forward gathers no unit",
+           {"collectives"}, {**_KDA2, **_ACCUM}, quiet={"microbatches": 1, "sync": "every"},
+           patch=rp.post_backward_keeps_gathered),
     _fault("eval_stale_after_step", "an evaluation forward reads the unsharded weights of the last training forward, "
            "not the updated shards (FSDPParamGroup.pre_forward)",
            {"eval"}, {**_KDA2, **_ACCUM, "eval": "between-steps"}, quiet={"eval": "between-microbatches"},
@@ -347,6 +352,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "matrices column-major (same values, transposed strides): compiled blocks recompile at every later forward",
            {"compile.graphs"}, {**_KDA2, "compile": "aot_eager"}, quiet={"compile": "none"},
            patch=kp.unsharded_layout_flips, scopes=_MAIN),
+    _fault("compiled_forward_dropped", "fully_shard drops the compiled forward of every compiled block it wraps "
+           "after the first (nn.Module._compiled_call_impl): the later blocks run eagerly, with the same numbers",
+           {"compile.graphs"}, {"fixture": "frozen", "path": "legacy", "ranks": 2, "compile": "aot_eager"},
+           quiet={"compile": "none"}, patch=kp.compiled_forward_dropped, scopes=_MAIN),
     _fault("placement_fn_dropped", "fully_shard drops its shard_placement_fn: parameters meant for dimension 1 "
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=kp.placement_fn_dropped),

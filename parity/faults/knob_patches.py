@@ -89,6 +89,26 @@ def reshard_after_backward_sticks():
     return swap_attr(FSDPModule, "set_reshard_after_backward", make)
 
 
+def compiled_forward_dropped():
+    """``fully_shard`` drops the compiled forward (``nn.Module._compiled_call_impl``) of every
+    compiled module it wraps after the first: the later blocks run eagerly, computing the same
+    numbers; the first block's graphs, split at the units' hooks, can make up the count."""
+    import torch.distributed.fsdp as fsdp
+
+    compiled = []
+
+    def make(orig):
+        def fully_shard(module, *args, **kwargs):
+            out = orig(module, *args, **kwargs)
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                compiled.append(module)
+                if len(compiled) > 1:
+                    module._compiled_call_impl = None
+            return out
+        return fully_shard
+    return swap_attr(fsdp, "fully_shard", make)
+
+
 def _fully_shard_drops(keyword: str):
     """``fully_shard`` ignores its ``keyword`` argument (FSDP's default takes its place)."""
     import torch.distributed.fsdp as fsdp

@@ -198,6 +198,23 @@ def eval_skips_reshard():
     return swap_attr(_param_group(), "post_forward", make)
 
 
+def post_backward_keeps_gathered():
+    """FSDP's post-backward frees nothing: every unit stays gathered after its backward, so the
+    next micro-batch's forward gathers nothing (the same weights, until the optimizer step) and
+    a step's first forward computes with the weights from before the optimizer step unless
+    something else resharded them (a state dict's pre-save hook)."""
+
+    def make(orig):
+        def post_backward(self, *args, **kwargs):
+            self.reshard = lambda: None  # an instance attribute shadows the method
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                del self.reshard
+        return post_backward
+    return swap_attr(_param_group(), "post_backward", make)
+
+
 def eval_stale_after_step():
     """A no_grad forward reads the unsharded parameters of the last training forward instead of
     all-gathering the current shards (a stale unsharded cache): an evaluation right after the

@@ -130,19 +130,35 @@ def _wire(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, 
 
 def _kept_gathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int, units: int,
                    bound: dict) -> dict[tuple[str, str], int]:
-    """Under ``reshard_backward = "last"``: the first forward of a step all-gathers every unit (the
-    last backward resharded them before the optimizer step; a unit still gathered would compute
-    with the weights before it), and a later micro-batch's forward only the units the previous
-    backward had nothing to keep gathered for (no parameter trained this step): tightens ``bound``,
-    returns the floor. An evaluation forward between micro-batches may reshard (reshard on), and
-    one between steps leaves the units gathered (reshard off): the counts are then bounds only."""
+    """The floor of each forward's all-gathers (tightening ``bound`` where fewer are owed). Under
+    ``reshard_backward = "every"`` every backward reshards every unit, so each forward gathers
+    every unit again: a unit still gathered would compute with the weights before the optimizer
+    step. Under ``"last"`` the first forward of a step all-gathers every unit (the last backward
+    resharded them before the optimizer step), and a later micro-batch's forward only the units
+    the previous backward had nothing to keep gathered for (no parameter trained this step). An
+    evaluation forward between micro-batches may reshard (reshard on), and one that leaves the
+    units gathered (reshard off) owes the next forward nothing: the counts are then bounds only."""
+    kept_by_eval = {0: not cell.reshard and cell.eval == "between-steps"}  # micro-batch -> follows a kept eval
+    kept_by_eval.update({mb: not cell.reshard and cell.eval == "between-microbatches"
+                         for mb in range(1, cell.microbatches)})
     if cell.reshard_backward != "last":
-        return {}
+        return {(f"mb{mb}/forward", "all-gather"): units for mb, kept in kept_by_eval.items() if not kept}
     kept = expected_reductions(cell, obs, plan, step)  # the units holding a parameter trained this step
     if cell.eval != "between-microbatches":
         for mb in range(1, cell.microbatches):
             bound[(f"mb{mb}/forward", "all-gather")] = units - kept
-    return {("mb0/forward", "all-gather"): units} if cell.reshard or cell.eval != "between-steps" else {}
+    return {("mb0/forward", "all-gather"): units} if not kept_by_eval[0] else {}
+
+
+def _outside(cell: Cell, counts: dict, base: dict) -> list[Record]:
+    """A FAIL for collectives counted outside every step the cell trains (between steps, around
+    the loop): nothing the loop runs there may issue one, and no step's judgement reads them."""
+    stray = sorted((s, label, kind, len(sizes)) for (s, label, kind), sizes in counts.items()
+                   if s not in range(cell.steps))
+    if not stray:
+        return []
+    said = "; ".join(f"{n} {kind} at {'step ' + str(s) if s >= 0 else 'no step'} ({label})" for s, label, kind, n in stray)
+    return [_row(base, "collectives", "outside", False, "no collective outside the cell's steps", said)]
 
 
 def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: dict,
@@ -246,7 +262,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
                 expected += " (functional collectives not counted in this segment on this mesh)"
             row = _row(base, "collectives", label, not bad, expected, "; ".join(bad) or "as expected")
             rows.append(replace(row, step=step))
-    return rows
+    return rows + _outside(cell, counts, base)
 
 
 def _expected(label: str, want: dict, bound: dict, floor: dict, scales: int, units: int) -> str:

@@ -7,7 +7,9 @@ Each rank's log of the graphs dynamo handed the backend is judged on its own:
 
 - every training forward (each micro-batch of every step) and every evaluation forward ran the
   same number of graphs as the cell's first forward (or the first after an unfreezing), at
-  least one per compiled block and no more than the reference's same forward (the same blocks compiled with the same backend,
+  least one per compiled block, every compiled block running at least one of them (a block
+  run eagerly beside one whose graphs split at FSDP's hooks keeps the count), and no more than
+  the reference's same forward (the same blocks compiled with the same backend,
   without FSDP, broken where the path's units' hooks run): a block run eagerly shows as fewer,
   a graph break of a probe or of a state FSDP leaves behind as more. Fewer than the reference's
   is not a finding by itself: dynamo runs a nested FSDP unit's ``nn.Linear`` forward eagerly
@@ -26,6 +28,7 @@ from parity.execute.observation import Observation
 from parity.judge.record import Record, Verdict
 from parity.judge.rows import contract_row
 from parity.matrix.cell import Cell
+from parity.model.compiling import compiled_names
 from parity.model.plan import PrecisionPlan
 
 
@@ -72,6 +75,9 @@ def graph_problems(cell: Cell, obs: Observation, plan: PrecisionPlan, blocks: in
         if not blocks <= got <= ref or got != first:
             problems.append(f"step {s} {seg}: {got:g} graphs per forward (the first forward's {first:g}, the "
                             f"reference's {ref:g}, {blocks} compiled blocks)")
+        eager = [b for b in compiled_names(cell) if c.block_runs.get((s, seg, b), 0) < forwards]
+        if eager:  # the count alone: one block's graphs split at FSDP's hooks can make up for another's
+            problems.append(f"step {s} {seg}: {', '.join(eager)} ran no graph (eagerly)")
     problems += [f"recompiled at step {s} {seg}" for s, seg in sorted({tuple(w) for w in c.compiles} - allowed)]
     if not c.compiles:
         problems.append("no graph was compiled")

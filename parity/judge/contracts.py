@@ -343,13 +343,14 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     ``sharded_post_forward``). Under ``unshard = "explicit"`` the recipe turned it off for
     the evaluation: every unit is unsharded after the forward, sharded after its ``reshard()``,
     and holds the cell's ``reshard_after_forward`` again. A forward the cell owes and this rank
-    did not run is missing."""
+    did not run is missing, and so is a unit it did not report."""
     explicit = cell.unshard == "explicit"
     want = ("unsharded" if explicit or not cell.reshard else
             "sharded_post_forward" if cell.reshard_to == "half" else "sharded")
     expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
                 f"{'on' if cell.reshard else 'off'} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}
+    owed = {u.modules[0] or "<root>" for u in obs.report.units if u.params}  # as unit_states names them
     rows = []
     for step in range(cell.steps):
         for label in cell.eval_labels(step):
@@ -366,7 +367,9 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
             for when, states, should in phases:
                 wrong = {u: st for u, st in (states or {}).items() if st != should}
                 problems += ([f"{when}: no unit"] if not states else
-                             [f"{when}: {u}: {st}" for u, st in wrong.items()])
+                             [f"{when}: {u}: {st}" for u, st in wrong.items()]
+                             + [f"{when}: {u}: not reported" for u in sorted(owed - set(states))]
+                             + [f"{when}: {u}: not a unit" for u in sorted(set(states) - owed)])
             setting = "explicit phase" if explicit else f"reshard {'on' if cell.reshard else 'off'}"
             row = _row(base, "eval.reshard", label, not problems, expected, "; ".join(problems) or expected, setting)
             rows.append(replace(row, step=step))

@@ -47,6 +47,10 @@ class CompileLog:
         """Where each graph was compiled: (step, segment) from :attr:`where`."""
         self.calls: dict[tuple[int, str], int] = {}
         """(step, segment) -> forward graph runs there."""
+        self.block_calls: dict[tuple[int, str, str], int] = {}
+        """(step, segment, block) -> the forward graph runs while that block's compiled call ran."""
+        self.running = ""
+        """The block whose compiled call is running ('' outside every block)."""
         self.where: Callable[[], tuple[int, str]] = lambda: (-1, "outside")
         """Where the loop is now (the worker points it at its segments)."""
 
@@ -62,6 +66,9 @@ class CompileLog:
             def run(*args):
                 key = self.where()
                 self.calls[key] = self.calls.get(key, 0) + 1
+                if self.running:
+                    block = (*key, self.running)
+                    self.block_calls[block] = self.block_calls.get(block, 0) + 1
                 return compiled(*args)
             run._boxed_call = boxed
             return run
@@ -78,7 +85,23 @@ def compile_blocks(model: nn.Module, blocks: tuple[str, ...], backend: str) -> C
     counting = log.backend()  # one callable for every block: another would be a recompile (BACKEND_MATCH)
     for name in blocks:
         modules[name].compile(backend=counting)
+        _named_calls(modules[name], name, log)
     return log
+
+
+def _named_calls(module: nn.Module, name: str, log: CompileLog) -> None:
+    """Wrap ``module``'s compiled call (what ``nn.Module.compile`` set, which ``__call__`` runs,
+    FSDP's class swap keeping it) so that ``log`` knows which block its graphs run for: outside
+    the compiled region, so dynamo never traces it."""
+    compiled = module._compiled_call_impl
+
+    def call(*args, **kwargs):
+        outer, log.running = log.running, name
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            log.running = outer
+    module._compiled_call_impl = call
 
 
 def compiled_blocks(cell, model: nn.Module, blocks: tuple[str, ...]) -> CompileLog | None:
