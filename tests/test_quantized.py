@@ -81,3 +81,20 @@ def test_fp8_matrix_passes_with_quantization_contracts(run_matrix):
     assert mixed and all(r["path_taken"] == "legacy" and "mixes weight formats" in r["detail"] for r in mixed)
     head = [r for r in records if r["check"] == "quant.gather" and r["name"] == "head.weight" and r["ranks"] == "2"]
     assert head and all("uint8:544" in r["detail"] for r in head)  # 17 padded rows x 32 E4M3 bytes per rank
+
+
+def test_a_step_missing_a_ranks_scale_or_a_dequantized_weight_is_missing_evidence():
+    """``quant.scale`` judged only the scales present (an empty list held) and ``quant.values``
+    only the digests present; the scales were also overwritten by each all-gather (review)."""
+    from parity.judge.quantized import unwitnessed
+    from parity.model.quantized import GatherStats
+
+    whole = GatherStats(gathers=2, scales=[0.5] * 4, scale_ranks=2, digests=["a", "a"])
+    assert unwitnessed(whole, "fp8-tensorwise", "step 0 rank 1") == {"scale": [], "values": []}
+    cut = GatherStats(gathers=2, scales=[0.5] * 2, scale_ranks=2, digests=["a"])
+    assert unwitnessed(cut, "fp8-tensorwise", "step 0 rank 1") == {
+        "scale": ["step 0 rank 1: 2 shard scale(s) received for 2 all-gather(s) over 2 ranks"],
+        "values": ["step 0 rank 1: 2 all-gather(s), 1 dequantized weight(s) recorded"]}
+    assert unwitnessed(GatherStats(gathers=1, digests=["a"]), "fp8-tensorwise", "s")["scale"] == [
+        "s: 0 shard scale(s) received for 1 all-gather(s) over no ranks"]
+    assert unwitnessed(GatherStats(gathers=1, digests=["a"]), "mxfp8", "s") == {"scale": [], "values": []}

@@ -77,6 +77,21 @@ def _wire_row(cell: Cell, observations: list[Observation], t: TensorPlan, plan: 
                 "; ".join(problems[:4]) or "as expected", f"{t.format}: on the wire", "float8_e4m3fn")
 
 
+def unwitnessed(st, fmt: str, where: str) -> dict[str, list[str]]:
+    """What of one rank's step of statistics ``st`` is missing, by check: a tensorwise all-gather
+    without a scale from every rank of its group (``scale``), an all-gather whose dequantized
+    weight was not read back (``values``). Nothing missing passes nothing: the values that are
+    there are judged beside this."""
+    missing: dict[str, list[str]] = {"scale": [], "values": []}
+    if fmt == "fp8-tensorwise" and (not st.scale_ranks or len(st.scales) != st.gathers * st.scale_ranks):
+        missing["scale"].append(f"{where}: {len(st.scales)} shard scale(s) received for {st.gathers} all-gather(s) "
+                                f"over {st.scale_ranks or 'no'} ranks")
+    if len(st.digests) != st.gathers:
+        missing["values"].append(f"{where}: {st.gathers} all-gather(s), {len(st.digests)} dequantized weight(s) "
+                                 "recorded")
+    return missing
+
+
 def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, plan: PrecisionPlan, befores: list,
                   base: dict) -> list[Record]:
     rows, fqn = [], t.fqn
@@ -98,7 +113,9 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
             if t.format == "fp8-tensorwise":
                 bad = [s for s in st.scales if s != float(want_scales)]
                 if bad:
-                    scale.append(f"step {step} rank {o.rank}: shard scales {st.scales}, whole-tensor {float(want_scales)}")
+                    scale.append(f"step {step} rank {o.rank}: shard scales {st.scales[:8]}, whole-tensor "
+                                 f"{float(want_scales)}")
+                scale += unwitnessed(st, t.format, f"step {step} rank {o.rank}")["scale"]
             elif st.exponents is None:  # no MX dequantization ran: what the GEMM consumed is unknown
                 blocks.append(f"step {step} rank {o.rank}: no block exponents consumed (the all-gather carried "
                               "no MX payload)")
@@ -107,6 +124,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 differ = (st.exponents != want).any(dim=-1).nonzero().flatten().tolist()
                 if differ:
                     blocks.append(f"step {step} rank {o.rank}: rows {differ[:6]} have other block exponents")
+            values += unwitnessed(st, t.format, f"step {step} rank {o.rank}")["values"]
             off = [i for i, d in enumerate(st.digests) if d != want_digest]
             if off:
                 values.append(f"step {step} rank {o.rank}: all-gather(s) {off[:6]} of {len(st.digests)} differ from "

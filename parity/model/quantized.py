@@ -59,7 +59,10 @@ class GatherStats:
     payload: list[str] = field(default_factory=list)
     """``dtype:bytes`` of what this rank contributed per all-gather (elements, then exponents)."""
     scales: list[float] = field(default_factory=list)
-    """Tensorwise: the scale each rank's shard was quantized with (as this rank received them)."""
+    """Tensorwise: the scale each rank's shard was quantized with (as this rank received them),
+    every all-gather's in turn: ``gathers * scale_ranks`` of them."""
+    scale_ranks: int = 0
+    """Tensorwise: how many ranks each all-gather received a scale from (the shard group's size)."""
     digests: list[str] = field(default_factory=list)
     """The :func:`fingerprint` of the dequantized unsharded weight after every all-gather of the step."""
     exponents: torch.Tensor | None = None
@@ -161,7 +164,8 @@ class QuantizedWeight(torch.Tensor):
             gathered = [torch.empty(1, device=self._data.device) for _ in range(mesh.size())]
             dist.all_gather(gathered, scale.reshape(1).float(), group=mesh.get_group())
             meta = torch.cat(gathered)  # each rank's scale: equal when the amax was global
-            self.stats.scales = meta.tolist()
+            self.stats.scales += meta.tolist()
+            self.stats.scale_ranks = mesh.size()
         return (payload,), (meta, padded, outer_size[0])
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
