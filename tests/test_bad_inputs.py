@@ -842,6 +842,37 @@ def test_compare_flags_bench_rows_missing_now_and_an_interrupted_bench(capsys, t
     assert main(["compare", old, old]) == 0
 
 
+def test_a_bench_killed_before_it_wrote_reads_as_unfinished_not_as_the_earlier_bench(capsys, tmp_path):
+    """A bench wrote nothing until its end: killed (a CI timeout), its folder kept the earlier
+    bench's files, which compare passed (review). Its start now removes them and records it running."""
+    from parity.bench.run import _started
+
+    rows = "fixture,path,metric,value\nkda,legacy,collectives total,4\n"
+    old, killed = tmp_path / "old", tmp_path / "killed"
+    for d in (old, killed):
+        _write(d / "bench.csv", rows)
+        _write(d / "bench.json", "{}")
+        _write(d / "bench.md", "# an earlier bench\n")
+    _started(str(killed))
+    assert sorted(os.listdir(killed)) == ["bench.json"]
+    assert main(["compare", str(old), str(killed)]) == 1
+    assert "the new run is interrupted (running (or killed before it finished)), not complete" in capsys.readouterr().out
+    assert main(["compare", str(killed), str(old)]) == 2
+
+
+def test_compare_refuses_a_measurement_that_is_not_a_number(capsys, tmp_path):
+    """NaN compares as "no change" with anything: a bench value or a digest's check ratio of NaN
+    passed as NO REGRESSION (review)."""
+    rows = "fixture,path,metric,value\nkda,legacy,collectives total,{}\n"
+    _write(tmp_path / "old" / "bench.csv", rows.format(4))
+    _write(tmp_path / "nan" / "bench.csv", rows.format("nan"))
+    assert main(["compare", str(tmp_path / "old"), str(tmp_path / "nan")]) == 2
+    assert "nan/bench.csv row 2: not a bench row (ValueError: value 'nan' is not a finite number)" in capsys.readouterr().err
+    _write(tmp_path / "digest" / "digest.json", json.dumps({"cells": {}, "checks": {"kda|grad": float("nan")}, "bench": {}}))
+    assert main(["compare", str(tmp_path / "old"), str(tmp_path / "digest")]) == 2
+    assert "not a digest as parity writes it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["bench", "--fixtures", "kda"], ["fuzz", "--examples", "1"]])
 def test_a_command_that_starts_its_own_ranks_is_refused_under_torchrun(argv, monkeypatch, capsys):
     """Each torchrun rank would run the whole bench (or campaign) into the same files, its figures

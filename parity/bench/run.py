@@ -54,6 +54,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'parity[plot]' (the numbers need no plot)") from None
     usable(out_dir)
+    _started(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     todo = [(name, source, path) for name, source in models for path in paths]
     rows, failures, failed, fell_back, code, ran = [], [], [], [], 0, 0
@@ -122,6 +123,25 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
                   f"runs; what finished is in {out_dir}/bench.csv and bench.md", file=sys.stderr)
             return signals.code
     return code
+
+
+#: What a bench writes (:func:`_write`), besides its plots.
+FILES = ("bench.csv", "bench.md", "bench.json")
+#: ``bench.json`` from a bench's start until it writes its results: one killed meanwhile (a CI
+#: timeout, the OOM killer) reads as unfinished (``compare``), never as the earlier bench's.
+RUNNING = "running (or killed before it finished)"
+
+
+def _started(out_dir: str) -> None:
+    """Remove an earlier bench's files from ``out_dir`` and record this one as running."""
+    for name in (*FILES, "bench_collectives.png", "bench_step_time.png"):
+        path = os.path.join(out_dir, name)
+        with writing(path):
+            if os.path.exists(path):
+                os.remove(path)
+    path = os.path.join(out_dir, "bench.json")
+    with writing(path), open(path, "w") as fh:
+        json.dump({"interrupted": RUNNING}, fh)
 
 
 def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, warmup: int, steps: int,

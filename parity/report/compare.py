@@ -62,7 +62,8 @@ def _bench_entry(v) -> bool:
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A measurement: a finite int or float (NaN compares as "no change" with anything)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _bench_values(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -74,7 +75,10 @@ def _bench_values(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
             for n, row in enumerate(csv.DictReader(fh), 2):
                 try:
                     key = f"{row['fixture']}|{row['path']}|{row['metric']}"
-                    values.setdefault(key, []).append(float(row["value"]))
+                    value = float(row["value"])
+                    if not math.isfinite(value):  # NaN would compare as "no change" with anything
+                        raise ValueError(f"value {row['value']!r} is not a finite number")
+                    values.setdefault(key, []).append(value)
                     devices[key] = str(row.get("device") or "")
                 except (KeyError, TypeError, ValueError) as exc:
                     raise UsageError(f"{path} row {n}: not a bench row ({type(exc).__name__}: {exc}); "
@@ -87,7 +91,8 @@ def _bench_values(path: str) -> tuple[dict[str, list[float]], dict[str, str]]:
 def digest(directory: str) -> dict:
     cells_csv = os.path.join(directory, "cells.csv")
     bench_csv = os.path.join(directory, "bench.csv")
-    if not os.path.isfile(cells_csv) and not os.path.isfile(bench_csv):
+    bench_json = os.path.join(directory, "bench.json")  # read where a bench's status or rows need it
+    if not any(os.path.isfile(p) for p in (cells_csv, bench_csv, bench_json)):  # a bench killed early: its json
         path = os.path.join(directory, DIGEST)
         if not os.path.isfile(path):
             return {}
@@ -105,7 +110,6 @@ def digest(directory: str) -> dict:
         if isinstance(r.ratio, float) and math.isfinite(r.ratio):
             key = f"{r.fixture}|{check_label(r)}"
             checks[key] = max(checks.get(key, 0.0), r.ratio)
-    bench_json = os.path.join(directory, "bench.json")  # read where a bench's status or rows need it
     needed = os.path.isfile(bench_csv) or not os.path.isfile(os.path.join(directory, MANIFEST))
     bench = read_json(bench_json, "rerun parity bench") if needed and os.path.isfile(bench_json) else None
     out = {"cells": cells, "checks": checks, "bench": {}, "fell_back": fell_back, **_run_of(directory, bench)}
