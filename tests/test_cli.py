@@ -62,6 +62,15 @@ def test_plan_exits_1_when_a_model_declares_fp32_tensors_other_than_its_plan(tmp
     assert main(["plan", "--model", f"{example}:parity_model"]) == 0  # nothing declared: nothing to disagree with
 
 
+def test_plan_of_a_model_its_source_does_not_have_is_refused(capsys):
+    """``--fixture kda --model SRC`` planned the built-in kda, exit 0, ``--model`` unread (review)."""
+    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
+    assert main(["plan", "--fixture", "kda", "--model", f"{example}:parity_model"]) == 2
+    err = capsys.readouterr().err
+    assert "--model " in err and "describes no model named 'kda' (it has: my_model); drop --fixture or name one" in err
+    assert main(["plan", "--fixture", "my_model", "--model", f"{example}:parity_model"]) == 0
+
+
 def test_plan_shows_fallback_and_isolation_error(capsys):
     main(["plan", "--fixture", "mixed_storage"])
     assert "fallback: unit blocks.0 mixes trainable storage dtypes" in capsys.readouterr().out

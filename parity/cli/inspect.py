@@ -13,6 +13,11 @@ def _models_for_plan(args) -> list:
         raise UsageError("plan: give --fixture NAME, --model pkg.module:factory, or both (a model of that source)")
     if args.model and not args.fixture:
         return list(load_source(args.model))  # every model the factory returns
+    if args.model:  # a model of that source: a built-in of the same name would be planned in its place
+        names = [f.name for f in load_source(args.model)]
+        if args.fixture not in names:
+            raise UsageError(f"plan: --model {args.model} describes no model named {args.fixture!r} (it has: "
+                             f"{', '.join(names)}); drop --fixture or name one of its models")
     return [get_fixture(args.fixture, args.model or "")]
 
 
