@@ -573,3 +573,29 @@ def test_a_gate_from_a_narrowed_run_of_two_model_files_reads_only_what_it_ran(tm
                  "--out", out]) == 0
     capsys.readouterr()
     assert main(["gate", "--from", out]) == 1, capsys.readouterr().err  # PARTIAL, as -k made it
+
+
+@pytest.mark.xdist_group("gate-from")
+def test_a_gate_over_no_records_or_a_malformed_model_warning_is_one_line(tmp_path, capsys, monkeypatch):
+    """No record: exit 1 with no decision, no reason and a JUnit file of no case (green to CI);
+    a ``model_warnings`` entry that is not run's: a traceback (review)."""
+    import json
+    import shutil
+
+    from parity.cli import main
+    from parity.report import outdir
+
+    out = str(tmp_path / "run")
+    assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1 and microbatches == 1",
+                 "--out", out]) == 0
+    edited = shutil.copytree(out, tmp_path / "edited")
+    manifest = json.loads((edited / "run.json").read_text())
+    manifest["model_warnings"] = {"kda": "x"}
+    (edited / "run.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["gate", "--from", str(edited)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.json: model_warnings['kda'] is not {notes: [text], fp32_unselected" in err, err
+    monkeypatch.setattr(outdir, "complete_records", lambda *a, **k: [])
+    assert main(["gate", "--from", out, "--junit", str(tmp_path / "j.xml")]) == 2
+    assert "holds no records, so no model to decide on" in capsys.readouterr().err

@@ -184,6 +184,8 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
     check_recorded(manifest.get("options") or {}, f"gate: {out}", "rerun the matrix into a new --out")
     records = outdir.complete_records(out, manifest, "gate")
     decisions = gate.evaluate(records, candidate)
+    if not decisions:  # no model to decide on: no decision would be written, and JUnit would hold no failure
+        raise UsageError(f"gate: {out} holds no records, so no model to decide on; run the matrix into a new --out")
     if baseline is not None:
         from parity.report.compare import compare, concerns, digest_of
 

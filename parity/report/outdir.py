@@ -247,6 +247,12 @@ def read_manifest(out: str, fix: str = "start a new run with --overwrite") -> di
             raise UsageError(f"{path}: {key} is not {'an object' if kind is dict else 'a ' + kind.__name__}; {fix}")
     if not all(isinstance(c, str) for c in manifest.get("cells", [])):
         raise UsageError(f"{path}: cells holds something other than cell ids; {fix}")
+    for model, found in (manifest.get("model_warnings") or {}).items():  # as run writes them (cli.run.check_models)
+        if not (isinstance(found, dict) and isinstance(found.get("notes", []), list)
+                and all(isinstance(n, str) for n in found.get("notes", []))
+                and isinstance(found.get("fp32_unselected", False), bool)):
+            raise UsageError(f"{path}: model_warnings[{model!r}] is not {{notes: [text], fp32_unselected: true/false}}; "
+                             f"{fix}")
     return manifest
 
 
