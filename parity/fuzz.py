@@ -287,16 +287,19 @@ def generator_digest() -> str:
     return data_sha256("\n".join(f"{n} {file_sha256(os.path.join(folder, n))}" for n in names).encode())
 
 
-def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell, list] | None:
-    """The first of ``cells`` with a failing record, and its failing records."""
+def _failing_cell(cells: list[Cell], bad: list) -> tuple[Cell | list[Cell], list] | None:
+    """The first of ``cells`` with a failing record, and its failing records; else, when only
+    their cross-path records failed (each path passed alone, the two disagree), both cells and
+    those records: the reproducer re-runs the pair, as ``parity repro PAIR_ID`` does."""
     for cell in cells:
         mine = [r for r in bad if r.cell == cell.id]
         if mine:
             return cell, mine
-    return None
+    pair = [r for r in bad if r.cell == cells[0].pair_id]
+    return (cells, pair) if pair else None
 
 
-def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell, bad: list, reproducer, replay_matrix,
+def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell | list[Cell], bad: list, reproducer, replay_matrix,
                       origin: str, timeout: float, fault: str = "") -> list[str]:
     """The failing example as a model file (``parity run --model FILE:parity_model``), a matrix
     replaying its axes, and a reproducer in ``parity repro``'s format re-running its failing cell

@@ -124,6 +124,28 @@ def test_a_fuzz_reproducer_carries_the_campaigns_timeout(tmp_path):
         assert (carried in run if carried else "timeout" not in run), run
 
 
+def test_an_example_failing_only_its_cross_path_comparison_gets_a_reproducer_of_the_pair(tmp_path):
+    """Both paths passing alone and disagreeing with each other -- the case parity exists for --
+    wrote no reproducer: the pair's records name the pair, not a cell (review)."""
+    from parity.fuzz import _failing_cell, _write_reproducer
+    from parity.judge.cell import base_fields
+    from parity.judge.record import Record, Verdict
+    from parity.matrix.cell import Cell
+    from parity_fixtures.generated import replay_matrix
+
+    spec = {"dim": 6, "tokens": False, "vocab": 0, "blocks": [{"kind": "gain"}], "tie": False, "roots": "root",
+            "name": "gen_x"}
+    cells = [Cell(fixture="gen_x", path=p, ranks=2, source=source_for(spec)) for p in ("legacy", "native")]
+    cross = Record(**{**base_fields(cells[1]), "cell": cells[0].pair_id, "path": "legacy~native"}, check="grad",
+                   name="blocks.0.gain", verdict=Verdict.FAIL, detail="the paths disagree")
+    assert _failing_cell(cells, [cross]) == (cells, [cross])
+    values = {"ranks": 2, "microbatches": 1, "sync": "every", "checkpointing": "none", "reshard": True,
+              "output_dtype": "none", "seed": 0}
+    files = _write_reproducer(str(tmp_path), spec, values, cells, [cross], reproducer, replay_matrix, "test", 60.0)
+    script = (tmp_path / files[0]).read_text()
+    assert "Cell(fixture='gen_x', path='legacy'" in script and "Cell(fixture='gen_x', path='native'" in script
+
+
 def test_the_parts_of_a_split_campaign_draw_models_of_their_own():
     """Hypothesis draws its simplest example first whatever the seed: every part of an 8-part
     nightly ran it (review, 2026-12-06). Parts after the first skip it."""
