@@ -75,6 +75,48 @@ def test_a_forwardless_container_minority_is_sharded_through_its_children():
     assert all(u.param_dtype == torch.float32 for u in report.units[:3])
 
 
+class TiedAcrossUnits(nn.Module):
+    """A BF16-stored embedding whose weight the head shares: both under the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8, bias=False).to(torch.bfloat16)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.proj(self.embed(x.bfloat16()).float()).bfloat16())
+
+
+class IntegerHolder(nn.Module):
+    """A frozen integer parameter (a permutation) in a holder of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.holder = nn.Module()
+        self.holder.perm = nn.Parameter(torch.arange(8), requires_grad=False)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x[..., self.holder.perm])
+
+
+def test_legacy_never_cuts_a_tied_parameter_from_its_aliases_and_plans_an_integer_group():
+    """Legacy took a module by its parameters' first names: it made ``embed`` a unit while its
+    alias ``head.weight`` stayed in the root's (plan and setup silent, FSDP's lazy init raised in
+    every cell); an integer parameter's group crashed its plan (KeyError: torch.int64) (review)."""
+    from parity.errors import IsolationError
+
+    model = TiedAcrossUnits()
+    with pytest.raises(IsolationError, match="cannot isolate embed.weight"):
+        plan_sharding(model, ("",), resolve_plan(model, PrecisionConfig()), "legacy")
+    model = IntegerHolder()
+    report = plan_sharding(model, ("",), resolve_plan(model, PrecisionConfig()), "legacy")
+    held = next(u for u in report.units if u.root == "holder")
+    assert held.params == ("holder.perm",) and held.reduce_dtype == torch.float32
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("plugins")
 def test_a_forwardless_container_minority_trains_on_real_fsdp(tmp_path):

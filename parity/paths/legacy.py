@@ -40,17 +40,27 @@ def group_policy(group: Group, config: PrecisionConfig, modules: tuple[str, ...]
         modules=modules,
         params=tuple(params),
         param_dtype=compute,
-        reduce_dtype=config.reduce_dtype if at_default else finer(config.reduce_dtype, compute),
+        # a group that computes in no floating dtype (an integer parameter) has no gradient to reduce
+        reduce_dtype=(config.reduce_dtype if at_default or not compute.is_floating_point
+                      else finer(config.reduce_dtype, compute)),
         output_dtype=config.output_dtype if outermost else None,
         cast_forward_inputs=at_default,
     )
 
 
-def _uniform_subtrees(root: str, members: list[str], groups: dict[str, Group], module_names, target: Group):
-    """Maximal modules strictly below ``root`` whose member parameters all belong to ``target``."""
+def _within(names: tuple[str, ...], mod: str) -> bool:
+    """Whether every name of a parameter (its tie aliases) lies under ``mod``: ``fully_shard(mod)``
+    takes a tied parameter whole, so a module holding only some of its names cannot be its unit."""
+    return all(under(n, mod) for n in names)
+
+
+def _uniform_subtrees(root: str, members: list[str], groups: dict[str, Group], module_names, target: Group,
+                      aliases: dict[str, tuple[str, ...]]):
+    """Maximal modules strictly below ``root`` whose member parameters all belong to ``target``,
+    each with every name it is tied under (``aliases``) inside."""
     def is_uniform(mod: str) -> bool:
-        inside = [p for p in members if under(p, mod)]
-        return bool(inside) and all(groups[p] == target for p in inside)
+        inside = [p for p in members if any(under(n, mod) for n in aliases[p])]
+        return bool(inside) and all(groups[p] == target and _within(aliases[p], mod) for p in inside)
 
     found = []
     for mod in module_names:
@@ -80,6 +90,7 @@ def plan_dtype_split(
     for roots, params in members.items():
         outermost = roots == ("",)
         groups = {p: (plan[p].storage, plan[p].compute, plan[p].format) for p in params}
+        aliases = {p: plan[p].tie_group or (p,) for p in params}
         by_group: dict[Group, list[str]] = defaultdict(list)
         for p in params:
             by_group[groups[p]].append(p)
@@ -95,9 +106,9 @@ def plan_dtype_split(
                 unisolatable += [p for g in ranked[1:] for p in by_group[g]]
                 continue
             for g in isolate:
-                for subtree in _uniform_subtrees(roots[0], params, groups, names, g):
+                for subtree in _uniform_subtrees(roots[0], params, groups, names, g, aliases):
                     for mod in shardable(subtree, modules):
-                        inside = [p for p in remaining if under(p, mod)]
+                        inside = [p for p in remaining if _within(aliases[p], mod)]
                         if inside:
                             units.append(group_policy(g, config, (mod,), inside, outermost=False))
                             remaining = [p for p in remaining if p not in inside]
