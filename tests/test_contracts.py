@@ -177,3 +177,41 @@ def test_an_evaluation_state_that_leaves_out_a_unit_or_names_another_fails():
     assert verdict == "FAIL" and "after the forward: <root>: not reported; after the forward: blocks.1: not reported" in detail
     verdict, detail = judged({**every, "ghost": "sharded"})[0]
     assert verdict == "FAIL" and detail.endswith("after the forward: ghost: not a unit; reshard on")
+
+
+def test_shards_that_leave_part_of_the_tensor_uncompared_are_missing_evidence():
+    """``grad.shard`` / ``grad.partial`` judged each rank's piece against its slice and skipped
+    empty pieces: a rank's piece lost, or every rank recording the same rows, passed (review)."""
+    from types import SimpleNamespace as NS
+
+    from parity.judge import partials, shards
+
+    whole = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+
+    class Topo:
+        data_world = 4
+
+        def replica_groups(self):
+            return [[0, 1], [2, 3]]
+
+        def data_rank(self, r):
+            return r
+
+    cell = NS(topology=lambda: Topo())
+    entry = NS(sum_dtype=torch.float32, kept_grad=torch.float32)
+    plan = NS(get=lambda f: entry)
+    ref = NS(partials={(0, 0): {"w": ({0: whole, 1: whole}, 4.0, 2)}}, shards={(0, 0): {"w": (whole, 4.0)}})
+
+    def judged(pieces):
+        observations = [NS(rank=r, contracts=NS(partials={(0, 0): {"w": p}}, shards={(0, 0): {"w": p}}))
+                        for r, p in enumerate(pieces)]
+        return [(r.verdict.value, r.detail.split(":")[0]) for m in (partials, shards)
+                for r in m.check(cell, observations, ref, plan, {"cell": "c", "fixture": "f", "path": "p"})]
+
+    rows = [((r % 2, 0), whole[r % 2:r % 2 + 1]) for r in range(4)]
+    assert {v for v, _ in judged(rows)} == {"PASS"}
+    lost = [p if r % 2 == 0 else ((1, 0), torch.zeros(0, 2)) for r, p in enumerate(rows)]
+    assert judged(lost) == [
+        ("FAIL", "rank 1 after micro-batch 0, replica group 0, the ranks' shards cover 2 of 4 elements"),
+        ("FAIL", "rank 1 after micro-batch 0, the ranks' shards cover 2 of 4 elements")]
+    assert {v for v, _ in judged([rows[0]] * 4)} == {"FAIL"}  # row 1 never compared

@@ -66,7 +66,33 @@ def worst_shard(observations: list[Observation], read, whole_of, missing: str):
         err = _error(got, want)
         if worst is None or err > worst[0]:
             worst = (err, rank, got, want, where)
+    gap = _uncovered(observations, read, whole_of)
+    if gap is not None and (worst is None or worst[0] < math.inf):
+        worst = gap
     return worst
+
+
+def _uncovered(observations: list[Observation], read, whole_of):
+    """Where the ranks' shards of one whole tensor (those ``whole_of`` hands the same tensor), one
+    of them holding something, leave part of it out -- a piece lost or recorded at another's
+    offset is then never compared -- as worst_shard's tuple naming a rank with an empty piece
+    (else the first); None when every part of each whole is some rank's."""
+    wholes: dict[int, list] = {}  # id(whole) -> [whole, covered mask, ranks, ranks with an empty piece]
+    for o in observations:
+        whole, got_read = whole_of(o), read(o)
+        entry = wholes.setdefault(id(whole), [whole, torch.zeros(whole.shape, dtype=torch.bool), [], []])
+        entry[2].append(o.rank)
+        offset, got = got_read if got_read is not None else ((), torch.zeros(0))
+        if not got.numel() or _slice(whole, offset, got.shape).shape != got.shape:
+            entry[3].append(o.rank)
+            continue
+        entry[1][tuple(slice(a, a + n) for a, n in zip(offset, got.shape))] = True
+    for whole, mask, ranks, empty in wholes.values():
+        if len(empty) < len(ranks) and not bool(mask.all()):
+            rank = (empty or ranks)[0]
+            return (math.inf, rank, torch.zeros(0), whole,
+                    f"the ranks' shards cover {int(mask.sum())} of {mask.numel()} elements")
+    return None
 
 
 def _pieces(observations: list[Observation], read, whole_of, missing: str):
