@@ -14,7 +14,7 @@ import tempfile
 
 from parity.report.environment import environment
 from parity.bench.measure import BenchTask
-from parity.bench.tables import markdown, plot, rows_for, write_csv
+from parity.bench.tables import PLOTS, markdown, plot, rows_for, write_csv
 from parity.errors import UsageError, writing
 from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals
@@ -134,7 +134,7 @@ RUNNING = "running (or killed before it finished)"
 
 def _started(out_dir: str) -> None:
     """Remove an earlier bench's files from ``out_dir`` and record this one as running."""
-    for name in (*FILES, "bench_collectives.png", "bench_step_time.png"):
+    for name in (*FILES, *PLOTS):
         path = os.path.join(out_dir, name)
         with writing(path):
             if os.path.exists(path):

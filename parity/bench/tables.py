@@ -10,6 +10,8 @@ import os
 from parity.report.summary import spread
 
 COLUMNS = ("fixture", "path", "path_taken", "ranks", "device", "metric", "unit", "repetition", "value")
+#: The PNG files :func:`plot` writes: collectives and bytes per step, step time.
+PLOTS = ("bench_collectives.png", "bench_step_time.png")
 
 
 def rows_for(fixture: str, path: str, ranks: int, device: str, results) -> list[dict]:
@@ -117,7 +119,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     for ax in axes:
         ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
     fig.tight_layout()
-    files.append(os.path.join(out_dir, "bench_collectives.png"))
+    files.append(os.path.join(out_dir, PLOTS[0]))
     fig.savefig(files[-1], dpi=100)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(11, 4))
@@ -126,7 +128,7 @@ def plot(rows: list[dict], out_dir: str) -> list[str]:
     ax.set_ylabel("ms")
     ax.set_title("step time")
     fig.tight_layout()
-    files.append(os.path.join(out_dir, "bench_step_time.png"))
+    files.append(os.path.join(out_dir, PLOTS[1]))
     fig.savefig(files[-1], dpi=100)
     plt.close(fig)
     return files

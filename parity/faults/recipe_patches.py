@@ -6,6 +6,8 @@ DCP or the gradient scaler the way a real bug there would. Registered in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from parity.faults.patches import after_each_gather, fsdp_classes, swap_attr
@@ -180,6 +182,16 @@ def _param_group():
     return FSDPParamGroup
 
 
+@contextlib.contextmanager
+def _reshard_skipped(group):
+    """``group.reshard()`` frees nothing while open (an instance attribute shadows the method)."""
+    group.reshard = lambda: None
+    try:
+        yield
+    finally:
+        del group.reshard
+
+
 def eval_skips_reshard():
     """FSDP's post-forward reshards only when gradients are enabled: a no_grad (evaluation)
     forward leaves every unit unsharded whatever ``reshard_after_forward`` says, so the memory
@@ -189,11 +201,8 @@ def eval_skips_reshard():
         def post_forward(self, module, input, output):
             if torch.is_grad_enabled():
                 return orig(self, module, input, output)
-            self.reshard = lambda: None  # an instance attribute shadows the method
-            try:
+            with _reshard_skipped(self):
                 return orig(self, module, input, output)
-            finally:
-                del self.reshard
         return post_forward
     return swap_attr(_param_group(), "post_forward", make)
 
@@ -206,11 +215,8 @@ def post_backward_keeps_gathered():
 
     def make(orig):
         def post_backward(self, *args, **kwargs):
-            self.reshard = lambda: None  # an instance attribute shadows the method
-            try:
+            with _reshard_skipped(self):
                 return orig(self, *args, **kwargs)
-            finally:
-                del self.reshard
         return post_backward
     return swap_attr(_param_group(), "post_backward", make)
 

@@ -108,6 +108,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 for problems in (refresh, scale, blocks, values):
                     problems.append(f"step {step} rank {o.rank}: no all-gather statistics")
                 continue
+            missing = unwitnessed(st, t.format, f"step {step} rank {o.rank}")
             if st.quantized != 1 or st.stale:
                 refresh.append(f"step {step} rank {o.rank}: quantized {st.quantized}x, {st.stale} stale all-gather(s)")
             if t.format == "fp8-tensorwise":
@@ -115,7 +116,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 if bad:
                     scale.append(f"step {step} rank {o.rank}: shard scales {st.scales[:8]}, whole-tensor "
                                  f"{float(want_scales)}")
-                scale += unwitnessed(st, t.format, f"step {step} rank {o.rank}")["scale"]
+                scale += missing["scale"]
             elif st.exponents is None:  # no MX dequantization ran: what the GEMM consumed is unknown
                 blocks.append(f"step {step} rank {o.rank}: no block exponents consumed (the all-gather carried "
                               "no MX payload)")
@@ -124,7 +125,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 differ = (st.exponents != want).any(dim=-1).nonzero().flatten().tolist()
                 if differ:
                     blocks.append(f"step {step} rank {o.rank}: rows {differ[:6]} have other block exponents")
-            values += unwitnessed(st, t.format, f"step {step} rank {o.rank}")["values"]
+            values += missing["values"]
             off = [i for i, d in enumerate(st.digests) if d != want_digest]
             if off:
                 values.append(f"step {step} rank {o.rank}: all-gather(s) {off[:6]} of {len(st.digests)} differ from "

@@ -51,6 +51,12 @@ def _check(path: object, where: str) -> ShardingPath:
     return path
 
 
+def _taken_by(name: str, plugins) -> str:
+    """What already goes by ``name`` ('' when nothing): a built-in path or another plugin of
+    ``plugins``; one of the two would be judged in the other's place."""
+    return "a built-in path" if name in ("legacy", "native") else "another plugin" if name in plugins else ""
+
+
 @functools.cache
 def _entry_point_paths() -> dict[str, ShardingPath]:
     found = {}
@@ -62,7 +68,7 @@ def _entry_point_paths() -> dict[str, ShardingPath]:
             raise UsageError(f"{where} cannot be loaded: {type(exc).__name__}: {exc}; fix that plugin's package "
                              f"or uninstall it ({plugin_fix(ep)})") from None
         path = _check(obj, where)
-        clash = "a built-in path" if path.name in ("legacy", "native") else found.get(path.name) and "another plugin"
+        clash = _taken_by(path.name, found)
         if clash:  # one of the two would be judged in the other's place, silently
             raise UsageError(f"{where} names its path {path.name!r}, as {clash} does; give the plugin's path "
                              "its own name")
@@ -75,9 +81,9 @@ def register(path: ShardingPath) -> ShardingPath:
     processes start without it: a run hands them the registered paths it can pickle
     (:func:`carried`), and refuses a selected one it cannot (:func:`check_carried`)."""
     path = _check(path, f"path {getattr(path, 'name', path)!r}")
-    taken = {"legacy": "a built-in path", "native": "a built-in path", **{n: "an installed plugin" for n in _entry_point_paths()}}
-    if path.name in taken:  # paths() would keep the other one, silently
-        raise UsageError(f"path {path.name!r} is the name of {taken[path.name]}; give the registered path its own name")
+    clash = _taken_by(path.name, _entry_point_paths())
+    if clash:  # paths() would keep the other one, silently
+        raise UsageError(f"path {path.name!r} is the name of {clash}; give the registered path its own name")
     if path.fallback is not None and path.fallback not in {**paths(), path.name: path}:
         raise UsageError(f"path {path.name!r} declares fallback {path.fallback!r}, which is not registered; register "
                          "that path first or give a registered one")
