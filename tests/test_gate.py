@@ -34,6 +34,7 @@ def healthy(fixture="m", n=2):
     for i in range(n):
         rows += [rec(fixture, "legacy", i), rec(fixture, "native", i), rec(fixture, "legacy~native", i, taken="")]
         rows += [rec(fixture, p, i, check="checkpoint.same") for p in ("legacy", "native")]
+        rows += [rec(fixture, p, i, check="coverage", name="records") for p in ("legacy", "native")]
         rows += [rec(fixture, p, i, check="dtype.compute", name="A_log", dtype="float32") for p in ("legacy", "native")]
     return rows
 
@@ -194,6 +195,22 @@ def test_a_candidate_cell_without_its_pair_row_is_no_go():
         "the baseline is missing"]
 
 
+def test_a_trained_cell_without_its_coverage_record_or_a_pair_of_skips_is_no_go():
+    """A passing cell's records end with its coverage record (what it owed arrived) and a pair's
+    rows compare something: a cell left with a few PASS rows, or a pair whose every row is SKIP,
+    is evidence missing, not a cell or a pair that passed."""
+    rows = [r for r in healthy() if not (r.check == "coverage" and r.cell == "m/native/r1/c1")]
+    d = decide(rows, "m", "native")
+    assert d.decision == NO_GO and d.reasons == [
+        "1 of 2 native cells that trained hold no coverage record (e.g. m/native/r1/c1): nothing says their owed "
+        "records arrived; rerun them"]
+    skipped = [replace(r, verdict=Verdict.SKIP, detail="compiled: not compared") if r.cell == "m/r1/c1" else r
+               for r in healthy()]
+    d = decide(skipped, "m", "native")
+    assert d.decision == NO_GO and d.counts["pairs compared"] == 1 and d.reasons == [
+        "1 pairs compared nothing, every row SKIP (e.g. m/r1/c1: compiled: not compared)"]
+
+
 def test_all_native_cells_skipped_is_no_go():
     rows = [rec("m", "legacy", 0), rec("m", "native", 0, check="run", verdict="SKIP")]
     d = decide(rows, "m", "native")
@@ -217,7 +234,7 @@ def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go(
 
 
 def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
-    rows = [rec("m", "native", 0), rec("m", "legacy", 0, check="expected_error"),
+    rows = [rec("m", "native", 0), rec("m", "native", 0, check="coverage"), rec("m", "legacy", 0, check="expected_error"),
             rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="expected-isolation-error",
                 detail="legacy raised the fixture's expected isolation error; native was judged against the "
                        "reference alone")]
@@ -360,7 +377,7 @@ def test_junit_has_a_case_per_cell_and_check_and_carries_the_evidence(tmp_path):
                            rec("m", "native", 0, check="input_grad", verdict="SKIP", detail="tokens")]
     write_junit(str(tmp_path / "j.xml"), rows, suite="t")
     suite = ET.parse(tmp_path / "j.xml").getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("9", "1", "1")  # 2 checkpoint, 2 dtype
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("11", "1", "1")  # 2 checkpoint, 2 dtype, 2 coverage
     failure = suite.find("testcase[@name='param']/failure")
     assert "observed 0.003, allowed 0.001, ratio 3.0" in failure.get("message")
 
@@ -529,7 +546,8 @@ def test_the_gate_reads_what_run_warned_about_a_models_fp32_declaration(patterns
 def test_a_go_says_how_far_its_checkpoint_evidence_reaches():
     """The DCP lifecycle runs only in one-micro-batch cells without activation checkpointing: a
     decision over cells without it says how many cells held checkpoint evidence."""
-    rows = healthy() + [rec("m", "native", 9, microbatches=3), rec("m", "legacy", 9), rec("m", "legacy~native", 9, taken="")]
+    rows = healthy() + [rec("m", "native", 9, microbatches=3), rec("m", "native", 9, check="coverage"),
+                        rec("m", "legacy", 9), rec("m", "legacy~native", 9, taken="")]
     d = decide(rows, "m", "native")
     assert d.decision == GO and d.notes[-1].startswith("checkpoint save/load/resume was checked in 2 of 3 native cells")
     assert not [n for n in decide(healthy(), "m", "native").notes if n.startswith("checkpoint")]

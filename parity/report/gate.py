@@ -84,7 +84,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     d = Decision(model, GO, counts={
         "candidate cells": len(cand_cells), "candidate cells run": len(ran),
         "candidate cells on the candidate path": len({r.cell for r in own if r.cell in ran and r.path_taken == candidate}),
-        "pairs compared": len({r.cell for r in pairs if r.verdict != Verdict.UNPAIRED}),
+        "pairs compared": len(_compared(pairs)),
         "pairs unpaired": len({r.cell for r in pairs if r.verdict == Verdict.UNPAIRED}),
     })
     if not ran:
@@ -139,6 +139,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                        + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
     _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=set())
+    _uncovered(d, own, verdicts, ran - raised, candidate)
     _same_contract(d, baselines, candidate)
     _checkpoint_scope(d, own, ran - raised, candidate)  # a cell that raised trained nothing to save
     _override_scope(d, own, ran - raised, candidate)
@@ -147,6 +148,22 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     else:
         _sharded_scope(d, own, ran - raised, candidate)
     return d
+
+
+def _compared(pairs: list[Record]) -> set[str]:
+    """The pairs that compared something: a row that is neither UNPAIRED nor SKIP."""
+    return {r.cell for r in pairs if r.verdict not in (Verdict.UNPAIRED, Verdict.SKIP)}
+
+
+def _uncovered(d: Decision, own: list[Record], verdicts: dict[str, str], trained: set[str], candidate: str) -> None:
+    """A candidate cell that trained and passed holds the ``coverage`` record its judging writes
+    last (:mod:`parity.judge.coverage`): without it nothing says the records it owed all arrived,
+    and a cell holding a few PASS rows would read as a cell that passed every check."""
+    covered = {r.cell for r in own if r.check == "coverage"}
+    missing = sorted(c for c in trained if verdicts[c] == Verdict.PASS and c not in covered)
+    if missing:
+        d.reasons.append(f"{len(missing)} of {len(trained)} {candidate} cells that trained hold no coverage record "
+                         f"(e.g. {missing[0]}): nothing says their owed records arrived; rerun them")
 
 
 def _sharded_scope(d: Decision, own: list[Record], trained: set[str], candidate: str) -> None:
@@ -233,6 +250,10 @@ def _pair_reasons(d: Decision, pairs: list[Record], cand_cells: set[str], ran: s
     def baseline_raised(r: Record) -> bool:
         return r.name == Unpaired.EXPECTED_ISOLATION_ERROR and cell_of.get(r.cell) in trained
 
+    hollow = sorted(grouped - _compared(pairs) - {r.cell for r in pairs if r.verdict == Verdict.UNPAIRED})
+    if hollow:  # every row SKIP: a pair that compared nothing is not a comparison
+        d.reasons.append(f"{len(hollow)} pairs compared nothing, every row SKIP (e.g. {hollow[0]}: "
+                         f"{clip(next(r.detail for r in pairs if r.cell == hollow[0]), 160)})")
     unpaired = [r for r in pairs if r.verdict == Verdict.UNPAIRED]
     accepted = [r for r in unpaired if baseline_raised(r) or cell_of.get(r.cell) in excused]
     others = [r for r in unpaired if r not in accepted]
