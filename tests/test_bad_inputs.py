@@ -51,7 +51,8 @@ def _records(verdicts: dict[str, str]) -> list[Record]:
     out = []
     for cell, v in verdicts.items():
         where = dict(cell=cell, fixture=cell.split("/")[0], path=cell.split("/")[1])
-        measured = dict(observed=0.0, allowed=1.0, ratio=0.0) if v == "PASS" else {}  # as a judge writes a PASS
+        measured = (dict(observed=0.0, allowed=1.0, ratio=0.0, signal=10.0, allowed_over_signal=0.1)  # as a judge
+                    if v == "PASS" else {})  # writes a PASS
         out.append(Record(**where, check="output" if v != "SKIP" else "run", name="loss", verdict=Verdict(v),
                           detail="d", **measured))
         if v != "SKIP":
@@ -199,9 +200,9 @@ def _files(t) -> dict[str, str]:
         _write(t / f"gate_runjson_{name}" / "run.json", text)
         f[f"gate_runjson_{name}"] = str(t / f"gate_runjson_{name}")
     columns = HEADER.strip().split(",")
-    forged = {"pass_ratio": ("9", "1", "9", ""), "pass_nan": ("nan", "1", "nan", ""),  # observed, allowed, ratio, share
+    forged = {"pass_ratio": ("9", "1", "9", ""), "pass_nan": ("nan", "1", "nan", ""),  # observed, allowed, ratio, share[, signal]
               "pass_blank": ("", "", "", ""), "pass_quotient": ("1", "0.001", "0.5", ""),
-              "pass_vacuous": ("0.1", "1", "0.1", "5")}
+              "pass_vacuous": ("0.1", "1", "0.1", "5", "0.2"), "pass_unweighed": ("0.1", "1", "0.1", "", "")}
     for name in ("verdict", "number", "binary", *forged):
         d = results(t / f"csv_{name}", {A: "PASS"})
         with open(os.path.join(d, "cells.csv")) as fh:
@@ -210,7 +211,7 @@ def _files(t) -> dict[str, str]:
         if name == "verdict":
             bad[bad.index("PASS")] = "MAYBE"
         elif name in forged:  # a PASS no judge writes: its numbers contradict it, or are gone
-            for column, value in zip(("observed", "allowed", "ratio", "allowed_over_signal"), forged[name]):
+            for column, value in zip(("observed", "allowed", "ratio", "allowed_over_signal", "signal"), forged[name]):
                 bad[columns.index(column)] = value
         else:
             bad[HEADER.split(",").index("ranks")] = "abc"
@@ -368,6 +369,8 @@ CASES = [
     (["gate", "--from", "{csv_pass_blank}"], "row 2: not a parity record (a PASS of output without its observed / allowed / ratio)"),
     (["gate", "--from", "{csv_pass_quotient}"], "(a PASS whose ratio 0.5 is not observed / allowed (1000))"),
     (["gate", "--from", "{csv_pass_vacuous}"], "(a PASS whose allowance is 5 of the change it judges (at least 0.5: INCONCLUSIVE))"),
+    (["gate", "--from", "{csv_pass_unweighed}"],
+     "(a PASS of output that allowed 1 without the size of what it judged (signal / allowed_over_signal))"),
     (["report", "{csv_pass_ratio}"], "ratio 9)"),
     (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
@@ -604,7 +607,8 @@ def test_compare_flags_new_alarms_and_missing_cells(capsys, tmp_path, old, new, 
 
 def test_compare_flags_a_check_measured_before_and_missing_now(capsys, tmp_path):
     def rows(checks):
-        return [Record(cell=A, fixture="kda", path="legacy", check=c, name="w", verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1)
+        return [Record(cell=A, fixture="kda", path="legacy", check=c, name="w", verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1,
+                       signal=10.0, allowed_over_signal=0.1)
                 for c in checks]
     old, new = results(tmp_path / "old", {A: "PASS"}), results(tmp_path / "new", {A: "PASS"})
     _recorded(old, rows(["grad", "checkpoint.same"]))
@@ -621,7 +625,8 @@ def test_compare_flags_a_cell_that_fell_back_now(capsys, tmp_path):
 
     def rows(taken):
         return [Record(cell=cell, fixture="kda", path="native", path_taken=taken, check="grad", name="w",
-                       verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1)]
+                       verdict=Verdict.PASS, observed=0.1, allowed=1.0, ratio=0.1, signal=10.0,
+                       allowed_over_signal=0.1)]
     old, new = results(tmp_path / "old", {cell: "PASS"}), results(tmp_path / "new", {cell: "PASS"})
     _recorded(old, rows("native"))
     _recorded(new, rows("legacy"))

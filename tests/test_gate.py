@@ -22,7 +22,7 @@ def _cell(fixture, path, i, **kw):
 def rec(fixture, path, i, check="grad", verdict="PASS", taken=None, **kw):
     cell = f"{fixture}/{path}/r1/c{i}" if "~" not in path else f"{fixture}/r1/c{i}"
     if verdict == "PASS" and check not in OUTCOME_CHECKS:  # as a judge writes a measured PASS
-        kw = {"observed": 0.0, "allowed": 1.0, "ratio": 0.0, **kw}
+        kw = {"observed": 0.0, "allowed": 1.0, "ratio": 0.0, "signal": 10.0, "allowed_over_signal": 0.1, **kw}
     kw.setdefault("ranks", 2)  # a GO needs sharded cells (test_a_go_needs_a_cell_on_two_ranks)
     return Record(cell=cell, fixture=fixture, path=path, path_taken=taken if taken is not None else path.split("~")[0],
                   check=check, name=kw.pop("name", "w"), verdict=Verdict(verdict), **kw)

@@ -132,9 +132,9 @@ def test_compare_keeps_cross_path_ratios_apart_and_flags_a_pair_that_stopped_bei
     from parity.report.records import RecordWriter
 
     rows = [Record(cell="kda/native/r1", fixture="kda", path="native", check="grad_norm", verdict=Verdict.PASS,
-                   observed=0.1, allowed=1.0, ratio=0.1),
+                   observed=0.1, allowed=1.0, ratio=0.1, signal=10.0, allowed_over_signal=0.1),
             Record(cell="kda/native/r1", fixture="kda", path="legacy~native", check="grad_norm",
-                   verdict=Verdict.PASS, observed=0.02, allowed=1.0, ratio=0.02)]
+                   verdict=Verdict.PASS, observed=0.02, allowed=1.0, ratio=0.02, signal=10.0, allowed_over_signal=0.1)]
     writer = RecordWriter(str(tmp_path / "cells.csv"))
     writer.write(rows)
     writer.close()

@@ -85,7 +85,8 @@ def _unjudged_pass(values: dict) -> str:
     """Why a PASS row cannot have been written by a judge ("" when it can): a measured check's PASS
     carries observed, allowed and ratio, finite, with ratio = observed / allowed (0 when nothing
     was observed) at most 1, and an allowance under :data:`BAR` of the signal it judges (else it
-    would read INCONCLUSIVE). Only :data:`OUTCOME_CHECKS` pass without numbers."""
+    would read INCONCLUSIVE), written with that signal wherever something was allowed (a PASS
+    without it never had its allowance weighed). Only :data:`OUTCOME_CHECKS` pass without numbers."""
     names = ("observed", "allowed", "ratio")
     nums = {k: values[k] for k in names if values[k] != ""}
     if not nums and values["check"] in OUTCOME_CHECKS:
@@ -99,6 +100,9 @@ def _unjudged_pass(values: dict) -> str:
     if not math.isclose(ratio, quotient, rel_tol=_WRITTEN):
         return f"a PASS whose ratio {ratio:g} is not observed / allowed ({quotient:g})"
     share = values["allowed_over_signal"]
+    if allowed > 0 and "" in (share, values["signal"]):  # vacuity was never weighed
+        return (f"a PASS of {values['check']} that allowed {allowed:g} without the size of what it judged "
+                "(signal / allowed_over_signal)")
     if share != "" and not share < BAR * (1 + _WRITTEN):
         return f"a PASS whose allowance is {share:g} of the change it judges (at least {BAR:g}: INCONCLUSIVE)"
     return ""
