@@ -233,6 +233,23 @@ def test_failures_inconclusive_records_and_unexplained_unpaired_pairs_are_no_go(
     assert worst.startswith("native: grad: 1 FAIL records in 1 cell, worst ratio 3")
 
 
+def test_a_no_go_names_the_first_divergence_before_its_later_symptoms():
+    """Reasons were sorted by check name: a corrupted gather read first as the resumed step's
+    ``checkpoint.cross`` (review). The cell's ``stage`` record leads, then the module, then the
+    checks in pipeline order."""
+    bad = [rec("m", "native", 0, check="checkpoint.cross", name="legacy:param:w", verdict="FAIL", ratio=9.0),
+           rec("m", "native", 0, check="param", verdict="FAIL", ratio=5.0, step=1),
+           rec("m", "native", 0, check="divergence", name="blocks.0", verdict="FAIL", ratio=3.0, step=1),
+           rec("m", "native", 0, check="gathered", verdict="FAIL", ratio=2.0, step=1),
+           rec("m", "native", 0, check="stage", name="gather", verdict="FAIL", ratio=2.0, step=1,
+               detail="first divergent stage: gather at step 1: gathered w")]
+    reasons = decide(healthy() + bad, "m", "native").reasons
+    assert [x.split(":")[1].strip() for x in reasons] == [
+        "first divergent stage", "divergence", "gathered", "param", "checkpoint.cross"], reasons
+    assert reasons[0] == ("native: first divergent stage: gather at step 1: gathered w (m/native/r1/c0; first "
+                          "divergent stage: gather in 1 cell)")
+
+
 def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
     rows = [rec("m", "native", 0), rec("m", "native", 0, check="coverage"), rec("m", "legacy", 0, check="expected_error"),
             rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="expected-isolation-error",

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from parity.judge.record import BAD, LOCATING_CHECKS, Record, Unpaired, Verdict
+from parity.judge.stages import STAGES, stage_of
 from parity.matrix.cell import pair_of, steps_of
 from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
 
@@ -57,12 +58,19 @@ def clip(text: str, n: int, more: str = "") -> str:
 
 
 def _worst_failures(rows: list[Record]) -> list[str]:
+    """One line per failing check, in the order a reader needs them: where the run first diverged
+    (the ``stage`` records, then the module ``divergence``), a cell that did not finish, then the
+    checks in pipeline order (:data:`parity.judge.stages.STAGES`), the stageless last -- a
+    later symptom (a resumed step that read a corrupted checkpoint) never heads the list."""
     by_check: dict[str, list[Record]] = defaultdict(list)
     for r in rows:
         if r.verdict in BAD:
             by_check[(r.check, r.verdict)].append(r)
     out = []
-    for (check, verdict), bad in sorted(by_check.items()):
+    for (check, verdict), bad in sorted(by_check.items(), key=_pipeline_order):
+        if check == "stage":
+            out.append(_first_divergence(bad))
+            continue
         rated = [r for r in bad if isinstance(r.ratio, float)]
         worst = max(rated, key=lambda r: r.ratio) if rated else bad[0]
         ratio = f", worst ratio {worst.ratio:.3g}" if rated else ""
@@ -70,6 +78,29 @@ def _worst_failures(rows: list[Record]) -> list[str]:
         out.append(f"{check}: {len(bad)} {verdict} records in {cells} cell{'s' if cells != 1 else ''}{ratio} "
                    f"({worst.cell} {worst.name}; {clip(worst.detail, 160)})")
     return out
+
+
+def _pipeline_order(item: tuple) -> tuple:
+    (check, verdict), bad = item
+    if check in LOCATING_CHECKS:
+        return (0, check != "stage", 0, check, verdict)
+    if check == "run":  # the cell did not finish: no stage record says where
+        return (1, 0, 0, check, verdict)
+    stage = stage_of(bad[0])
+    return (2, stage not in STAGES, STAGES.index(stage) if stage in STAGES else 0, check, verdict)
+
+
+def _first_divergence(located: list[Record]) -> str:
+    """The ``stage`` records of the failing cells: the earliest stage's detail first, then how many
+    cells first diverged at each stage."""
+    def at(r: Record) -> int:
+        return STAGES.index(r.name) if r.name in STAGES else len(STAGES)
+
+    first = min(located, key=at)
+    counts = Counter(r.name for r in located)
+    per = ", ".join(f"{s} in {n} cell{'s' if n != 1 else ''}" for s, n in
+                    sorted(counts.items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else len(STAGES)))
+    return f"{clip(first.detail, 240)} ({first.cell}; first divergent stage: {per})"
 
 
 def decide(records: list[Record], model: str, candidate: str) -> Decision:
