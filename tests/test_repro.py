@@ -167,6 +167,29 @@ def test_a_pairs_reproducer_names_each_cells_stage_and_path_and_no_heading_twice
         assert f"  [{c.path}] FAIL grad head.weight step 0" in text
 
 
+def test_a_reproducer_says_what_located_each_cell_and_when_a_cell_did_not_finish():
+    """A passing ``divergence`` record (no module differs: look after backward) was dropped as
+    "not located", a pair named one cell's divergence without its cell, and a cell that crashed
+    read "first divergent stage: none" (review)."""
+    from parity.judge.record import Record, Verdict
+    from parity.matrix.cell import Cell
+    from parity.report.repro import render
+
+    cells = [Cell(fixture="kda", path=p, ranks=1) for p in ("legacy", "native")]
+    bad = [Record(cell=c.id, fixture="kda", path=c.path, check="divergence", name=n, verdict=v, detail=d)
+           for c, n, v, d in ((cells[0], "-", Verdict.PASS, "no module differs"),
+                              (cells[1], "blocks.0", Verdict.FAIL, "forward: blocks.0 first"))]
+    text = render(cells, bad, "a test")
+    assert f"First divergence: no module differs (in {cells[0].id})" in text
+    assert f"First divergence: forward: blocks.0 first (in {cells[1].id})" in text
+    crashed = [Record(cell=cells[1].id, fixture="kda", path="native", check="run", name="cell", verdict=Verdict.ERROR,
+                      detail="rank 1 died")]
+    text = render(cells[1], crashed, "a test")
+    assert "#   ERROR run cell: rank 1 died" in text and "step" not in text.split("ERROR run cell")[1][:8]
+    assert "First divergent stage: not located: the cell did not finish (ERROR)" in text
+    assert "First divergent stage: none: nothing failed" in render(cells[1], [], "a test")
+
+
 def test_the_run_the_registry_and_the_reproducer_name_a_file_by_one_digest(tmp_path):
     """``run.json``'s ``sources``, the registry's edited-since-import check and the reproducer's
     changed-since-the-run check read one digest rule: a file over one read block names the same."""

@@ -82,14 +82,15 @@ def recorded_options(options: dict) -> dict:
 
 
 def _failing(out: str, ids: set[str] | None = None) -> list:
-    """The records of ``out`` that did not pass (of ``ids``' cells): read as ``report`` and ``gate
+    """The records of ``out`` that did not pass, and those locating a failure (of ``ids``' cells): read as ``report`` and ``gate
     --from`` read them -- a complete run only as it recorded them (a cut, emptied or missing
     ``cells.csv`` is a :class:`UsageError`, not a reproducer saying nothing failed); an interrupted
     run's as they are, none where it wrote none."""
     if not os.path.isfile(os.path.join(out, CELLS)) and read_manifest(out).get("status") != "complete":
         return []
     rows = recorded(out, "repro", "rerun the matrix into a new --out")
-    return [r for r in rows if r.verdict in _BAD and (ids is None or r.cell in ids)]
+    # a failing cell's divergence record passes where no module's output differs: that says where not to look
+    return [r for r in rows if (r.verdict in _BAD or r.check in LOCATING_CHECKS) and (ids is None or r.cell in ids)]
 
 
 def _ids(cells: list[Cell]) -> set[str]:
@@ -102,17 +103,30 @@ def _line(r, paths: bool = False) -> str:
     (``paths``: the record's path first, where a pair's two cells are listed together)."""
     numbers = (f"observed {r.observed:.3g}, allowed {r.allowed:.3g} (ratio {r.ratio:.3g}); "
                if isinstance(r.observed, float) and isinstance(r.allowed, float) else "")
-    return f"{f'[{r.path}] ' if paths else ''}{r.verdict} {r.check} {r.name} step {r.step}: {numbers}{r.detail}"
+    step = f" step {r.step}" if r.step != "" else ""
+    return f"{f'[{r.path}] ' if paths else ''}{r.verdict} {r.check} {r.name}{step}: {numbers}{r.detail}"
 
 
 def _stages(bad: list, pair: bool) -> list[str]:
     """Each failing cell's first divergent stage (its ``stage`` record, without the record's own
     heading), named by cell where a pair's two cells are listed."""
-    found = [r for r in bad if r.check == "stage"]
+    return _per_cell(bad, "stage", pair, lambda r: r.detail.removeprefix("first divergent stage: "))
+
+
+def _divergences(bad: list, pair: bool) -> list[str]:
+    """Each failing cell's first divergent module (its ``divergence`` record's detail: a PASS one
+    says no module's output or input gradient differs, so the difference arises outside them)."""
+    return _per_cell(bad, "divergence", pair, lambda r: r.detail)
+
+
+def _per_cell(bad: list, check: str, pair: bool, text) -> list[str]:
+    found = [r for r in bad if r.check == check]
     if not found:
-        return ["none"]
-    text = [r.detail.removeprefix("first divergent stage: ") for r in found]
-    return [f"{t} (in {r.cell})" if pair else t for r, t in zip(found, text)]
+        unfinished = sorted({r.verdict for r in bad if r.check == "run"})
+        if unfinished:
+            return [f"not located: the cell did not finish ({', '.join(unfinished)})"]
+        return ["not located" if any(r.verdict in _BAD for r in bad) else "none: nothing failed"]
+    return [f"{text(r)} (in {r.cell})" if pair else text(r) for r in found]
 
 
 def script(cells: list[Cell], out: str) -> str:
@@ -132,7 +146,6 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
     failing examples in this format too."""
     cells = cell if isinstance(cell, list) else [cell]
     found = [r for r in bad if r.check not in LOCATING_CHECKS]
-    where = next((r for r in bad if r.check == "divergence"), None)
     lines = [f"  {_line(r, len(cells) > 1)[:200]}" for r in found[:5]]
     if len(found) > 5:
         lines.append(f"  ... {len(found) - 5} more")
@@ -142,7 +155,7 @@ def render(cell: Cell | list[Cell], bad: list, origin: str, *, options: dict | N
         f"From {origin}:",
         *(lines or ["  nothing failed there"]),
         *(f"First divergent stage: {text[:600]}" for text in _stages(bad, len(cells) > 1)),
-        f"First divergence: {where.detail[:300] if where else 'not located'}",
+        *(f"First divergence: {text[:300]}" for text in _divergences(bad, len(cells) > 1)),
         "",
         f"Run: python <this file>  (parity and torch {torch.__version__}; {cells[0].ranks} rank(s), {cells[0].device})",
         "     python <this file> --op-log FILE  also writes the failing step's operator log (DebugMode's format)",
@@ -259,8 +272,8 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) ->
             print("operator log: none (the cell did not fail numerically, or this torch cannot write one)")
     for r in (r for r in bad if r.check not in LOCATING_CHECKS):
         print(_line(r, len(cells) > 1)[:300])
-    where = next((r for r in bad if r.check == "divergence"), None)
     for text in _stages(bad, len(cells) > 1):
         print(f"first divergent stage: {text}")
-    print(f"first divergence: {where.detail if where else 'not located'}")
+    for text in _divergences(bad, len(cells) > 1):
+        print(f"first divergence: {text}")
     return code

@@ -224,8 +224,9 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         mine = located_first([r for r in bad if r.cell == cell])
         for r in mine[:SHOWN_PER_CELL]:
             where = f" step {r.step}" if r.step != "" else ""
-            out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: observed {r.observed}, "
-                       f"allowed {r.allowed}, {md_text(r.detail)}")
+            numbers = (f"observed {r.observed}, allowed {r.allowed}, "
+                       if isinstance(r.observed, float) and isinstance(r.allowed, float) else "")
+            out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: {numbers}{md_text(r.detail)}")
         if len(mine) > SHOWN_PER_CELL:
             out.append(f"  - ... {len(mine) - SHOWN_PER_CELL} more (cells.csv has every record)")
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
