@@ -3,8 +3,10 @@ valid machine-readable outputs. Every case here is pure Python and takes millise
 must be refused before a rank is spawned (two cases start a ``python -m parity`` process, because
 only a real process shows what ``sys.exit`` at import and a closed pipe do to the exit code)."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -756,12 +758,59 @@ def test_unit_roots_out_of_bottom_up_order_are_one_line():
     with pytest.raises(UsageError, match=f'lists the root "" before {inner[0]!r}, which it contains'):
         validate(dataclasses.replace(spec, unit_roots=("", *inner)), "test")
     # a tuple of tuples (one per unit) instead of FQN strings names the expected shape
-    with pytest.raises(UsageError, match=r"Fixture.unit_roots = \(\('blocks.0',\),\); it is a tuple of module FQN strings"):
+    with pytest.raises(UsageError, match=r"Fixture.unit_roots = \(\('blocks.0',\),\); it is a tuple of strings"):
         validate(dataclasses.replace(spec, unit_roots=(("blocks.0",),)), "test")
     # without the root "", a parameter outside every root would stay a plain tensor: every path refuses
     with pytest.raises(UsageError, match=r"Fixture.unit_roots \['blocks.0', 'blocks.1'\] holds no module of "
                                          r"parameter 'head.weight'; add its module, or the root \"\" last"):
         validate(dataclasses.replace(spec, unit_roots=tuple(inner)), "test")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("name", 3, "Fixture.name = 3; it is a string"),
+    ("expect", ["native"], "Fixture.expect = ['native']; it is a dict keyed by strings"),
+    ("expect", {3: "fallback:x"}, "Fixture.expect = {3: 'fallback:x'}; it is a dict keyed by strings"),
+    ("unit_roots", None, "Fixture.unit_roots = None; it is a tuple of strings"),
+    ("blocks", None, "Fixture.blocks = None; it is a tuple of strings"),
+    ("keep_fp32", None, "Fixture.keep_fp32 = None; it is a tuple of strings"),
+    ("quantizable", 3, "Fixture.quantizable = 3; it is a tuple of strings"),
+    ("unfreeze", ["a"], "Fixture.unfreeze = ['a']; it is a dict keyed by strings"),
+    ("tensor_parallel", ["a"], "Fixture.tensor_parallel = ['a']; it is a dict keyed by strings"),
+    ("tied", None, "Fixture.tied = None; it is a tuple of tuples of parameter FQNs"),
+    ("tied", ("a.weight", "b.weight"), "Fixture.tied = ('a.weight', 'b.weight'); it is a tuple of tuples"),
+    ("expect_fp32", "blocks.0.holder.A_log", "Fixture.expect_fp32 = 'blocks.0.holder.A_log'; it is a tuple of "
+                                             "strings, e.g. ('blocks.0.holder.A_log',)"),
+    ("token_input", "yes", "Fixture.token_input = 'yes'; it is True or False"),
+    ("unit_roots", ("blocks.0", "blocks.0", ""), "Fixture.unit_roots lists 'blocks.0' twice; list each module once"),
+])
+def test_a_fixture_field_of_the_wrong_kind_is_one_line_naming_it(field, value, message):
+    """A field holding another kind of value than its annotation (None, a list for a dict, a bare
+    string for a tuple, a duplicate root) was a traceback deep in parity or accepted silently
+    (review)."""
+    from parity.errors import UsageError
+    from parity.model.registry import get_fixture
+    from parity.model.spec import validate
+
+    with pytest.raises(UsageError) as raised:
+        validate(dataclasses.replace(get_fixture("kda"), **{field: value}), "test")
+    assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("batch, message", [
+    ("Batch(inputs=torch.zeros(2, 3), target=torch.zeros(2))", "returned Batch(inputs=Tensor)"),
+    ("Batch(inputs=(torch.zeros(2, 3),), target=None)", "returned Batch(target=NoneType)"),
+])
+def test_a_batch_of_the_wrong_kind_is_one_line(batch, message):
+    import torch
+
+    from parity.errors import UsageError
+    from parity.model import Batch
+    from parity.model.registry import get_fixture
+    from parity.model.spec import validate
+
+    spec = dataclasses.replace(get_fixture("kda"), make_batch=lambda g: eval(batch, {"Batch": Batch, "torch": torch}))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        validate(spec, "test")
 
 
 def test_a_model_that_fails_to_build_on_the_ranks_is_an_error_per_cell_not_a_traceback(tmp_path, capsys):

@@ -383,6 +383,10 @@ def test_a_registered_path_named_like_another_or_falling_back_to_nothing_is_refu
         registry.register(type("Mine", (LegacyPath,), {"name": "legacy"})())
     with pytest.raises(UsageError, match="path 'bad' declares fallback 'nope', which is not registered"):
         registry.register(type("Bad", (LegacyPath,), {"name": "bad", "fallback": "nope"})())
+    # a name that is no word broke cell ids and the comma-joined crossload field: every cell ERROR (review)
+    for name in ("a,b", "", "x/y", 3):
+        with pytest.raises(UsageError, match=f"path name {name!r} is not a word"):
+            registry.register(type("Odd", (LegacyPath,), {"name": name})())
     assert registry._extra == {} and get_path("legacy")
 
 

@@ -230,6 +230,48 @@ def _check_covered(spec: Fixture, model: nn.Module, where: str) -> None:
                          'add its module, or the root "" last, to unit_roots')
 
 
+#: Fixture fields by the kind of value each holds, checked before any is read (a wrong kind would
+#: surface as an error deep in parity, or as a bare string iterated letter by letter).
+_TEXTS = ("name", "description", "ignored_reduction", "fp32_rule")
+_FLAGS = ("token_input", "casts_inputs", "unused_params")
+_NAMES = ("unit_roots", "blocks", "keep_fp32", "backward_free", "quantizable", "expert_parallel", "expert_exchanges")
+_MAPPINGS = ("expect", "compute_dtypes", "grad_dtypes", "unfreeze", "tensor_parallel")
+
+
+def _names(value) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(n, str) for n in value)
+
+
+def _check_kinds(spec: Fixture, where: str) -> None:
+    """Each declared field holds the kind of value its annotation says; the first that does not
+    is named with an example of the kind."""
+    def bad(name: str, kind: str, example: str):
+        value = getattr(spec, name)
+        hint = f" ({value!r},)" if isinstance(value, str) and kind.startswith("a tuple") else f" {example}"
+        raise UsageError(f"{where}: Fixture.{name} = {value!r:.80}; it is {kind}, e.g.{hint}")
+
+    for name in _TEXTS:
+        if not isinstance(getattr(spec, name), str):
+            bad(name, "a string", "'text'")
+    for name in _FLAGS:
+        if not isinstance(getattr(spec, name), bool):
+            bad(name, "True or False", "False")
+    for name in (*_NAMES, *(("expect_fp32",) if spec.expect_fp32 is not None else ())):
+        if not _names(getattr(spec, name)):
+            bad(name, "a tuple of strings", "('blocks.0', 'blocks.1')")
+    for name in _MAPPINGS:
+        value = getattr(spec, name)
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            bad(name, "a dict keyed by strings", "{'blocks.0': ...}")
+    if not isinstance(spec.tied, (tuple, list)) or not all(_names(g) for g in spec.tied):
+        bad("tied", "a tuple of tuples of parameter FQNs", "(('embed.weight', 'head.weight'),)")
+    for name in ("unit_roots", "blocks"):
+        names = getattr(spec, name)
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise UsageError(f"{where}: Fixture.{name} lists {twice!r} twice; list each module once")
+
+
 def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     """Check what a factory returned; raise :class:`UsageError` naming the first problem. With
     ``expect_keys`` (the contracts and registered path names), a ``Fixture.expect`` key close to one
@@ -241,6 +283,7 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
     for attr in ("build", "make_batch", "loss", "ignored", "output"):
         if not callable(getattr(spec, attr)):
             raise UsageError(f"{where}: Fixture.{attr} must be callable")
+    _check_kinds(spec, where)
     if not spec.name or not spec.name.replace("_", "").replace("-", "").isalnum():
         raise UsageError(f"{where}: Fixture.name {spec.name!r} must be a non-empty word (letters, digits, _ -)")
     if spec.ignored_reduction not in IGNORED_REDUCTIONS:
@@ -264,18 +307,10 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
         raise UsageError(f"{where}: building the model failed: {type(exc).__name__}: {exc}") from None
     modules = {n for n, _ in model.named_modules()}
     for what, names in (("unit_roots", spec.unit_roots), ("blocks", spec.blocks)):
-        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            raise UsageError(f"{where}: Fixture.{what} = {names!r}; it is a tuple of module FQN strings, "
-                             "e.g. ('blocks.0', 'blocks.1', '')")
         missing = [n for n in names if n not in modules]
         if missing:
             raise UsageError(f"{where}: Fixture.{what} names {missing[0]!r}, which is not a module of the model; "
                              "give module FQNs as model.named_modules() spells them")
-    for what in ("keep_fp32", "backward_free", "quantizable", "expert_parallel"):  # a bare string iterates as letters
-        names = getattr(spec, what)
-        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-            example = f", e.g. ({names!r},)" if isinstance(names, str) else ""
-            raise UsageError(f"{where}: Fixture.{what} = {names!r}; it is a tuple of strings{example}")
     if not spec.unit_roots:
         raise UsageError(f"{where}: Fixture.unit_roots is empty; declare the modules handed to fully_shard")
     for i, outer in enumerate(spec.unit_roots):  # FSDP shards bottom-up: a root after every root inside it
@@ -353,6 +388,12 @@ def validate(spec: object, where: str, expect_keys=()) -> Fixture:
         raise UsageError(f"{where}: Fixture.make_batch failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(batch, Batch):
         raise UsageError(f"{where}: Fixture.make_batch returned {type(batch).__name__}, not parity.model.Batch")
+    tensors = isinstance(batch.inputs, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in batch.inputs)
+    if not tensors or not isinstance(batch.target, torch.Tensor):
+        what = (f"inputs={type(batch.inputs).__name__}" if not tensors
+                else f"target={type(batch.target).__name__}")
+        raise UsageError(f"{where}: Fixture.make_batch returned Batch({what}); return Batch(inputs=(x, ...), "
+                         "target=y), a tuple of tensors and a tensor")
     first = batch.inputs[0] if batch.inputs else None
     if not isinstance(first, torch.Tensor):
         raise UsageError(f"{where}: Fixture.make_batch returned no input tensor (Batch.inputs[0]); return "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import pickle
+import re
 from importlib.metadata import entry_points
 
 from parity.errors import UsageError, plugin_fix
@@ -37,6 +38,10 @@ def _check(path: object, where: str) -> ShardingPath:
             raise UsageError(f"{where}: constructing the path failed: {type(exc).__name__}: {exc}{hint}") from None
     if not isinstance(path, ShardingPath):
         raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply)")
+    name = getattr(path, "name", None)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):  # a cell id's part, a --paths item
+        raise UsageError(f"{where}: path name {name!r} is not a word (letters, digits, _ -); name the path like "
+                         "owner_split")
     if path.contract not in CONTRACTS:
         raise UsageError(f"{where}: contract {path.contract!r}; valid: {', '.join(CONTRACTS)}")
     for method, args in CALLS.items():  # a wrong signature would fail every cell, far from the cause
