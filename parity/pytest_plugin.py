@@ -313,11 +313,18 @@ def _run_group(options: dict, cell, tmp_path_factory) -> dict:
         if code in (130, 143):  # SIGINT / SIGTERM reached the run: the session stops, as the CLI does
             raise KeyboardInterrupt
         records = read_records(f"{out}/cells.csv")
-        held = {c.id: [r for r in records if r.cell == c.id or (r.cell == c.pair_id and c.path != c.baseline)]
-                for c in group}
+        held = _held(group, records)
         _charge_loads(group, held)
         _GROUPS[key] = {c.id: CellOutcome(c, held[c.id], out) for c in group}
     return _GROUPS[key]
+
+
+def _held(group, records) -> dict:
+    """Each cell's records: its own, and for a cell beside the baseline its own pair's rows
+    (``baseline~path``) -- not another path's of the group, whose failure is that path's test's."""
+    return {c.id: [r for r in records if r.cell == c.id or (r.cell == c.pair_id and c.path != c.baseline
+                                                            and r.path == f"{c.baseline}~{c.path}")]
+            for c in group}
 
 
 def _charge_loads(group, held: dict) -> None:

@@ -282,6 +282,25 @@ def test_a_failed_load_into_a_teams_helper_fails_the_helpers_test_not_the_baseli
         assert kept == before
 
 
+def test_a_failing_helper_beside_a_passing_one_fails_only_its_own_test():
+    """Every cell beside the baseline was handed every pair row of the group: a team's broken
+    helper failed the test of a healthy path run beside it (review)."""
+    from types import SimpleNamespace
+
+    from parity.judge.record import Record, Verdict
+    from parity.pytest_plugin import _held
+
+    group = [SimpleNamespace(id=f"m/{p}/r1", pair_id="m/r1", path=p, baseline="legacy")
+             for p in ("legacy", "owner_split", "team_split")]
+    rows = [Record(cell=c.id, fixture="m", path=c.path, check="grad", name="w", verdict=Verdict.PASS) for c in group]
+    rows += [Record(cell="m/r1", fixture="m", path=f"legacy~{p}", check="grad", name="w", verdict=v)
+             for p, v in (("owner_split", Verdict.PASS), ("team_split", Verdict.FAIL))]
+    held = _held(group, rows)
+    assert [r.path for r in held["m/owner_split/r1"]] == ["owner_split", "legacy~owner_split"]
+    assert [r.path for r in held["m/team_split/r1"]] == ["team_split", "legacy~team_split"]
+    assert [r.path for r in held["m/legacy/r1"]] == ["legacy"]
+
+
 def test_marked_tests_collect_under_strict_markers_without_xdist_and_a_refusal_is_said_once(pytester):
     """The cells carry xdist's group mark: without pytest-xdist, --strict-markers must still know it; a
     marker parity refuses is one message, not the refusal and a chained copy of it (review)."""
