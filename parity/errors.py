@@ -68,6 +68,12 @@ class IsolationError(ValueError):
         )
 
 
+class IncompleteObservation(ValueError):
+    """The ranks' observations of a trained cell lack what every such cell sends (a rank, a step's
+    gradients, a micro-batch's output): nothing can be judged against the reference, and the
+    message names what is missing (:func:`parity.judge.coverage.missing_observations`)."""
+
+
 class RankMismatchError(RuntimeError):
     """Ranks resolved different compute dtypes for the same parameter."""
 

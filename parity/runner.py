@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from parity.errors import OutputError, UsageError, writing
+from parity.errors import IncompleteObservation, OutputError, UsageError, writing
 from parity.execute import knobs
 from parity.execute.pool import CellFailure
 from parity.execute.pools import Pools
@@ -284,7 +284,9 @@ class _Run:
                                 require_native=self.options.require_native)
         except Exception as exc:  # noqa: BLE001 - a broken judge is that cell's ERROR
             self.unpaired[cell.pair_id, cell.path] = (Unpaired.NOT_JUDGED, f"{cell.path} could not be judged")
-            return [failure_record(cell, Verdict.ERROR, f"judging failed: {type(exc).__name__}: {exc}"),
+            why = (f"incomplete observation: {exc}" if isinstance(exc, IncompleteObservation)
+                   else f"judging failed: {type(exc).__name__}: {exc}")
+            return [failure_record(cell, Verdict.ERROR, why),
                     *still_judged(cell, observations, self.options.require_native)]
         new = judged.records
         if any(r.check in NUMERIC and r.verdict == Verdict.FAIL for r in new):

@@ -188,3 +188,21 @@ def test_state_dicts_are_judged_by_value_and_a_missing_one_fails(one_rank):
     obs[0].state_dicts = obs[0].state_dicts[1:]  # the after-step state dict was never taken
     failed = {r.name for r in judge_cell(cell, obs).records if r.check == "state_dict" and r.verdict == "FAIL"}
     assert failed == {"state_dict@after-step"}
+
+
+def test_an_observation_cut_short_is_named_not_an_index_error(one_rank):
+    """A rank's observation missing a step's gradients, an output or a whole rank raised an
+    IndexError in the judge, written as an unnamed "judging failed" (review): what is missing is
+    named before anything is assembled."""
+    from parity.errors import IncompleteObservation
+
+    cell = Cell(fixture="kda", path="native", steps=2)
+    obs = _observe(one_rank, cell)
+    for field, message in (("grads", "rank 0 sent 1 grads where the cell owes 2 (one per step)"),
+                           ("outputs", "rank 0 sent 1 outputs where the cell owes 2 (2 steps x 1 micro-batches)")):
+        cut = [dataclasses.replace(obs[0], **{field: getattr(obs[0], field)[:1]})]
+        with pytest.raises(IncompleteObservation, match=message.replace("(", r"\(").replace(")", r"\)")):
+            judge_cell(cell, cut)
+    with pytest.raises(IncompleteObservation, match=r"observations of ranks \[0\] arrived where the cell runs ranks 0-1"):
+        judge_cell(dataclasses.replace(cell, ranks=2), obs)
+    assert judge_cell(cell, obs).records  # whole, it is judged

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from parity.errors import IncompleteObservation
 from parity.execute.observation import Observation
 from parity.judge import (accumulation, composition, contracts, coverage, gathered, moments, partials, quantized,
                           shards, stages, tensor_parallel)
@@ -140,6 +141,9 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     first = observations[0]
     if any(o.expected_error for o in observations):
         return Judged(_expected_error_records(cell, observations, fixture, expect, expected_reason, require_native))
+    gap = coverage.missing_observations(cell, observations)
+    if gap:
+        raise IncompleteObservation(gap)
     report, plan = first.report, first.plan
     base = base_fields(cell, report.taken, report.fallback_reason)
     records = _outcome_records(cell, report, expect, expected_reason, require_native, base)
