@@ -191,6 +191,8 @@ def _files(t) -> dict[str, str]:
     for name, text in matrices.items():
         f[f"matrix_{name}"] = _write(t / "matrices" / f"{name}.toml", text)
     f["matrix_latin1"] = _write(t / "matrices" / "latin1.toml", b"description = '\xff'\n[axes]\nranks = [1]\n")
+    f["matrix_impossible"] = _write(t / "matrices" / "impossible.toml",
+                                    "[axes]\nfixture = ['kda']\npath = ['legacy']\nranks = [1, 4]\nmesh = ['fsdp', 'hsdp']\n")
     for name, text in {"notjson": "{", "list": "[]", "options": '{"options": 3}', "binary": b"\xff\xfe",
                        "paths": '{"options": {"paths": 5}}', "steps": '{"options": {"steps": 100000}}',
                        "fault": '{"options": {"matrix": "smoke", "fault": null}, "status": "complete", "cells": []}',
@@ -460,6 +462,10 @@ CASES = [
     (["run", "--matrix", "{matrix_empty_axes}", "--out", "{out}"], "the matrix names no axes and no models"),
     (["run", "--matrix", "{matrix_no_models}", "--out", "{out}"], "the matrix names no axes and no models"),
     (["run", "--matrix", "{matrix_latin1}", "--out", "{out}"], "latin1.toml: not UTF-8 text (byte 15)"),
+    # a product row no cell can be names the file and the row; an axis option, the option (review)
+    (["run", "--matrix", "{matrix_impossible}", "--list"],
+     "impossible.toml: the combination fixture = 'kda', path = 'legacy', ranks = 1, mesh = 'hsdp' cannot run (mesh"),
+    (["run", "--mesh", "hsdp", "-k", "ranks == 1", "--list"], "--mesh hsdp cannot run kda/legacy/r1/"),
     (["run", "--matrix", "{matrix_underscore}", "--out", "{out}"], "axes.accumulation has unknown value '1_0'"),
     (["run", "--matrix", "{matrix_fullwidth}", "--out", "{out}"], "axes.accumulation has unknown value"),
     (["run", "--matrix", "{matrix_same_accumulation}", "--out", "{out}"], "axes.accumulation has '1' and '1:every', "

@@ -91,7 +91,7 @@ def _select(opts: dict):
     given = {k: opts[k] for k in (*AXIS_OPTIONS, "steps") if opts[k] is not None}
     if given:  # cells that differed only in a value now given once are one cell
         seen, unique = set(), []
-        for c in (dataclasses.replace(c, **given) for c in cells):
+        for c in (_given(c, given) for c in cells):
             if c.id not in seen:
                 seen.add(c.id)
                 unique.append(c)
@@ -99,6 +99,16 @@ def _select(opts: dict):
     cells = [dataclasses.replace(c, faults=tuple(faults), baseline=baseline) for c in cells]
     registry.check_carried(sorted({c.path for c in cells} | {baseline}))
     return matrix, select(cells, opts["filter"])
+
+
+def _given(cell, given: dict):
+    """``cell`` with the axis values the command line gives; a cell those values cannot make names
+    the options."""
+    try:
+        return dataclasses.replace(cell, **given)
+    except UsageError as exc:
+        options = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise UsageError(f"{options} cannot run {cell.id}: {exc}") from None
 
 
 def _nonempty(matrix, cells) -> None:

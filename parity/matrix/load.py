@@ -367,11 +367,16 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     cells, seen = [], set()
     for row in rows:
         micro, sync = _accumulation(path, row["accumulation"])
-        cell = Cell(
-            fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
-            checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
-            seed=row["seed"], source=source_of.get(row["fixture"], ""), **{a: row[a] for a in RECIPE_AXES},
-        )
+        try:
+            cell = Cell(
+                fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
+                checkpointing=row["checkpointing"], reshard=row["reshard"], output_dtype=row["output_dtype"],
+                seed=row["seed"], source=source_of.get(row["fixture"], ""), **{a: row[a] for a in RECIPE_AXES},
+            )
+        except UsageError as exc:  # a combination no cell can be: name the file and the row
+            values = ", ".join(f"{a} = {row[a]!r}" for a in AXES if a in axes_in or a in ("ranks", "fixture"))
+            raise UsageError(f"{path}: the combination {values} cannot run ({exc}); narrow the axes, or use "
+                             'design = "covering", which leaves such combinations out') from None
         if cell.id not in seen:
             seen.add(cell.id)
             cells.append(cell)
