@@ -26,17 +26,21 @@ def main(argv: list[str] | None = None) -> int:
     re-runs the command's script in every spawned rank worker before the worker's entry point,
     and that must not import torch before the worker asked to die with its parent
     (:mod:`parity.execute.spawned`)."""
+    import signal
     import sys
 
     from parity.execute.starting import start_early, stop_server
+    from parity.interrupt import Interrupted, exit_code, name, raising
 
-    start_early(sys.argv[1:] if argv is None else argv)  # the rank fork server imports torch beside us
     try:
-        try:
-            from parity.cli import main as cli_main  # seconds: torch
-        except KeyboardInterrupt:  # a Ctrl-C before any handler is installed: one line, as after
-            print("parity: interrupted by SIGINT while starting; nothing was run", file=sys.stderr)
-            return 130
+        try:  # SIGINT / SIGTERM while starting (torch imports for seconds): one line, as after
+            with raising():
+                start_early(sys.argv[1:] if argv is None else argv)  # the rank fork server imports torch beside us
+                from parity.cli import main as cli_main  # seconds: torch
+        except (KeyboardInterrupt, Interrupted) as exc:
+            signum = getattr(exc, "signum", None) or signal.SIGINT
+            print(f"parity: interrupted by {name(signum)} while starting; nothing was run", file=sys.stderr)
+            return exit_code(signum)
         return cli_main(argv)
     finally:
         stop_server()

@@ -569,6 +569,27 @@ def test_a_ctrl_c_while_torch_is_imported_is_one_line_and_130(monkeypatch, capsy
     assert capsys.readouterr().err == "parity: interrupted by SIGINT while starting; nothing was run\n"
 
 
+def test_a_sigterm_while_torch_is_imported_is_one_line_and_143(monkeypatch, capsys):
+    """SIGTERM kept its default action until the CLI was imported: the command died silently,
+    its rank fork server left running (review). Parity's handler is in place from the start: the
+    import below calls it as the signal would."""
+    import importlib.abc
+    import signal
+
+    import parity
+
+    class Term(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "parity.cli":
+                signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the default action is no callable
+            return None
+
+    monkeypatch.delitem(sys.modules, "parity.cli")
+    monkeypatch.setattr(sys, "meta_path", [Term(), *sys.meta_path])
+    assert parity.main(["fixtures"]) == 143
+    assert capsys.readouterr().err == "parity: interrupted by SIGTERM while starting; nothing was run\n"
+
+
 def test_a_report_that_cannot_be_written_is_one_line(tmp_path, capsys):
     d = results(tmp_path / "r", {A: "PASS"})
     os.makedirs(os.path.join(d, "report.html"))
