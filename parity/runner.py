@@ -394,10 +394,10 @@ class _Run:
         # build, steps and checkpoint are rank 0's and overlap the parent's judging of the cell before
         t["other (parent, queues, skips)"] = t["wall"] - sum(
             t[k] for k in ("spawn", "waiting for ranks", "reference+compare"))
-        t["cells"] = len(self.todo)
-        t["per_cell"] = t["wall"] / max(1, len(self.todo))
         records = read_records(os.path.join(out, outdir.CELLS))
         recorded = {r.cell for r in records}
+        t["cells"] = len([c for c in self.todo if c.id in recorded])  # this launch's cells that finished
+        t["per_cell"] = t["wall"] / max(1, t["cells"])
         not_run = [c.id for c in self.cells if c.id not in recorded]
         why = signals.name if stopped else ""
         also = _arrived_too(signals)
@@ -445,7 +445,7 @@ class _Run:
         print(terminal_table(records))
         if faults:
             print(fault_line(records, faults))
-        print(f"wall {t['wall']:.1f} s for {len(self.todo)} cells ({t['per_cell']:.3f} s/cell); results in {out}")
+        print(f"wall {t['wall']:.1f} s for {t['cells']} cells ({t['per_cell']:.3f} s/cell); results in {out}")
         return verdict_code(records)
 
 

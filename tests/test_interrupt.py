@@ -127,6 +127,9 @@ def test_interrupt_keeps_rows_cleans_up_and_resumes_to_the_same_result(tmp_path,
     assert f"**Interrupted** (SIG{sig})" in summary
     with open(out / "cells.csv") as fh:
         rows = list(csv.DictReader(fh))
+    # the counts are of what finished, not of what was asked (review: "8 cells", "8 cells run" after 3)
+    held, timed = len({r["cell"] for r in rows if "~" not in r["path"]}), json.loads((out / "timings.json").read_text())["cells"]
+    assert timed == held and (f"{held} of " in summary if held else True), summary
     assert all(r["verdict"] in ("PASS", "SKIP") for r in rows)  # no torn or bogus row
     if point != "start-up":
         assert rows  # what finished before the signal is kept

@@ -197,7 +197,8 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
         out += [f"**Nothing was checked**: every cell was skipped ({md_text(skipped_all)}); the run exits 1.", ""]
     out += ["| verdict | cells |", "|---|---|"]
     out += [f"| {v} | {counts.get(v, 0)} |" for v in VERDICTS if v != Verdict.UNPAIRED]  # a pair's, not a cell's
-    out += ["", f"{cells_total} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
+    held = f"{cells_total - len(not_run)} of {cells_total}" if not_run else f"{cells_total}"
+    out += ["", f"{held} cells, {len(records)} records. Cross-path pairs: {_counts(pair_verdicts(records))}.", ""]
     out += ["## Worst ratio per check", "", "| check | ratio | observed | allowed | dtype | cell | name |", "|---|---|---|---|---|---|---|"]
     for check, r in worst_ratios(records).items():
         out.append(f"| {md_text(check, cell=True)} | {_ratio(r.ratio)} | {r.observed:.3g} | {r.allowed:.3g} | "
