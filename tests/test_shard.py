@@ -194,6 +194,15 @@ def test_parts_from_checkouts_at_other_paths_merge_and_changed_files_do_not(shar
     capsys.readouterr()
     assert main(["merge", parts[0], changed, *parts[2:], "--out", str(tmp_path / "m2")]) == 2
     assert "differ in sources" in capsys.readouterr().err
+    # a matrix file at another path merges; one of another name (the merged run's title) does not (review)
+    for name, code in (("/elsewhere/smoke.toml", 0), ("/elsewhere/other.toml", 2)):
+        renamed = str(tmp_path / f"renamed-{code}")
+        shutil.copytree(parts[1], renamed)
+        manifest = json.loads(_read(os.path.join(renamed, "run.json")))
+        manifest["options"]["matrix"] = name
+        pathlib.Path(renamed, "run.json").write_text(json.dumps(manifest))
+        assert main(["merge", parts[0], renamed, *parts[2:], "--out", str(tmp_path / f"m-{code}")]) == code
+    assert "were run with different --matrix (other vs smoke)" in capsys.readouterr().err
 
 
 def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded, capsys):
@@ -206,6 +215,11 @@ def test_merging_over_another_runs_results_suggests_only_what_merge_has(sharded,
     pathlib.Path(campaign, "fuzz.json").write_text("{}")
     assert main(["merge", *parts, "--out", campaign]) == 2
     assert "holds a fuzz campaign's results" in capsys.readouterr().err
+    # nor a run's part written into a campaign's folder: a merge read it as a campaign's (review)
+    assert main(["run", "--matrix", "smoke", "-k", "fixture == 'kda' and ranks == 1", "--out", campaign,
+                 "--overwrite"]) == 2
+    assert "holds a fuzz campaign's results (fuzz.json); choose another --out" in capsys.readouterr().err
+    assert sorted(os.listdir(campaign)) == ["fuzz.json"]
 
 
 @pytest.mark.parametrize("key, value", [("cell_groups", 5), ("index", [3]), ("selection", [[1]]), ("groups", None),

@@ -144,9 +144,12 @@ def check_parts(directories: list[str]) -> list[tuple[str, dict]]:
 
 def _options(manifest: dict) -> dict:
     """The options that define what a part computes (``run.json``'s, those ``--resume`` keeps), less
-    the two that differ between parts of one run by design: ``shard``, and ``matrix``, whose file
-    may lie at another path on another machine (the shard digest already pins the selection)."""
-    options = {k: v for k, v in (manifest.get("options") or {}).items() if k not in ("shard", "matrix")}
+    ``shard``, which differs between parts of one run by design; ``matrix`` by its name, whose file
+    may lie at another path on another machine (the shard digest already pins the selection, the
+    name is the merged run's title)."""
+    options = {k: v for k, v in (manifest.get("options") or {}).items() if k != "shard"}
+    if isinstance(options.get("matrix"), str):  # its name (the merged run's title): not where its file lies
+        options["matrix"] = os.path.basename(options["matrix"]).removesuffix(".toml")
     if isinstance(options.get("model"), list):  # a model file, too, lies where each job checked it out
         options["model"] = [_where_free(m) for m in options["model"]]
     return options

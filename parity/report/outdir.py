@@ -142,6 +142,11 @@ def prepare(out: str, manifest: dict, *, overwrite: bool, resumable: bool = True
     """Make ``out`` ready for a new run and write its manifest (status ``running``). ``resumable``:
     whether the command writing it has ``--resume`` to suggest (``merge`` has not)."""
     usable(out)
+    from parity.report import fuzz_merge
+
+    campaign = fuzz_merge.campaign_files_in(out)
+    if campaign:  # the other kind of results: never side by side (a merge would read the folder as a campaign)
+        raise UsageError(f"--out {out} holds a fuzz campaign's results ({', '.join(campaign[:3])}); choose another --out")
     present = run_files_in(out)
     if present and not overwrite:
         resume = f", --resume {out} to continue that run" if resumable else ""
