@@ -113,14 +113,14 @@ def missing_observations(cell: Cell, observations: list) -> str:
     """What the ranks' observations of a trained cell lack ("" when nothing): one from every rank
     of the cell, and from each the step-indexed evidence every cell sends -- an output and an
     input gradient per micro-batch of every step, each step's gradients, parameters and global
-    norm (and its clipped norm where the cell clips). Judged before anything is assembled, so an
+    norm. Judged before anything is assembled, so an
     observation cut short is named, not an index error of the judge."""
     ranks = [o.rank for o in observations]
     if ranks != list(range(cell.ranks)):
         return f"observations of ranks {ranks} arrived where the cell runs ranks 0-{cell.ranks - 1}"
     passes = cell.steps * cell.microbatches
     owed = {"outputs": passes, "input_grads": passes, "grads": cell.steps, "params": cell.steps,
-            "grad_norms": cell.steps, **({"clipped_norms": cell.steps} if cell.clip else {})}
+            "grad_norms": cell.steps}  # a clipped norm that is missing fails ``clip`` by name
     for o in observations:
         for name, n in owed.items():
             got = len(getattr(o, name))
