@@ -21,8 +21,7 @@ import shutil
 from collections import Counter
 
 from parity.errors import UsageError, writing
-
-MANIFEST = "fuzz.json"
+from parity.report.outdir import CAMPAIGN as MANIFEST
 #: Entries every part of one campaign shares (``generator``: the digest of the model generator's
 #: source, which an uncommitted edit changes where ``parity``'s commit does not).
 SAME = ("seed", "examples", "fault", "count", "torch", "parity", "generator")

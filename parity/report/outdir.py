@@ -36,6 +36,8 @@ PROGRESS = "progress.jsonl"
 CELLS = "cells.csv"
 GATE_FILES = ("gate.md", "gate.json")
 """What a gate writes beside a run's records: its decision on them."""
+#: A fuzz campaign's manifest (:mod:`parity.report.fuzz_merge`): a folder holding one is a campaign's.
+CAMPAIGN = "fuzz.json"
 RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, *GATE_FILES, "report.html")
 #: Where a run writes the traces of its failing cells (:func:`write_trace`).
 TRACES = "traces"
@@ -142,11 +144,8 @@ def prepare(out: str, manifest: dict, *, overwrite: bool, resumable: bool = True
     """Make ``out`` ready for a new run and write its manifest (status ``running``). ``resumable``:
     whether the command writing it has ``--resume`` to suggest (``merge`` has not)."""
     usable(out)
-    from parity.report import fuzz_merge
-
-    campaign = fuzz_merge.campaign_files_in(out)
-    if campaign:  # the other kind of results: never side by side (a merge would read the folder as a campaign)
-        raise UsageError(f"--out {out} holds a fuzz campaign's results ({', '.join(campaign[:3])}); choose another --out")
+    if os.path.isfile(os.path.join(out, CAMPAIGN)):  # never side by side: a merge would read the folder as a campaign
+        raise UsageError(f"--out {out} holds a fuzz campaign's results ({CAMPAIGN}); choose another --out")
     present = run_files_in(out)
     if present and not overwrite:
         resume = f", --resume {out} to continue that run" if resumable else ""
