@@ -237,6 +237,8 @@ def _files(t) -> dict[str, str]:
     f["header_only"] = os.path.dirname(_write(t / "header_only" / "cells.csv", HEADER))
     f["bench"] = os.path.dirname(_write(t / "bench" / "bench.csv", "fixture,path,metric,value\nkda,legacy,units,5\n"))
     f["no_cells"] = results(t / "no_cells", {})  # a complete run of no cell (an empty part): no baseline
+    f["digest_dir"] = _write(t / "digest_dir" / "digest.json", "{}").removesuffix("/digest.json")
+    f["bench_dir"] = _write(t / "bench_dir" / "bench.json", "{}").removesuffix("/bench.json")
     return f
 
 
@@ -378,6 +380,12 @@ CASES = [
     (["report", "{csv_pass_ratio}"], "ratio 9)"),
     (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),
+    # results of two kinds never side by side: a run's beside a baseline digest shadowed it, a bench's
+    # beside a run's read as complete when stopped (review)
+    (["run", "--matrix", "smoke", "-k", FILTER, "--out", "{digest_dir}", "--overwrite"],
+     "--out {digest_dir} holds a compare digest's results (digest.json); choose another --out"),
+    (["run", "--matrix", "smoke", "-k", FILTER, "--out", "{bench_dir}"], "holds a bench's results (bench.json)"),
+    (["bench", "--out", "{complete}"], "--out {complete} holds a run's results (cells.csv, run.json, progress.jsonl"),
     (["gate", "--from", "{complete}", "--matrix", "nope"], "judges that run as it ran (its gate files go beside it): "
      "--matrix does not apply"),
     (["gate", "--from", "{complete}", "-k", "ranks == 2"], "-k does not apply"),
@@ -624,6 +632,8 @@ def test_a_closed_pipe_keeps_the_verdict_in_a_real_process(tmp_path):
     ({A: "PASS"}, {A: "PASS", "kda/native/r1/c0": "UNPAIRED"}, "UNPAIRED (not in the old run)"),
     ({A: "PASS"}, {A: "INCONCLUSIVE"}, f"cell {A}: PASS -> INCONCLUSIVE"),
     ({A: "TIMEOUT"}, {A: "ERROR"}, f"cell {A}: TIMEOUT -> ERROR"),
+    ({A: "ERROR"}, {A: "FAIL"}, f"cell {A}: ERROR -> FAIL"),  # an alarm of another kind, not a fix (review)
+    ({A: "FAIL"}, {A: "INCONCLUSIVE"}, f"cell {A}: FAIL -> INCONCLUSIVE"),
     ({A: "PASS", "kda/native/r1/c0": "PASS"}, {A: "PASS"}, "cell kda/native/r1/c0: PASS before, not run now"),
     ({A: "PASS"}, {A: "SKIP"}, f"cell {A}: PASS -> SKIP"),  # checked before, not now: e.g. --device cuda, no GPU
     ({A: "FAIL"}, {A: "SKIP"}, f"cell {A}: FAIL -> SKIP"),  # a failure hidden is no improvement

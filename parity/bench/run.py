@@ -19,7 +19,7 @@ from parity.errors import UsageError, writing
 from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals
 from parity.matrix.cell import Cell
-from parity.report.outdir import usable
+from parity.report.outdir import OTHER_RESULTS, other_results, run_files_in, usable
 
 
 def bench_optimizer(name: str, source: str) -> str:
@@ -54,6 +54,10 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'parity[plot]' (the numbers need no plot)") from None
     usable(out_dir)
+    held = run_files_in(out_dir)
+    if held:  # a bench writes beside no run: compare would read the run's status, not the bench's
+        raise UsageError(f"--out {out_dir} holds a run's results ({', '.join(held)}); give the bench its own --out")
+    other_results(out_dir, {k: v for k, v in OTHER_RESULTS.items() if v != "a bench"})
     _started(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     todo = [(name, source, path) for name, source in models for path in paths]

@@ -159,8 +159,7 @@ def _worse(old: str | None, new: str) -> bool:
         return True
     if old is None or Verdict(old) == Verdict.SKIP:  # nothing was checked before: only an alarm is worse
         return Verdict(new) in ALARMS
-    return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or (
-        Verdict(new) in ALARMS and SEVERITY[Verdict(new)] == SEVERITY[Verdict(old)])
+    return SEVERITY[Verdict(new)] > SEVERITY[Verdict(old)] or Verdict(new) in ALARMS  # an alarm of another kind
 
 
 def _unfinished(d: dict) -> str:

@@ -38,6 +38,10 @@ GATE_FILES = ("gate.md", "gate.json")
 """What a gate writes beside a run's records: its decision on them."""
 #: A fuzz campaign's manifest (:mod:`parity.report.fuzz_merge`): a folder holding one is a campaign's.
 CAMPAIGN = "fuzz.json"
+#: Files of results of another kind than a run's, which a run never writes beside: a fuzz
+#: campaign's, a bench's (:mod:`parity.bench`), a compare digest's (``compare --write-digest``).
+OTHER_RESULTS = {CAMPAIGN: "a fuzz campaign", "bench.json": "a bench", "bench.csv": "a bench",
+                 "digest.json": "a compare digest"}
 RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, *GATE_FILES, "report.html")
 #: Where a run writes the traces of its failing cells (:func:`write_trace`).
 TRACES = "traces"
@@ -135,6 +139,15 @@ def locked(out: str, what: str = "--out"):
         os.close(fd)
 
 
+def other_results(out: str, kinds: dict = OTHER_RESULTS) -> None:
+    """Refuse ``out`` when it holds results of one of ``kinds`` (file -> what wrote it): two kinds
+    side by side read as one (a merge takes a run's part for a campaign's, a compare a run beside
+    a stopped bench as complete, a baseline digest is shadowed by the run's cells)."""
+    held = next((f for f in kinds if os.path.isfile(os.path.join(out, f))), None)
+    if held:
+        raise UsageError(f"--out {out} holds {kinds[held]}'s results ({held}); choose another --out")
+
+
 def run_files_in(out: str) -> list[str]:
     """The files of a run's results (:data:`RUN_FILES`) present in ``out``."""
     return [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
@@ -144,8 +157,7 @@ def prepare(out: str, manifest: dict, *, overwrite: bool, resumable: bool = True
     """Make ``out`` ready for a new run and write its manifest (status ``running``). ``resumable``:
     whether the command writing it has ``--resume`` to suggest (``merge`` has not)."""
     usable(out)
-    if os.path.isfile(os.path.join(out, CAMPAIGN)):  # never side by side: a merge would read the folder as a campaign
-        raise UsageError(f"--out {out} holds a fuzz campaign's results ({CAMPAIGN}); choose another --out")
+    other_results(out)
     present = run_files_in(out)
     if present and not overwrite:
         resume = f", --resume {out} to continue that run" if resumable else ""
