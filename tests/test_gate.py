@@ -519,6 +519,34 @@ def test_a_class_fp32_typo_that_leaves_nothing_fp32_is_no_go_and_other_warnings_
     older = [decide(healthy("a"), "a", "native")]  # a run.json without the key: nothing says they were read
     apply_model_warnings(older, None)
     assert older[0].decision == NO_GO and older[0].reasons[0].startswith("run.json records no model_warnings")
+    # on one rank the decision was PARTIAL first: the typo still leads, and no note speaks of "this GO" (review)
+    one = [decide([replace(r, ranks=1) for r in healthy("a") if r.check != "dtype.compute"], "a", "native")]
+    assert one[0].decision == PARTIAL and any("this GO" in n for n in one[0].notes)
+    apply_model_warnings(one, {"a": {"notes": [], "fp32_unselected": True}})
+    assert one[0].decision == NO_GO and one[0].reasons[0].startswith("its class declares FP32 patterns")
+    assert len(one[0].reasons) == 2 and not any("this GO" in n for n in one[0].notes)
+
+
+def test_a_baseline_that_ran_another_path_is_no_go_unless_declared():
+    """A native baseline on a torch build without the native API ran legacy in every cell: the
+    candidate was compared with legacy, and the gate said GO (review)."""
+    fell = []
+    for r in healthy():
+        if r.path == "legacy":  # the baseline here is native: swap the roles
+            fell.append(replace(r, path="native", cell=r.cell.replace("/legacy/", "/native/"), path_taken="legacy",
+                                fallback_reason="unsupported build: no param_dtype_override_fn"))
+        elif r.path == "native":
+            fell.append(replace(r, path="owner", cell=r.cell.replace("/native/", "/owner/"), path_taken="owner"))
+        else:
+            fell.append(replace(r, path="native~owner"))
+    d = decide(fell, "m", "owner")
+    assert d.decision == NO_GO and d.reasons == [
+        "baseline native not exercised: 2 of 2 baseline native cells ran legacy (unsupported build: no "
+        "param_dtype_override_fn): the candidate was compared with legacy, not native; run the baseline where it "
+        "runs, or gate against another baseline"], d.reasons
+    declared = fell + [rec("m", "native", i, check="fallback", name="declared", taken="legacy") for i in range(2)]
+    d = decide(declared, "m", "owner")
+    assert d.decision == GO and any(n.startswith("baseline native falls back as the model declares") for n in d.notes)
 
 
 TYPO_MODEL = """import dataclasses

@@ -195,8 +195,7 @@ def _decide(args, out: str, manifest: dict, candidate: str, baseline: dict | Non
         for d in decisions:
             mine = [b for b in bad if concerns(b, d.model)] + orphans
             if mine:
-                d.decision = gate.NO_GO
-                d.reasons.append(f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
+                gate.no_go(d, f"regressed against {args.compare_to}: " + "; ".join(mine[:5]))
     gate.apply_model_warnings(decisions, manifest.get("model_warnings"))
     scope = _scope(manifest.get("options"), list(manifest.get("cells") or []), manifest)
     scope["cells_skipped"] = _skipped(records)

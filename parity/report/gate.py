@@ -170,7 +170,9 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
                        + next(r.detail for r in fallbacks if r.cell in declared))
     _failures(d, rows, own, ran, pairs, base_cells, candidate, baselines)
     _pair_reasons(d, pairs, cand_cells, ran, raised, candidate, excused=set())
-    _uncovered(d, own, verdicts, ran - raised, candidate)
+    _baseline_taken(d, own, base_cells)
+    raised_any = {r.cell for r in expected_errors if r.verdict == Verdict.PASS}  # a fallback's raise trained nothing
+    _uncovered(d, own, verdicts, ran - raised_any, candidate)
     _same_contract(d, baselines, candidate)
     _checkpoint_scope(d, own, ran - raised, candidate)  # a cell that raised trained nothing to save
     _override_scope(d, own, ran - raised, candidate)
@@ -179,6 +181,26 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     else:
         _sharded_scope(d, own, ran - raised, candidate)
     return d
+
+
+def _baseline_taken(d: Decision, own: list[Record], base_cells: set[str]) -> None:
+    """The baseline's cells must run the baseline: one that took another path for a reason its
+    model does not declare (a torch build without the native API, for a native baseline) compared
+    the candidate with that other path -- NO-GO; a declared fallback is a note."""
+    declared = {r.cell for r in own if r.check == "fallback" and r.name == "declared" and r.verdict == Verdict.PASS}
+    took = {r.cell: (r.path, r.path_taken, r.fallback_reason) for r in own
+            if r.cell in base_cells and r.path_taken and r.path_taken != r.path}
+    if not took:
+        return
+    undeclared = sorted(c for c in took if c not in declared)
+    path, taken, why = took[(undeclared or sorted(took))[0]]
+    said = (f"{len(undeclared or took)} of {len(base_cells)} baseline {path} cells ran {taken} "
+            f"({clip(why or 'no reason recorded', 200)})")
+    if undeclared:
+        d.reasons.append(f"baseline {path} not exercised: {said}: the candidate was compared with {taken}, not "
+                         f"{path}; run the baseline where it runs, or gate against another baseline")
+    else:
+        d.notes.append(f"baseline {path} falls back as the model declares: {said}")
 
 
 def _compared(pairs: list[Record]) -> set[str]:
@@ -350,6 +372,17 @@ def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: 
             d.notes.append(f"path {path} also ran and passed; this gate decides on {candidate} only")
 
 
+def no_go(d: Decision, reason: str) -> None:
+    """Make ``d`` NO-GO for ``reason``: the first reason where the decision was not NO-GO yet (what
+    made a PARTIAL is not why it fails), and a note written for a GO no longer says "this GO"."""
+    if d.decision == NO_GO:
+        d.reasons.append(reason)
+        return
+    d.decision = NO_GO
+    d.reasons.insert(0, reason)
+    d.notes = [n for n in d.notes if "this GO" not in n]
+
+
 def apply_model_warnings(decisions: list[Decision], warnings: dict | None) -> None:
     """What ``run`` warned about each model (``run.json``'s ``model_warnings``) joins its notes; a
     model whose class declares FP32 patterns that select nothing while its plan computes nothing
@@ -359,17 +392,15 @@ def apply_model_warnings(decisions: list[Decision], warnings: dict | None) -> No
     wrote it) is no evidence that the declarations were read: NO-GO, naming it."""
     for d in decisions:
         if warnings is None:
-            d.decision = NO_GO
-            d.reasons.append("run.json records no model_warnings (written by an earlier parity): the model's FP32 "
-                             "declaration was not checked against its plan; rerun the matrix")
+            no_go(d, "run.json records no model_warnings (written by an earlier parity): the model's FP32 "
+                     "declaration was not checked against its plan; rerun the matrix")
             continue
         found = warnings.get(d.model) or {}
         d.notes += [f"run warned: {note}" for note in found.get("notes", [])]
         if found.get("fp32_unselected"):
-            d.decision = NO_GO
-            d.reasons.append("its class declares FP32 patterns that select no parameter or buffer, and its plan "
-                             "computes nothing in FP32 (a typo keeps nothing in FP32, on both paths alike): correct "
-                             "the pattern, or declare Fixture.expect_fp32=() if nothing is meant to be FP32")
+            no_go(d, "its class declares FP32 patterns that select no parameter or buffer, and its plan "
+                     "computes nothing in FP32 (a typo keeps nothing in FP32, on both paths alike): correct "
+                     "the pattern, or declare Fixture.expect_fp32=() if nothing is meant to be FP32")
 
 
 def apply_scope(decisions: list[Decision], scope: dict) -> None:
