@@ -201,16 +201,23 @@ def _torchrun(tmp_path, *args, script: str = ""):
 def test_a_rank_that_dies_under_torchrun_is_its_cells_error_and_the_results_are_written(tmp_path):
     """torchrun tears the group down when a rank exits: rank 0 (whose next exchange fails) records
     the cell in flight as an ERROR naming the loss, starts no further cell, and writes the summary
-    (marked interrupted, naming what was not run), the report and JUnit before it is stopped."""
+    (marked interrupted, naming what was not run), the report and JUnit before it is stopped. Where
+    the teardown's SIGTERM reaches rank 0 first, during its own part of the cell, that is a stop:
+    the cell is not finished (no row), the rest as before (CI at 6cb87b8 drew that order once)."""
     proc, out, rows, junit = _torchrun(tmp_path, "--fault", "crash")
     assert proc.returncode != 0
-    assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "ERROR")], rows
-    assert rows[0]["detail"].startswith("a rank left the torchrun group during this cell"), rows[0]["detail"]
+    if rows:  # rank 0's exchange with the dead rank failed first: the cell in flight is its ERROR
+        assert [(r["path"], r["check"], r["verdict"]) for r in rows] == [("legacy", "run", "ERROR")], rows
+        assert rows[0]["detail"].startswith("a rank left the torchrun group during this cell"), rows[0]["detail"]
+        cause = "a rank left the torchrun group"
+        assert 'errors="2"' in junit
+    else:  # torchrun's teardown SIGTERM reached rank 0 in its own part of the cell first (a race, about one
+        cause = "rank 0 was stopped by a signal"  # run in twenty here): a stop, that cell not finished
     assert '"status": "interrupted"' in (out / "run.json").read_text()
     summary = (out / "summary.md").read_text()
-    assert "**Interrupted** (a rank left the torchrun group" in summary and "## Not run" in summary
-    assert (out / "report.html").exists() and 'errors="2"' in junit and 'type="INTERRUPTED"' in junit
-    assert "a rank left the torchrun group during kda/legacy/r2" in proc.stderr
+    assert f"**Interrupted** ({cause}" in summary and "## Not run" in summary, summary
+    assert (out / "report.html").exists() and 'type="INTERRUPTED"' in junit
+    assert f"{cause} during kda/legacy/r2" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.xdist_group("runner")
