@@ -19,7 +19,7 @@ from parity.errors import UsageError, writing
 from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals
 from parity.matrix.cell import Cell
-from parity.report.outdir import OTHER_RESULTS, other_results, run_files_in, usable
+from parity.report.outdir import BENCH_FILES, other_results, run_files_in, usable
 
 
 def bench_optimizer(name: str, source: str) -> str:
@@ -57,7 +57,7 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
     held = run_files_in(out_dir)
     if held:  # a bench writes beside no run: compare would read the run's status, not the bench's
         raise UsageError(f"--out {out_dir} holds a run's results ({', '.join(held)}); give the bench its own --out")
-    other_results(out_dir, {k: v for k, v in OTHER_RESULTS.items() if v != "a bench"})
+    other_results(out_dir, besides="a bench")
     _started(out_dir)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the ranks' profilers: no per-step log lines
     todo = [(name, source, path) for name, source in models for path in paths]
@@ -129,8 +129,6 @@ def run_bench(*, models: list[tuple[str, str]], paths: list[str], ranks: int, de
     return code
 
 
-#: What a bench writes (:func:`_write`), besides its plots.
-FILES = ("bench.csv", "bench.md", "bench.json")
 #: ``bench.json`` from a bench's start until it writes its results: one killed meanwhile (a CI
 #: timeout, the OOM killer) reads as unfinished (``compare``), never as the earlier bench's.
 RUNNING = "running (or killed before it finished)"
@@ -138,7 +136,7 @@ RUNNING = "running (or killed before it finished)"
 
 def _started(out_dir: str) -> None:
     """Remove an earlier bench's files from ``out_dir`` and record this one as running."""
-    for name in (*FILES, *PLOTS):
+    for name in (*BENCH_FILES, *PLOTS):
         path = os.path.join(out_dir, name)
         with writing(path):
             if os.path.exists(path):

@@ -29,10 +29,9 @@ import os
 
 from parity.errors import UsageError
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
-from parity.report.outdir import MANIFEST, read_json, read_manifest, recorded, usable
+from parity.report.outdir import DIGEST, MANIFEST, read_json, read_manifest, recorded, usable
 from parity.report.summary import check_label, spread
 
-DIGEST = "digest.json"
 #: A memory figure above this multiple of OLD's is a regression (see the module docstring).
 MEMORY_GROWTH = 1.10
 #: Verdicts that are a regression wherever they newly appear: in a cell OLD judged otherwise, or in

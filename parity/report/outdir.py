@@ -38,10 +38,13 @@ GATE_FILES = ("gate.md", "gate.json")
 """What a gate writes beside a run's records: its decision on them."""
 #: A fuzz campaign's manifest (:mod:`parity.report.fuzz_merge`): a folder holding one is a campaign's.
 CAMPAIGN = "fuzz.json"
-#: Files of results of another kind than a run's, which a run never writes beside: a fuzz
-#: campaign's, a bench's (:mod:`parity.bench`), a compare digest's (``compare --write-digest``).
-OTHER_RESULTS = {CAMPAIGN: "a fuzz campaign", "bench.json": "a bench", "bench.csv": "a bench",
-                 "digest.json": "a compare digest"}
+#: What a bench writes (:mod:`parity.bench`), besides its plots.
+BENCH_FILES = ("bench.csv", "bench.md", "bench.json")
+#: A compare digest (``compare --write-digest``, :mod:`parity.report.compare`).
+DIGEST = "digest.json"
+#: Results of other kinds than a run's, by the files that mark them: a run never writes beside
+#: them, nor one of them beside another kind's.
+OTHER_RESULTS = {"a fuzz campaign": (CAMPAIGN,), "a bench": ("bench.json", "bench.csv"), "a compare digest": (DIGEST,)}
 RUN_FILES = (CELLS, "summary.md", "timings.json", MANIFEST, PROGRESS, *GATE_FILES, "report.html")
 #: Where a run writes the traces of its failing cells (:func:`write_trace`).
 TRACES = "traces"
@@ -139,13 +142,15 @@ def locked(out: str, what: str = "--out"):
         os.close(fd)
 
 
-def other_results(out: str, kinds: dict = OTHER_RESULTS) -> None:
-    """Refuse ``out`` when it holds results of one of ``kinds`` (file -> what wrote it): two kinds
-    side by side read as one (a merge takes a run's part for a campaign's, a compare a run beside
-    a stopped bench as complete, a baseline digest is shadowed by the run's cells)."""
-    held = next((f for f in kinds if os.path.isfile(os.path.join(out, f))), None)
-    if held:
-        raise UsageError(f"--out {out} holds {kinds[held]}'s results ({held}); choose another --out")
+def other_results(out: str, besides: str = "") -> None:
+    """Refuse ``out`` when it holds results of one of :data:`OTHER_RESULTS`' kinds but ``besides``
+    (the kind about to be written, which replaces its own): two kinds side by side read as one (a
+    merge takes a run's part for a campaign's, a compare a run beside a stopped bench as complete, a
+    baseline digest is shadowed by the run's cells)."""
+    for kind, files in OTHER_RESULTS.items():
+        held = next((f for f in files if os.path.isfile(os.path.join(out, f))), None)
+        if held and kind != besides:
+            raise UsageError(f"--out {out} holds {kind}'s results ({held}); choose another --out")
 
 
 def run_files_in(out: str) -> list[str]:
