@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from parity.errors import UsageError
 from parity.judge import coverage
@@ -191,3 +192,30 @@ def test_a_load_that_ran_on_another_path_than_its_target_fails_naming_the_ranks(
     assert "rank 1: legacy" in row.detail and "rank 0" not in row.detail
     assert load_path_rows(base, "cross", "native", ["legacy", "legacy"], "legacy") == []  # a fallback the build takes
     assert load_path_rows(base, "same", "legacy", ["legacy"], "") == []  # unknown here (tensor parallel): no claim
+
+
+def _witness(rank: int, moment: float, clipped: float, reduced: float):
+    from parity.execute.observation import Observation
+    o = Observation(rank=rank)
+    o.grad_norms, o.clipped_norms = [1.0], [clipped]
+    o.grads, o.params = [{"w": torch.ones(4)}], [{"w": torch.ones(4)}]
+    o.moments = [{"exp_avg": {"w": torch.full((4,), moment)}, "step": {"w": torch.tensor(1.0)}}]
+    o.reduced = [{"w": torch.full((4,), reduced)}]
+    return o
+
+
+@pytest.mark.parametrize("other", [dict(moment=9.0), dict(clipped=7.0), dict(reduced=-5.0)],
+                         ids=["moment", "clipped_norm", "reduced"])
+def test_every_replicated_observation_of_another_rank_is_held_to_rank_0s(other):
+    """What is replicated is judged from rank 0's copy, so another rank's optimizer moment,
+    clipped norm or reduced gradient that differs is a ``ranks`` FAIL naming it."""
+    from types import SimpleNamespace
+
+    from parity.judge.compare import agreement_records
+    plan = {"w": SimpleNamespace(ownership="ignored")}
+    same = dict(moment=0.1, clipped=0.5, reduced=2.0)
+    rows = agreement_records([_witness(0, **same), _witness(1, **same)], plan, BASE)
+    assert [r.verdict for r in rows] == [Verdict.PASS]
+    rows = agreement_records([_witness(0, **same), _witness(1, **{**same, **other})], plan, BASE)
+    assert [r.verdict for r in rows] == [Verdict.FAIL]
+    assert next(iter(other)).replace("moment", "moment ('w', 'exp_avg')") in rows[0].detail

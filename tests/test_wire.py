@@ -31,11 +31,13 @@ def test_views_objects_and_what_torch_pickles_itself():
     param = torch.nn.Parameter(torch.ones(2))
     graded = torch.ones(3, requires_grad=True)
     obs = {"view": base[1:, ::2], "base": base, "again": base, "param": param, "graded": graded,
-           "zero_dim": torch.tensor(2.5, dtype=torch.bfloat16), "neg": torch.ones(2).neg()._neg_view()}
+           "zero_dim": torch.tensor(2.5, dtype=torch.bfloat16),
+           "one_strided": base[:1, 1], "neg": torch.ones(2).neg()._neg_view()}
     back = from_bytes(to_bytes(obs))
     assert back["again"] is back["base"]  # one object stays one object
     assert torch.equal(back["view"], base[1:, ::2]) and torch.equal(back["base"], base)
     assert type(back["param"]) is torch.nn.Parameter and torch.equal(back["param"], param)
     assert back["graded"].requires_grad and torch.equal(back["graded"], graded)
+    assert torch.equal(back["one_strided"], base[:1, 1])  # one element, stride 4: still its own bytes
     assert back["zero_dim"].shape == () and back["zero_dim"].item() == 2.5
     assert torch.equal(back["neg"], torch.ones(2)) and not back["neg"].is_neg()

@@ -30,7 +30,9 @@ def _tensor(data: bytes, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
 def _reduce(t: torch.Tensor):
     if t.device.type != "cpu" or t.requires_grad or t.layout != torch.strided or t.is_quantized:
         return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    flat = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    flat = t.resolve_conj().resolve_neg().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # one element counts as contiguous whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return _tensor, (flat.view(torch.uint8).numpy().tobytes(), str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 

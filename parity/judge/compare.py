@@ -93,23 +93,39 @@ def differing(plan: PrecisionPlan, whole: bool, per_rank: list[dict], fqn_of=lam
 
 
 def agreement_records(observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
-    """Every rank is a witness of what is replicated: each step's global gradient norm (one
-    all-reduced scalar) and every replicated gradient and parameter must be bitwise the same
-    on every rank, since the judged values are rank 0's. One ``ranks`` record per step."""
+    """Every rank is a witness of what is replicated: each step's global gradient norm and
+    clipped norm (all-reduced scalars) and every replicated gradient, parameter, optimizer
+    moment and reduced gradient must be bitwise the same on every rank, since the judged
+    values are rank 0's (:func:`assemble`). One ``ranks`` record per step."""
     rows = []
     first, whole = observations[0], observations[0].whole
     for step in range(len(first.grad_norms)):
-        problems = [f"rank {o.rank}: grad_norm {o.grad_norms[step]!r} vs rank 0's {first.grad_norms[step]!r}"
-                    for o in observations[1:] if o.grad_norms[step:step + 1] != first.grad_norms[step:step + 1]]
-        for kind in ("grads", "params"):
-            problems += [f"rank {observations[i].rank}: {kind[:-1]} {fqn} differs from rank 0's" for i, fqn in
-                         differing(plan, whole, [getattr(o, kind)[step] for o in observations])]
+        problems = [f"rank {o.rank}: {name} {got[step:step + 1]!r} vs rank 0's {want[step:step + 1]!r}"
+                    for o in observations[1:] for name, got, want in
+                    (("grad_norm", o.grad_norms, first.grad_norms), ("clipped_norm", o.clipped_norms, first.clipped_norms))
+                    if got[step:step + 1] != want[step:step + 1]]
+        for kind, per_rank in _replicated_kinds(observations, step):
+            problems += [f"rank {observations[i].rank}: {kind} {key} differs from rank 0's"
+                         for i, key in differing(plan, whole, per_rank, lambda k: k[0] if isinstance(k, tuple) else k)]
         ok = not problems
         rows.append(Record(**base, step=step, check="ranks", name="replicated", observed=0.0 if ok else 1.0,
                            allowed=0.0, ratio=0.0 if ok else math.inf, verdict=Verdict.PASS if ok else Verdict.FAIL,
                            detail=f"grad norm and replicated tensors bitwise equal on all {len(observations)} ranks"
                            if ok else "; ".join(problems)[:1000]))
     return rows
+
+
+def _replicated_kinds(observations: list[Observation], step: int):
+    """(kind, one dict per rank) of each step's per-parameter observations; a moment is keyed
+    (fqn, state). A rank that lacks the step holds an empty dict, so rank 0's entries differ."""
+    def at(seq: list) -> dict:
+        return seq[step] if step < len(seq) else {}
+
+    yield "grad", [at(o.grads) for o in observations]
+    yield "param", [at(o.params) for o in observations]
+    yield "reduced", [at(o.reduced) for o in observations]
+    yield "moment", [{(fqn, key): v for key, per_fqn in at(o.moments).items() for fqn, v in per_fqn.items()}
+                     for o in observations]
 
 
 def _same(a, b) -> bool:
