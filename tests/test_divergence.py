@@ -8,6 +8,7 @@ import io
 import os
 
 import pytest
+import torch
 
 from parity.execute.pool import RankPool
 from parity.judge.cell import base_fields
@@ -201,3 +202,16 @@ def test_a_trace_document_keeps_the_first_tensors_up_to_its_cap_and_counts_the_r
     assert capped["tensors"] == whole["tensors"][:5] and capped["dropped"] == 7
     located = trace_document(cell, pairs, cap=5, keep={(1, 0, "input_grad", "m0")})  # the located one stays
     assert capped["tensors"] + [whole["tensors"][-1]] == located["tensors"] and located["dropped"] == 6
+
+
+def test_a_module_that_returns_nan_or_a_coarser_dtype_than_the_reference_is_over():
+    """A NaN difference is over every allowance, and the allowance is the reference's dtype's:
+    an observed BF16 tensor where the reference holds FP32 does not widen its own."""
+    from parity.judge import divergence
+    want = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    nan = want.clone()
+    nan[0, 0] = float("nan")
+    for bad in (nan, want.to(torch.bfloat16)):
+        over = divergence._first_over({"blocks.0": bad, "head": want}, {"blocks.0": want, "head": want}, set())
+        assert over is not None and over[1] == "blocks.0" and over[4] > 1
+    assert divergence._first_over({"head": want}, {"head": want}, set()) is None

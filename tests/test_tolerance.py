@@ -245,3 +245,18 @@ def test_a_tp_partial_is_judged_at_its_worst_ratio_not_its_largest_error():
     row = _record(cell, observations, SimpleNamespace(tp_partials=want), "up", SimpleNamespace(compute=torch.bfloat16),
                   0, dict(cell=cell.id, fixture="composed", path="native"))
     assert row.verdict == Verdict.FAIL and "micro-batch 1" in row.detail, row
+
+
+def test_the_input_gradient_is_allowed_one_rounding_where_a_unit_may_have_cast_the_input():
+    """The root unit's cast (its ``param_dtype``) when it casts; without a unit at the root, any
+    casting unit's; none when no unit casts (``cast_inputs = "model"``): the input's own dtype."""
+    from parity.judge.compare import input_casts
+    from parity.paths.base import UnitSpec
+
+    def unit(modules, dtype, casts):
+        return UnitSpec(modules=modules, params=(), param_dtype=dtype, reduce_dtype=torch.float32,
+                        output_dtype=None, cast_forward_inputs=casts)
+    fp32_child = unit(("norm",), torch.float32, False)
+    assert input_casts((unit(("",), torch.bfloat16, True), fp32_child)) == (torch.bfloat16,)
+    assert input_casts((unit(("",), torch.bfloat16, False), fp32_child)) == ()
+    assert input_casts((unit(("blocks.0",), torch.float16, True), fp32_child)) == (torch.float16,)

@@ -360,7 +360,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "are sharded on 0", {"placement"}, {**_KDA2, "placement": "dim1"}, quiet={"placement": "dim0"},
            patch=kp.placement_fn_dropped),
     _fault("casts_inputs_anyway", "FSDP casts a unit's inputs to its BF16 param_dtype although its policy says "
-           "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"grad.accum", "dtype.boundary", "grad", "grad_norm", "divergence", "grad.shard"},
+           "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"grad.accum", "dtype.boundary", "grad", "grad_norm", "divergence", "grad.shard", "input_grad"},
            {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
            quiet={"cast_inputs": "fsdp"}, patch=kp.casts_inputs_anyway),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "

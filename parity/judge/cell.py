@@ -12,7 +12,7 @@ from parity.execute.observation import Observation
 from parity.judge import (accumulation, composition, contracts, coverage, gathered, moments, partials, quantized,
                           shards, stages, tensor_parallel)
 from parity.judge import plan as plan_check
-from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, plan_comparisons
+from parity.judge.compare import Assembled, Comparison, agreement_records, assemble, input_casts, plan_comparisons
 from parity.judge.record import Record, Verdict
 from parity.judge.reference import replay_optimizer, run_reference
 from parity.judge.trajectory import trajectory_records
@@ -156,7 +156,8 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     topo = cell.topology()
     comps = plan_comparisons(run, ref, plan, micro=cell.microbatches,
                              replayed=replayed, world=cell.ranks, truth=truth if fp64 else None,
-                             optimizer=cell.optimizer, data_ranks=[topo.data_rank(r) for r in range(cell.ranks)])
+                             optimizer=cell.optimizer, data_ranks=[topo.data_rank(r) for r in range(cell.ranks)],
+                             input_casts=input_casts(report.units))
     records += [c.record(base) for c in comps]
     records += trajectory_records(run.params, own, truth, replayed[0][0], plan, base)
     records += moments.check(run, replayed_moments, moments.owed(cell, plan, ref.grads), base)

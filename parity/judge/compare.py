@@ -4,6 +4,7 @@ allowed error, their ratio, and the dtype that justified the allowance."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from parity.judge import tolerance
 from parity.judge.record import Record, Verdict, conclusive, explained, judge, vacuity
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
+from parity.paths.base import UnitSpec
 
 
 @dataclass(kw_only=True)
@@ -214,12 +216,14 @@ def plan_comparisons(
     run: Assembled, ref: ReferenceRun, plan: PrecisionPlan, *, micro: int,
     replayed: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]], world: int = 1,
     truth: ReferenceRun | None = None, optimizer: str = "adamw", data_ranks: list[int] | None = None,
+    input_casts: tuple[torch.dtype, ...] = (),
 ) -> list[Comparison]:
     """Outputs, input gradients, gradients and the gradient norm against the reference run;
     post-step parameters against the reference optimizer replayed on the observed gradients
     from the observed previous parameters (``replayed[step]`` = (before, after)).
     ``data_ranks[r]``: the reference's rank whose data rank ``r`` saw (tensor-parallel peers
-    share theirs); identity when None."""
+    share theirs); identity when None. ``input_casts``: the dtypes a unit may have cast the
+    model's input to (:func:`input_casts`)."""
     out: list[Comparison] = []
     for k, per_rank in enumerate(run.outputs):
         step, mb = divmod(k, micro)
@@ -232,7 +236,7 @@ def plan_comparisons(
             g, eg = run.input_grads[k][r], ref.input_grads[k][d]
             if eg is None:  # the reference's input has no gradient (token input): nothing to expect
                 continue
-            allow = tolerance.last_rounding(_input_grad_dtype(plan, eg), amax(eg))
+            allow = tolerance.last_rounding(functools.reduce(tolerance.coarser, input_casts, eg.dtype), amax(eg))
             t = truth.input_grads[k][d] if truth else None
             # a sharded run whose input got no gradient (a path that detached it) is missing evidence
             actual = g if g is not None else torch.zeros(0)
@@ -326,9 +330,13 @@ def _clip_comparison(run: Assembled, ref: ReferenceRun, step: int, gdtype: torch
     return Comparison(step, "clip", "global", actual, expected, allow, signal=ref.grad_norms[step] - expected)
 
 
-def _input_grad_dtype(plan: PrecisionPlan, expected: torch.Tensor) -> torch.dtype:
-    """The input gradient was last rounded where the input was first cast: ``param_dtype``."""
-    return tolerance.coarser(plan.config.param_dtype, expected.dtype)
+def input_casts(units: tuple[UnitSpec, ...]) -> tuple[torch.dtype, ...]:
+    """Where the model's input gradient was last rounded: at the cast of the input to the root
+    unit's ``param_dtype`` when that unit casts its forward inputs; with no unit at the root,
+    at any unit's cast that may take the input first. Nothing when no unit casts (``cast_inputs
+    = "model"``): the input's own dtype then bounds the last rounding."""
+    at_root = [u for u in units if "" in u.modules]
+    return tuple(u.param_dtype for u in (at_root or units) if u.cast_forward_inputs and u.param_dtype is not None)
 
 
 def _widened(c: Comparison, other_expected) -> tolerance.Allowance:

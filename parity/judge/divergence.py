@@ -95,13 +95,14 @@ class Layout:
 
 def _compared(held: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[float, float] | None:
     """What a rank holds of a traced tensor against the same part of the reference's
-    (:meth:`Layout.held`): (largest difference, the last-rounding allowance of the coarser dtype);
-    None where it holds a partial sum or the shapes differ (not judged)."""
+    (:meth:`Layout.held`): (largest difference, the last-rounding allowance of the reference's
+    dtype -- never the observed tensor's, so a module that returns BF16 where the reference
+    holds FP32 does not widen its own allowance); None where it holds a partial sum or the
+    shapes differ (not judged)."""
     if held is None or held[0].shape != held[1].shape:
         return None
     mine, want = held
-    allow = tolerance.last_rounding(tolerance.coarser(mine.dtype, want.dtype), amax(want)).allowed
-    return max_abs(mine, want), allow
+    return max_abs(mine, want), tolerance.last_rounding(want.dtype, amax(want)).allowed
 
 
 def _first_over(actual: dict, expected: dict, skipped: set[str], held=lambda fqn, got, want: (got, want)
@@ -118,8 +119,8 @@ def _first_over(actual: dict, expected: dict, skipped: set[str], held=lambda fqn
             skipped.add(fqn)
             continue
         observed, allow = judged
-        if observed > allow:
-            return order, fqn, observed, allow, observed / allow if allow > 0 else float("inf")
+        if not observed <= allow:  # a NaN difference is over every allowance
+            return order, fqn, observed, allow, observed / allow if allow > 0 and observed == observed else float("inf")
     return None
 
 
