@@ -78,6 +78,30 @@ def test_plan_shows_fallback_and_isolation_error(capsys):
     assert "cannot isolate blocks.0.lin.gain, blocks.1.lin.gain" in capsys.readouterr().out
 
 
+def test_plan_shows_legacys_refusal_of_a_parameter_read_outside_its_unit(tmp_path, capsys):
+    """A cell's legacy run refuses a holder parameter its parent's forward reads; ``plan`` shows
+    the same refusal, not a plan whose cells would all be ERROR (review, twenty-first stop)."""
+    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
+    model = tmp_path / "reads.py"
+    model.write_text(f"import dataclasses, importlib.util, torch\n"
+                     f"spec = importlib.util.spec_from_file_location('their_model', {example!r})\n"
+                     "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
+                     "class Block(mod.Block):\n"
+                     "    def forward(self, x):\n"
+                     "        return super().forward(x) + self.gate.A_log.float().sum().to(x.dtype)\n"
+                     "class Model(mod.MyModel):\n"
+                     "    def __init__(self):\n"
+                     "        super().__init__()\n"
+                     "        self.layers = torch.nn.ModuleList([Block() for _ in range(2)])\n"
+                     "def reads():\n"
+                     "    return dataclasses.replace(mod.parity_model(), name='reads', build=Model)\n")
+    main(["plan", "--model", f"{model}:reads"])
+    out = capsys.readouterr().out
+    assert "path requested=legacy: error: legacy dtype-split cannot isolate layers.0.gate.A_log" in out
+    assert "layers.0.gate.A_log is read by layers.0's forward" in out
+    assert "path requested=native taken=native" in out
+
+
 def test_list_prints_cells_without_running(capsys):
     assert main(["run", "--matrix", "default", "--list", "-k", "fixture == 'kda' and path == 'native'"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -49,6 +49,7 @@ def _describe_plan(fixture, config) -> tuple[str, bool]:
     from parity.judge.plan import declared_fp32
     from parity.model.plan import fp32_disagreements, unmatched_declared, unmatched_note
     from parity.paths import path_names, plan_sharding
+    from parity.paths.reads import check_fixture_reads
 
     from parity.model.registry import built, exercised
 
@@ -75,7 +76,9 @@ def _describe_plan(fixture, config) -> tuple[str, bool]:
     for path in path_names():
         out.append("")
         try:
-            out.append(plan_sharding(model, fixture.unit_roots, plan, path, ignored).describe())
+            report = plan_sharding(model, fixture.unit_roots, plan, path, ignored)
+            check_fixture_reads(fixture, 0, report)  # a parameter read outside its unit: a cell's refusal too
+            out.append(report.describe())
         except ValueError as exc:  # an isolation error, a usage error: the path's own refusal
             out.append(f"path requested={path}: error: {exc}")
         except Exception as exc:  # noqa: BLE001 - a path plugin's bug: said here, the other paths still shown

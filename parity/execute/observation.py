@@ -301,6 +301,8 @@ class Observation:
     plan: PrecisionPlan | None = None
     report: ShardReport | None = None
     expected_error: str = ""
+    expected_params: tuple[str, ...] = ()
+    """The parameters the declared isolation error named (``IsolationError.params``)."""
     outputs: list[torch.Tensor] = field(default_factory=list)
     """Per (step, micro-batch), this rank's model output."""
     input_grads: list[torch.Tensor | None] = field(default_factory=list)

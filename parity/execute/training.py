@@ -29,7 +29,7 @@ from parity.model.recipe import (loss_divisor, loss_scale, make_optimizer, owner
                                  state_tensors)
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
-from parity.paths.reads import check_reads
+from parity.paths.reads import check_fixture_reads
 
 #: Called with a short label whenever the worker makes progress (hang detection).
 Heartbeat = Callable[[str], None]
@@ -139,8 +139,7 @@ def _check_reads(cell: Cell, fixture, report: ShardReport) -> None:
     key = (cell.fixture, cell.source, cell.seed, tuple((u.modules, u.params) for u in report.units))
     if key in _READS_CHECKED:
         return
-    inputs = tuple(x.float() if x.is_floating_point() else x for x in fixture.batch(cell.seed, 0, 0, 0).inputs)
-    check_reads(fixture.make(cell.seed).float(), inputs, report, fixture.unit_roots)
+    check_fixture_reads(fixture, cell.seed, report)
     _READS_CHECKED.add(key)
 
 

@@ -30,7 +30,7 @@ def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bo
     raised = get_path(exc.path)
     if get_fixture(cell.fixture, cell.source).expects(exc.path, raised.contract)[0] != "isolation-error":
         return False
-    obs.expected_error = str(exc)
+    obs.expected_error, obs.expected_params = str(exc), tuple(exc.params)
     obs.report = ShardReport(requested=cell.path, taken=exc.path, contract=raised.contract,
                              fallback_reason=exc.fallback_reason)
     return True

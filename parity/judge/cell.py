@@ -56,7 +56,7 @@ def _expected_error_records(cell: Cell, observations: list[Observation], fixture
     """The path (or the one it fell back to) raised the isolation error the fixture declares:
     legitimate only if this path raised it itself or reached it by a declared fallback (or
     for lack of the API, unless native is required), and only if every rank's error names
-    every parameter the fixture declares."""
+    exactly the parameters the fixture declares (the error's own list, not its text)."""
     rep = observations[0].report
     base = base_fields(cell, rep.taken, rep.fallback_reason)
     kind = _fallback_kind(rep.fallback_reason, expect, expected_reason) if rep.taken != cell.path else ""
@@ -66,14 +66,15 @@ def _expected_error_records(cell: Cell, observations: list[Observation], fixture
         why = "native not exercised: " if kind == "unsupported build" else ""
         return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
                        detail=f"{why}{cell.path} was expected to shard this fixture: {first}")]
-    declared = [p for p in fixture.expects(rep.taken, get_path(rep.taken).contract)[1].split(",") if p]
+    declared = sorted({p.strip() for p in fixture.expects(rep.taken, get_path(rep.taken).contract)[1].split(",")} - {""})
     if not declared:  # a declaration naming nothing would accept any error
         return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL,
                        detail=f"{rep.taken} raised an isolation error the fixture does not declare for it: {first}")]
-    missing = [(o.rank, p) for o in observations for p in declared if p not in o.expected_error]
-    if missing:
-        detail = "; ".join(f"rank {r} does not name {p}" for r, p in missing) + f" (rank 0: {first})"
-        return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL, detail=detail)]
+    wrong = [f"rank {o.rank}'s error names {', '.join(sorted(o.expected_params)) or 'no parameter'}"
+             for o in observations if sorted(set(o.expected_params)) != declared]
+    if wrong:
+        detail = "; ".join(wrong) + f"; the fixture declares {', '.join(declared)} (rank 0: {first})"
+        return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.FAIL, detail=detail[:1000])]
     return [Record(**base, check="expected_error", name="isolation", verdict=Verdict.PASS,
                    detail=f"on all {len(observations)} rank(s): {first}")]
 

@@ -77,3 +77,10 @@ def check_reads(model: nn.Module, inputs: tuple, report: ShardReport, roots: tup
     outside = read_outside_units(model, inputs, report, roots)
     if outside:
         raise IsolationError(sorted(outside), report.fallback_reason, path=report.taken, read_by=outside)
+
+
+def check_fixture_reads(fixture, seed: int, report: ShardReport) -> None:
+    """:func:`check_reads` on a fresh FP32 instance of ``fixture`` and its first batch at ``seed``:
+    what a cell checks before sharding, and what ``parity plan`` shows as the path's refusal."""
+    inputs = tuple(x.float() if x.is_floating_point() else x for x in fixture.batch(seed, 0, 0, 0).inputs)
+    check_reads(fixture.make(seed).float(), inputs, report, fixture.unit_roots)
