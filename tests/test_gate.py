@@ -113,6 +113,19 @@ def test_a_failing_third_path_is_not_ignored_by_a_gate_on_native():
     assert "gate --candidate owner_split" in d.reasons[0]
 
 
+def test_a_third_path_that_fell_back_is_not_said_to_have_passed():
+    """A plugin path that fell back to legacy in every cell passed as legacy's runs: the note
+    says so, not "also ran and passed" (review, twenty-first stop); a gate on it is NO-GO by
+    its own name."""
+    rows = healthy() + [rec("m", "fb", i, taken="legacy", fallback_reason="unsupported build: x") for i in (0, 1)]
+    d = decide(rows, "m", "native")
+    assert d.decision == GO and d.notes == [
+        "path fb also ran but fell back to legacy in 2 of 2 cells (e.g. m/fb/r1/c0: its own code did not run there); "
+        "this gate decides on native only: python -m parity gate --candidate fb decides on fb"]
+    d = decide(rows, "m", "fb")
+    assert d.decision == NO_GO and d.reasons[0].startswith("fb not exercised: 2 of 2 fb cells took another path")
+
+
 def test_native_that_fell_back_for_an_unsupported_build_is_not_evidence():
     rows = healthy()
     rows = [r for r in rows if r.path != "native"]

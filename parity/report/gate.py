@@ -5,7 +5,7 @@ Rules (``docs/gate.md``); each names its evidence in ``reasons`` or ``notes``:
 - **NOT APPLICABLE**: the model declares that the candidate falls back (or raises), and in
   every candidate cell it did exactly that for the declared reason.
 - **NO-GO** when any of these holds:
-  - *native not exercised*: a candidate cell took another path for a reason the model does
+  - *native (the candidate) not exercised*: a candidate cell took another path for a reason the model does
     not declare (an unsupported build included) -- such a cell may PASS as a run of the
     other path, but it is no evidence for the candidate;
   - no candidate cell ran at all (none selected, or all SKIP);
@@ -163,7 +163,7 @@ def decide(records: list[Record], model: str, candidate: str) -> Decision:
     undeclared = not_taken - declared
     if undeclared:
         why = sorted({r.fallback_reason for r in own if r.cell in undeclared and r.fallback_reason})
-        d.reasons.append(f"native not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
+        d.reasons.append(f"{candidate} not exercised: {len(undeclared)} of {len(ran)} {candidate} cells took another path "
                          f"({clip('; '.join(why), 300)})")
     elif not_taken:  # declared: no reason, but a GO does not hide that some cells ran another path
         d.notes.append(f"{candidate} falls back in {len(not_taken)} of {len(ran)} cells, as the model declares: "
@@ -368,6 +368,14 @@ def _other_paths(d: Decision, rows: list[Record], own: list[Record], candidate: 
             d.reasons.append(f"path {path} ran beside {candidate} and failed in {len(failing)} cells or pairs "
                              f"(e.g. {failing[0]}); this gate decides on {candidate} only: "
                              f"python -m parity gate --candidate {path} decides on {path}")
+            continue
+        cells = {r.cell for r in own if r.path == path}
+        fell = sorted({r.cell for r in own if r.path == path and r.path_taken and r.path_taken != path})
+        if fell:  # such a cell passed as a run of another path: no word on this one's own code
+            taken = sorted({r.path_taken for r in own if r.cell in fell and r.path_taken != path})
+            d.notes.append(f"path {path} also ran but fell back to {', '.join(taken)} in {len(fell)} of {len(cells)} "
+                           f"cells (e.g. {fell[0]}: its own code did not run there); this gate decides on {candidate} "
+                           f"only: python -m parity gate --candidate {path} decides on {path}")
         else:
             d.notes.append(f"path {path} also ran and passed; this gate decides on {candidate} only")
 
