@@ -196,7 +196,10 @@ def _import_source(source: str, label: str = "--model"):
         except _USER_FAILURES as exc:  # user code failing at import is bad input too
             raise UsageError(f"{label} {source!r}: importing {target} failed: {_failed(exc)}") from None
     if not hasattr(module, attr):
-        raise UsageError(f"{label} {source!r}: {target} has no attribute {attr!r}")
+        callables = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
+                           and getattr(v, "__module__", None) == module.__name__)
+        raise UsageError(f"{label} {source!r}: {target} has no attribute {attr!r}; name one it defines"
+                         + (f" ({', '.join(callables[:8])})" if callables else ""))
     return getattr(module, attr)
 
 

@@ -37,7 +37,8 @@ def _check(path: object, where: str) -> ShardingPath:
                 "(examples/external_path)")
             raise UsageError(f"{where}: constructing the path failed: {type(exc).__name__}: {exc}{hint}") from None
     if not isinstance(path, ShardingPath):
-        raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply)")
+        raise UsageError(f"{where} is not a ShardingPath (needs name, contract, fallback, unavailable, plan, apply); "
+                         "subclass parity.paths.ShardingPath, as examples/external_path does")
     name = getattr(path, "name", None)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name):  # a cell id's part, a --paths item
         raise UsageError(f"{where}: path name {name!r} is not a word (letters, digits, _ -); name the path like "
