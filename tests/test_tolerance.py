@@ -260,3 +260,20 @@ def test_the_input_gradient_is_allowed_one_rounding_where_a_unit_may_have_cast_t
     assert input_casts((unit(("",), torch.bfloat16, True), fp32_child)) == (torch.bfloat16,)
     assert input_casts((unit(("",), torch.bfloat16, False), fp32_child)) == ()
     assert input_casts((unit(("blocks.0",), torch.float16, True), fp32_child)) == (torch.float16,)
+
+
+def test_a_moment_judged_on_resume_is_held_to_its_steps_change_not_its_size():
+    """An Adam second moment late in a run changes by ~0.1 % a step while its allowance is 4 BF16
+    ulps of its size (~1.6 %): a resumed step that skipped the update passed as PASS with the
+    moment's size as its signal (review, twenty-first stop); against the step's change it is
+    not a PASS."""
+    from parity.judge.compare import moment_change
+
+    before = torch.full((8,), 1.0, dtype=torch.bfloat16)
+    after = torch.full((8,), 1 + 2**-7, dtype=torch.bfloat16)  # one BF16 ulp: a step's whole change
+    allow = tolerance.moment(torch.bfloat16, float(after.double().abs().max()))
+    base = dict(cell="c", fixture="f", path="native")
+    sized = Comparison(1, "checkpoint.cross", "m", before, after, allow).record(base)
+    changed = Comparison(1, "checkpoint.cross", "m", before, after, allow, signal=moment_change(after, before)).record(base)
+    assert sized.verdict == "PASS" and changed.verdict != "PASS"
+    assert moment_change(after, torch.zeros(3)) is None  # unknown before: the size stands in

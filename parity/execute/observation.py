@@ -250,6 +250,12 @@ class ContractsSeen:
     block_runs: dict[tuple[int, str, str], int] = field(default_factory=dict)
     """Compiled blocks: (step, segment, block) -> the graph runs there while that block's compiled
     call was running (a block run eagerly has none)."""
+    module_runs: dict[tuple[int, str, str], list[int]] | None = None
+    """Activation checkpointing (:mod:`parity.execute.recompute`): (step, segment, module) ->
+    [forward calls, calls whose output required gradient] of each watched module; None: not
+    watched (compiled blocks)."""
+    watched: tuple[str, ...] = ()
+    """The modules whose forwards ``module_runs`` counts (none: the model declares no blocks)."""
 
 
 @dataclass(kw_only=True)

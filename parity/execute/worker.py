@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from parity.errors import IsolationError
-from parity.execute import collectives, lifecycle, moves, oplog, parallel, probes
+from parity.execute import collectives, lifecycle, moves, oplog, parallel, probes, recompute
 from parity.execute.observation import Observation
 from parity.execute.training import Heartbeat, build, train_step
 from parity.faults import Injector
@@ -34,6 +34,18 @@ def _expected_isolation(cell: Cell, exc: IsolationError, obs: Observation) -> bo
     obs.report = ShardReport(requested=cell.path, taken=exc.path, contract=raised.contract,
                              fallback_reason=exc.fallback_reason)
     return True
+
+
+def _watch_recomputes(cell: Cell, s, recorder, obs: Observation):
+    """Count the watched modules' forwards per segment (:mod:`parity.execute.recompute`); compiled
+    blocks are not watched (their hooks would be traced into the graphs)."""
+    if s.compiled is not None:
+        return lambda: None
+    fixture = get_fixture(cell.fixture, cell.source)
+    names = recompute.watched(cell.checkpointing, fixture.blocks, tuple(m for u in s.report.units for m in u.modules))
+    obs.contracts.watched = names
+    obs.contracts.module_runs, close = recompute.watch(s.model, names, lambda: recorder.segments.current)
+    return close
 
 
 def _steps(cell: Cell) -> int:
@@ -86,6 +98,7 @@ def _train(cell: Cell, obs: Observation, inject: Injector, *, rank: int, world: 
         if s.compiled is not None:  # graphs compiled and run, per segment of the loop
             s.compiled.where = lambda: recorder.segments.current
         tp = None
+        unwatch = _watch_recomputes(cell, s, recorder, obs)
         t1 = time.perf_counter()
         try:  # from here on the recorder's patches are undone whatever happens: the worker lives on
             if any(o.startswith("tp-") for o in s.owners.values()):
@@ -111,6 +124,7 @@ def _train(cell: Cell, obs: Observation, inject: Injector, *, rank: int, world: 
                 obs.contracts.block_runs = dict(s.compiled.block_calls)
         finally:
             recorder.close()  # unpatch the collectives even when the cell fails; the worker lives on
+            unwatch()
             if tp is not None:
                 obs.contracts.tp_reduce, obs.contracts.tp_partials = tp.close(), tp.partials
         obs.timings["steps"] = time.perf_counter() - t1

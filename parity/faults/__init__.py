@@ -77,7 +77,7 @@ STAGE_OF_FAULT = {
                      "rank1_gather_corrupt"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
-    **dict.fromkeys(("perturb_input_grad", "detach_input"), "backward"),
+    **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "explicit_unshard_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
@@ -363,6 +363,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "cast_forward_inputs=False (FSDPState._cast_forward_inputs)", {"grad.accum", "dtype.boundary", "grad", "grad_norm", "divergence", "grad.shard", "input_grad"},
            {"fixture": "self_cast", "path": "native", "ranks": 2, "cast_inputs": "model"},
            quiet={"cast_inputs": "fsdp"}, patch=kp.casts_inputs_anyway),
+    _fault("checkpoint_keeps_activations", "torch's composable checkpoint never enters its saved-tensor hooks "
+           "(checkpoint_activation): checkpointed blocks keep their activations, nothing runs again in backward",
+           {"recompute"}, {**_KDA2, "checkpointing": "full"}, quiet={"checkpointing": "none"},
+           patch=kp.checkpoint_keeps_activations),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
            "reads (the embedding) is all-gathered in backward anyway", {"collectives"},
            {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},

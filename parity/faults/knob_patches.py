@@ -285,3 +285,16 @@ def unsharded_layout_flips():
                 param.data = view.t().contiguous().t()
             fsdp_param._parity_gathers = gathers + 1
     return after_each_gather(flip)
+
+
+def checkpoint_keeps_activations():
+    """torch's composable ``checkpoint`` (``checkpoint_activation``) never enters its
+    saved-tensor hooks: a checkpointed block keeps its activations and nothing runs again in
+    backward (the same numbers, the memory checkpointing was meant to free held)."""
+    from torch.distributed._composable import checkpoint_activation
+
+    def make(orig):
+        def keeps(module, args, kwargs, **options):
+            yield
+        return keeps
+    return swap_attr(checkpoint_activation, "_checkpoint_without_reentrant_generator_impl", make)

@@ -153,6 +153,15 @@ def amax(t: torch.Tensor) -> float:
     return float(t.double().abs().max()) if t.numel() else 0.0
 
 
+def moment_change(after: torch.Tensor, before) -> float | None:
+    """What one step changed a moment by: the signal its allowance is held to (a moment's own size
+    would let a skipped update pass once the moment has grown); None where the moment before
+    the step is unknown (its size then stands in)."""
+    if not isinstance(before, torch.Tensor) or before.shape != after.shape:
+        return None
+    return amax(after.double() - before.double())
+
+
 @dataclass
 class Comparison:
     """One planned comparison: what to compare and what allowance it gets."""

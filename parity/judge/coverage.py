@@ -35,6 +35,7 @@ trains at all (each unfreezes at or after its last step) owes none of those, and
 
 from __future__ import annotations
 
+from parity.judge import recompute
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
@@ -69,6 +70,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [("eval", f"rank{r}/{label}", step) for r in range(cell.ranks)] + [("eval.reshard", label, step)]
         if cell.clip:
             out.append(("clip", "global", step))
+        if recompute.owed(cell):
+            out.append(("recompute", cell.checkpointing, step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
         for t in trained:
             if t.trainable_from <= step:

@@ -28,7 +28,7 @@ import torch
 from parity.execute.observation import NORM, Moved, Observation
 from parity.judge import tolerance
 from parity.judge.checkpoint_entries import entries, exact, missing
-from parity.judge.compare import Comparison, amax
+from parity.judge.compare import Comparison, amax, moment_change
 from parity.judge.record import Record, Verdict
 from parity.judge.rows import skipped
 from parity.matrix.cell import Cell
@@ -99,7 +99,8 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             if cell.clip and f"grad:{fqn}" in straight:
                 allow = _moment_spread(allow, state_key, straight[f"grad:{fqn}"],
                                        float(_spread(cell, t, straight[f"grad:{fqn}"], coefs).max()))
-            comp = Comparison(cell.resume_step, CHECK, name, got, want, allow)
+            comp = Comparison(cell.resume_step, CHECK, name, got, want, allow,
+                              signal=moment_change(want, saved.get(key)))
         else:  # grad:FQN or param:FQN
             kind, _, rest = key.partition(":")
             t = plan.get(rest)

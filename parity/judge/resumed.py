@@ -12,7 +12,8 @@ import torch
 
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.judge.compare import Comparison, amax, differing, gather_full
+from parity.execute import dcp_files
+from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
@@ -99,6 +100,15 @@ def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: Precisio
                  else f"held on {len(per_rank)} ranks", f"resumed on {per_rank[0].taken}")]
 
 
+def _checkpointed(own) -> dict:
+    """The checkpoint's entries, whole, as its files hold them (the state the resumed step starts
+    from); empty where they cannot be read (``checkpoint.saved`` says so)."""
+    try:
+        return dcp_files.read(own.written) if own is not None and own.written else {}
+    except Exception:  # noqa: BLE001 -- an unreadable checkpoint is checkpoint.saved's finding
+        return {}
+
+
 def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
     """Resumed runs against the uninterrupted run's same step: gradients, parameters and
     optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
@@ -114,6 +124,7 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     def full(per_rank: list[dict], f: str):
         return gather_full(plan, f, per_rank, whole)
 
+    before = _checkpointed(observations[0].contracts.resume.get(cell.path))
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
         errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations
@@ -151,7 +162,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 rows += _resumed_state_dtype(base, tag, f"{target}:optim:{f}.{k}", state.get(f, {}).get(k),
                                              recipe.moment_dtype(plan[f]))
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
-                                        tolerance.moment(recipe.moment_dtype(plan[f]), amax(want))))
+                                        tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
+                                        signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
         if tag == "cross" and cell.compile != "none":  # the moments' dtypes above stand; the load is judged
             rows.append(_skip(base, "checkpoint.cross", target, f"compile {cell.compile!r}: {target}'s graphs split its "
                               f"blocks at its own units, so its step is not {cell.path}'s within the allowances; the "
