@@ -174,6 +174,7 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
             out[unit.root]["reshard_after_forward"] = ",".join(sorted({post_forward(g) for g in groups}))
             out[unit.root]["offload"] = ",".join(
                 sorted({"cpu" if fp.offload_to_cpu else "none" for g in groups for fp in g.fsdp_params}))
+            out[unit.root]["unshard_in_backward"] = ",".join(sorted({str(g.unshard_in_backward) for g in groups}))
         for pass_, states in (("forward", state._states_to_forward_prefetch),
                               ("backward", state._states_to_backward_prefetch)):
             out[unit.root][f"{pass_}_prefetch"] = ",".join(names.get(id(s._modules[0]), "?") for s in states)

@@ -67,7 +67,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("resolver_misses_strict_name", "cast_child_inputs", "cast_buffers", "wrap_module",
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
                      "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped",
-                     "reshard_group_ignored"), "setup"),
+                     "reshard_group_ignored", "unshard_in_backward_not_stored"), "setup"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips",
                      "compiled_forward_dropped"), "forward"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
@@ -79,7 +79,7 @@ STAGE_OF_FAULT = {
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
-                     "prefetch_regathers", "explicit_unshard_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "unshard_in_backward_not_stored", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "prefetch_regathers", "explicit_unshard_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
@@ -368,7 +368,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"recompute"}, {**_KDA2, "checkpointing": "full"}, quiet={"checkpointing": "none"},
            patch=kp.checkpoint_keeps_activations),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
-           "reads (the embedding) is all-gathered in backward anyway", {"collectives"},
+           "reads (the embedding) is all-gathered in backward anyway", {"unit.policy", "collectives"},
            {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},
            quiet={"unshard_in_backward": "all"}, patch=kp.unshard_in_backward_not_stored),
     _fault("grad_dtype_dropped", "FSDP forgets the parameters' grad_dtype at lazy init (FSDPParam.init_dtype_attrs): "

@@ -215,10 +215,15 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     collectives under ``mean``; factor 1.0 and sum-only collectives under ``sum``. Each unit
     prefetches what the cell's ``prefetch`` sets (:func:`_prefetch_plan`), nothing otherwise; no
     unit casts its inputs when the model does (``cast_inputs = "model"``); every parameter FSDP
-    manages offloads to the CPU exactly when the cell's ``offload`` says so, and reshards after
-    forward as ``reshard`` and ``reshard_to`` say (off, over every rank, over half of them)."""
+    manages offloads to the CPU exactly when the cell's ``offload`` says so, reshards after
+    forward as ``reshard`` and ``reshard_to`` say (off, over every rank, over half of them), and
+    is unsharded in backward unless ``unshard_in_backward = "needed"`` and the model declares
+    no backward reads it (``Fixture.backward_free``)."""
     config = plan.config
     prefetch = _prefetch_plan(cell, obs)
+    from parity.model.registry import get_fixture
+
+    backward_free = get_fixture(cell.fixture, cell.source).backward_free
     rows = []
     native = obs.report.contract == PER_PARAMETER
     for unit in obs.report.units:
@@ -233,6 +238,8 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
             want["offload"] = cell.offload
+            want["unshard_in_backward"] = str(not (cell.unshard_in_backward == "needed"
+                                                   and set(unit.modules) & set(backward_free)))
             want["reshard_after_forward"] = ("off" if not cell.reshard else f"{cell.ranks // 2} ranks"
                                              if cell.reshard_to == "half" else "on")
         want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))

@@ -233,6 +233,8 @@ class Cell:
             object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
         if self.microbatches == 1 and self.reshard_backward != "every":
             object.__setattr__(self, "reshard_backward", "every")  # a single backward reshards before the step
+        if self.microbatches == 1 and self.finalize == "flagged":
+            object.__setattr__(self, "finalize", "auto")  # a single backward is FSDP's last by default
         if self.sync == "replicas-last" and self.mesh != "hsdp":
             object.__setattr__(self, "sync", "every")  # no replica all-reduce to defer
         if not self._movable():
