@@ -32,6 +32,19 @@ def unit_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
     return out
 
 
+def gather_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
+    """Unit root -> ``pending`` (an all-gather issued, its result not yet taken), else the
+    sharded state FSDP holds (:func:`unit_states`): what a recipe's explicit ``unshard()``
+    leaves before the forward."""
+    modules = module_index(model)
+    states = unit_states(model, report)
+    for unit in report.units:
+        group = modules[unit.modules[0]]._get_fsdp_state()._fsdp_param_group if unit.params else None
+        if group is not None and getattr(group, "_all_gather_result", None) is not None:
+            states[unit.modules[0] or "<root>"] = "pending"
+    return states
+
+
 def post_forward(group) -> str:
     """Where a parameter group reshards after forward, as FSDP holds it: ``off`` (stays gathered),
     ``on`` (over every rank it shards over) or ``N ranks`` (an int ``reshard_after_forward``)."""

@@ -254,6 +254,9 @@ class ContractsSeen:
     """Activation checkpointing (:mod:`parity.execute.recompute`): (step, segment, module) ->
     [forward calls, calls whose output required gradient] of each watched module; None: not
     watched (compiled blocks)."""
+    unshard: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
+    """``unshard = "explicit"``: (step, micro-batch) -> unit root -> its state right after the
+    recipe's ``unshard()`` calls, before the forward (:func:`parity.execute.evaluation.gather_states`)."""
     watched: tuple[str, ...] = ()
     """The modules whose forwards ``module_runs`` counts (none: the model declares no blocks)."""
 

@@ -247,6 +247,8 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
         with tp.window(step, mb) if tp else contextlib.nullcontext():
             with recorder.phase(step, mb) if recorder else contextlib.nullcontext(), segment(f"mb{mb}/forward"):
                 knobs.before_forward(cell, s.model)
+                if cell.unshard == "explicit":
+                    obs.contracts.unshard[(step, mb)] = evaluation.gather_states(s.model, s.report)
                 out = fixture.output(_forward(cell, s.model, inputs))
             loss = fixture.loss(out, batch.target) / (cell.microbatches // fold)
             if divisor != 1:

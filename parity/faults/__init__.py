@@ -70,6 +70,7 @@ STAGE_OF_FAULT = {
                      "reshard_group_ignored", "unshard_in_backward_not_stored"), "setup"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips",
                      "compiled_forward_dropped"), "forward"),
+    **dict.fromkeys(("explicit_unshard_regathers", "explicit_unshard_issues_nothing"), "gather"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_gather_off_one_weight",
                      "fp8_payload_misreported",
@@ -79,7 +80,7 @@ STAGE_OF_FAULT = {
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
     **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations"), "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
-                     "prefetch_regathers", "explicit_unshard_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
+                     "prefetch_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
                      "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
@@ -315,8 +316,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
             "trajectory.emulation", "divergence", "grad.shard"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=kp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
-           "gathers it again", {"collectives"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
+           "gathers it again", {"collectives", "unshard"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
            patch=kp.explicit_unshard_regathers),
+    _fault("explicit_unshard_issues_nothing", "FSDPModule.unshard issues no all-gather: each unit's pre-forward "
+           "gathers as if the recipe had not asked", {"unshard"}, {**_KDA2, "unshard": "explicit"},
+           quiet={"unshard": "hooks"}, patch=kp.explicit_unshard_issues_nothing),
     _fault("reshard_is_noop", "FSDPModule.reshard frees nothing: units the recipe reshards after an evaluation phase "
            "stay gathered", {"eval.reshard"}, {**_KDA2, "unshard": "explicit", "eval": "between-steps"},
            quiet={"unshard": "hooks"}, patch=kp.reshard_is_noop),

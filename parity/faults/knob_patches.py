@@ -298,3 +298,12 @@ def checkpoint_keeps_activations():
             yield
         return keeps
     return swap_attr(checkpoint_activation, "_checkpoint_without_reentrant_generator_impl", make)
+
+
+def explicit_unshard_issues_nothing():
+    """``FSDPModule.unshard`` issues no all-gather and returns no handle: a recipe that gathers
+    its units ahead of the forward overlaps nothing, and each unit's pre-forward gathers as if
+    the recipe had not asked (the same numbers, the same all-gather count)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "unshard", lambda orig: lambda self, async_op=False: None)

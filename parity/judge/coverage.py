@@ -35,7 +35,7 @@ trains at all (each unfreezes at or after its last step) owes none of those, and
 
 from __future__ import annotations
 
-from parity.judge import recompute
+from parity.judge import recompute, unshard
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
 from parity.model.formats import layout
@@ -72,6 +72,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out.append(("clip", "global", step))
         if recompute.owed(cell):
             out.append(("recompute", cell.checkpointing, step))
+        if unshard.owed(cell):
+            out.append(("unshard", "explicit", step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
         for t in trained:
             if t.trainable_from <= step:

@@ -48,7 +48,7 @@ ORDER = {
     "setup": ("plan", "names", "identity", "ownership", "placement", "dtype.storage", "unit.policy", "buffer",
               "marker", "expected_error", "fallback"),
     "gather": ("quant.scale", "quant.blocks", "quant.values", "quant.gather", "quant.refresh", "dtype.compute",
-               "gathered"),
+               "unshard", "gathered"),
     "forward": ("compile.graphs", "dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
     "backward": ("tp.partial", "input_grad", "recompute"),
     "collectives": ("grad.accum", "dtype.reduce", "collectives", "grad.partial", "dtype.accum", "grad.shard",

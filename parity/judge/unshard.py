@@ -1,0 +1,41 @@
+"""``unshard``: a recipe that gathers its units by hand (``unshard = "explicit"``) did, on each rank.
+
+The recipe calls every unit's ``unshard(async_op=True)`` before each training forward and waits
+on the root's handle; FSDP's own pre-forward would gather the same parameters anyway, so an
+``unshard()`` that issues nothing trains the same numbers with the same all-gather count. What
+shows it is each unit's state right after those calls (:func:`parity.execute.evaluation.gather_states`):
+every unit holding parameters has an all-gather pending or is already unsharded. One record per step.
+"""
+
+from __future__ import annotations
+
+from parity.execute.observation import Observation
+from parity.judge.record import Record
+from parity.judge.rows import contract_row
+from parity.matrix.cell import Cell
+
+READY = ("pending", "unsharded")
+
+
+def owed(cell: Cell) -> bool:
+    return cell.unshard == "explicit"
+
+
+def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    if not owed(cell):
+        return []
+    units = {u.modules[0] or "<root>" for u in obs.report.units if u.params}  # as gather_states names them
+    expected = "every unit's all-gather pending or its parameters unsharded before each training forward"
+    rows = []
+    for step in range(cell.steps):
+        problems = []
+        for mb in range(cell.microbatches):
+            states = obs.contracts.unshard.get((step, mb))
+            if states is None:
+                problems.append(f"mb{mb}: not read")
+                continue
+            problems += [f"mb{mb}: {u}: {states.get(u, 'not reported')}" for u in sorted(units)
+                         if states.get(u) not in READY]
+        rows.append(contract_row({**base, "step": step}, "unshard", "explicit", not problems, expected,
+                                 "; ".join(problems)[:800] or f"{len(units)} unit(s) ready in every micro-batch"))
+    return rows
