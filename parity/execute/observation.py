@@ -257,6 +257,9 @@ class ContractsSeen:
     unshard: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``unshard = "explicit"``: (step, micro-batch) -> unit root -> its state right after the
     recipe's ``unshard()`` calls, before the forward (:func:`parity.execute.evaluation.gather_states`)."""
+    after_backward: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
+    """``reshard_backward = "last"``: (step, micro-batch) -> unit root -> its sharded state right
+    after that micro-batch's backward (:func:`parity.execute.evaluation.unit_states`)."""
     watched: tuple[str, ...] = ()
     """The modules whose forwards ``module_runs`` counts (none: the model declares no blocks)."""
 

@@ -262,6 +262,8 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with segment(f"mb{mb}/backward"):
                 (s.scaler.scale(loss) if s.scaler else loss).backward()
                 knobs.after_backward(cell, s.model, synced)
+            if cell.reshard_backward == "last":
+                obs.contracts.after_backward[(step, mb)] = evaluation.unit_states(s.model, s.report)
         obs.outputs.append(_local(out))
         grad = None if fixture.token_input else inputs[0].grad
         if grad is not None and s.scaler:

@@ -68,13 +68,14 @@ STAGE_OF_FAULT = {
                      "lose_buffer_marker", "meta_init_misplaced_shard", "divide_factor_not_stored",
                      "prefetch_not_stored", "placement_fn_dropped", "recast_foreign_params", "offload_policy_dropped",
                      "reshard_group_ignored", "unshard_in_backward_not_stored"), "setup"),
+    **dict.fromkeys(("reshard_after_backward_not_stored", "reshard_after_backward_sticks"), "collectives"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips",
                      "compiled_forward_dropped"), "forward"),
     **dict.fromkeys(("explicit_unshard_regathers", "explicit_unshard_issues_nothing"), "gather"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_gather_off_one_weight",
                      "fp8_payload_misreported",
-                     "reshard_after_backward_sticks", "offload_copy_in_stale", "backward_gather_stale",
+                     "offload_copy_in_stale", "backward_gather_stale",
                      "rank1_gather_corrupt"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
@@ -313,11 +314,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "the units stay gathered through the optimizer step and the next step computes with stale weights "
            "(from step 2: the state dict parity reads after step 0 reshards them, FSDP's pre-save hook)",
            {"collectives", "gathered", "output", "input_grad", "grad", "grad.accum", "grad_norm", "trajectory",
-            "trajectory.emulation", "divergence", "grad.shard"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
+            "trajectory.emulation", "divergence", "grad.shard", "reshard.backward"}, {**_KDA2, **_ACCUM, "reshard_backward": "last", "steps": 3}, quiet={"reshard_backward": "every"},
            patch=kp.reshard_after_backward_sticks),
     _fault("explicit_unshard_regathers", "FSDPModule.unshard drops its all-gather's result: each unit's pre-forward "
            "gathers it again", {"collectives", "unshard"}, {**_KDA2, "unshard": "explicit"}, quiet={"unshard": "hooks"},
            patch=kp.explicit_unshard_regathers),
+    _fault("reshard_after_backward_not_stored", "FSDPModule.set_reshard_after_backward stores nothing: units the "
+           "recipe keeps gathered across a no-sync window are freed after every backward",
+           {"reshard.backward"}, {"fixture": "kda", "path": "native", "ranks": 1, **_ACCUM, "reshard_backward": "last"},
+           quiet={"reshard_backward": "every"}, patch=kp.reshard_after_backward_not_stored),
     _fault("explicit_unshard_issues_nothing", "FSDPModule.unshard issues no all-gather: each unit's pre-forward "
            "gathers as if the recipe had not asked", {"unshard"}, {**_KDA2, "unshard": "explicit"},
            quiet={"unshard": "hooks"}, patch=kp.explicit_unshard_issues_nothing),

@@ -307,3 +307,12 @@ def explicit_unshard_issues_nothing():
     from torch.distributed.fsdp import FSDPModule
 
     return swap_attr(FSDPModule, "unshard", lambda orig: lambda self, async_op=False: None)
+
+
+def reshard_after_backward_not_stored():
+    """``FSDPModule.set_reshard_after_backward`` stores nothing: a recipe that keeps its units
+    gathered across a no-sync window's backwards frees and gathers them again each micro-batch."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "set_reshard_after_backward",
+                     lambda orig: lambda self, reshard_after_backward, *, recurse=True: None)

@@ -74,6 +74,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out.append(("recompute", cell.checkpointing, step))
         if unshard.owed(cell):
             out.append(("unshard", "explicit", step))
+        if unshard.reshard_owed(cell):
+            out.append(("reshard.backward", "last", step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped
         for t in trained:
             if t.trainable_from <= step:

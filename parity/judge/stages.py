@@ -51,7 +51,7 @@ ORDER = {
                "unshard", "gathered"),
     "forward": ("compile.graphs", "dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
     "backward": ("tp.partial", "input_grad", "recompute"),
-    "collectives": ("grad.accum", "dtype.reduce", "collectives", "grad.partial", "dtype.accum", "grad.shard",
+    "collectives": ("grad.accum", "dtype.reduce", "reshard.backward", "collectives", "grad.partial", "dtype.accum", "grad.shard",
                     "dtype.grad"),
     "gradients": ("grad", "collectives", "grad_norm", "ranks"),
     "clipping": ("clip", "grad.clipped"),

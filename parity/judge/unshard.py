@@ -39,3 +39,32 @@ def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
         rows.append(contract_row({**base, "step": step}, "unshard", "explicit", not problems, expected,
                                  "; ".join(problems)[:800] or f"{len(units)} unit(s) ready in every micro-batch"))
     return rows
+
+
+def reshard_owed(cell: Cell) -> bool:
+    return cell.reshard_backward == "last"
+
+
+def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``reshard.backward``: under ``reshard_backward = "last"`` (``set_reshard_after_backward``
+    False but for the last micro-batch) every unit holding parameters is still unsharded after
+    each backward but the last, and sharded after the last. The gathers it saves show in
+    ``collectives`` on several ranks only; this record reads the state on one rank too."""
+    if not reshard_owed(cell):
+        return []
+    units = {u.modules[0] or "<root>" for u in obs.report.units if u.params}
+    expected = "every unit unsharded after each backward but the last, sharded after the last"
+    rows = []
+    for step in range(cell.steps):
+        problems = []
+        for mb in range(cell.microbatches):
+            states = obs.contracts.after_backward.get((step, mb))
+            want = "unsharded" if mb < cell.microbatches - 1 else "sharded"
+            if states is None:
+                problems.append(f"mb{mb}: not read")
+                continue
+            problems += [f"after mb{mb}: {u}: {states.get(u, 'not reported')} (want {want})" for u in sorted(units)
+                         if states.get(u) != want]
+        rows.append(contract_row({**base, "step": step}, "reshard.backward", "last", not problems, expected,
+                                 "; ".join(problems)[:800] or f"{len(units)} unit(s) as set after every backward"))
+    return rows
