@@ -260,6 +260,9 @@ class ContractsSeen:
     after_backward: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``reshard_backward = "last"``: (step, micro-batch) -> unit root -> its sharded state right
     after that micro-batch's backward (:func:`parity.execute.evaluation.unit_states`)."""
+    last_backward: dict[tuple[int, int], bool] = field(default_factory=dict)
+    """``finalize = "flagged"``: (step, micro-batch) -> whether the root's state holds that
+    micro-batch's backward to be the last (``set_is_last_backward``), read before it runs."""
     watched: tuple[str, ...] = ()
     """The modules whose forwards ``module_runs`` counts (none: the model declares no blocks)."""
 

@@ -79,7 +79,8 @@ STAGE_OF_FAULT = {
                      "rank1_gather_corrupt"), "gather"),
     **dict.fromkeys(("drop_output_dtype", "perturb_output", "casts_inputs_anyway", "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
-    **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations"), "backward"),
+    **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations", "is_last_backward_not_stored"),
+                    "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
@@ -323,6 +324,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "recipe keeps gathered across a no-sync window are freed after every backward",
            {"reshard.backward"}, {"fixture": "kda", "path": "native", "ranks": 1, **_ACCUM, "reshard_backward": "last"},
            quiet={"reshard_backward": "every"}, patch=kp.reshard_after_backward_not_stored),
+    _fault("is_last_backward_not_stored", "FSDPModule.set_is_last_backward stores nothing: every backward is the "
+           "last (FSDP's default)", {"finalize.flagged"},
+           {"fixture": "kda", "path": "native", "ranks": 1, **_ACCUM, "finalize": "flagged"},
+           quiet={"finalize": "auto"}, patch=kp.is_last_backward_not_stored),
     _fault("explicit_unshard_issues_nothing", "FSDPModule.unshard issues no all-gather: each unit's pre-forward "
            "gathers as if the recipe had not asked", {"unshard"}, {**_KDA2, "unshard": "explicit"},
            quiet={"unshard": "hooks"}, patch=kp.explicit_unshard_issues_nothing),

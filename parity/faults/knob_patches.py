@@ -316,3 +316,11 @@ def reshard_after_backward_not_stored():
 
     return swap_attr(FSDPModule, "set_reshard_after_backward",
                      lambda orig: lambda self, reshard_after_backward, *, recurse=True: None)
+
+
+def is_last_backward_not_stored():
+    """``FSDPModule.set_is_last_backward`` stores nothing: every backward is FSDP's last (its
+    default), so a recipe that flags its micro-batches waits on pending reductions after each."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return swap_attr(FSDPModule, "set_is_last_backward", lambda orig: lambda self, is_last_backward: None)

@@ -50,7 +50,7 @@ ORDER = {
     "gather": ("quant.scale", "quant.blocks", "quant.values", "quant.gather", "quant.refresh", "dtype.compute",
                "unshard", "gathered"),
     "forward": ("compile.graphs", "dtype.boundary", "tp.partial", "dtype.tp_reduce", "output", "dtype.output", "eval", "eval.reshard"),
-    "backward": ("tp.partial", "input_grad", "recompute"),
+    "backward": ("finalize.flagged", "tp.partial", "input_grad", "recompute"),
     "collectives": ("grad.accum", "dtype.reduce", "reshard.backward", "collectives", "grad.partial", "dtype.accum", "grad.shard",
                     "dtype.grad"),
     "gradients": ("grad", "collectives", "grad_norm", "ranks"),

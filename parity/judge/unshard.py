@@ -68,3 +68,30 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
         rows.append(contract_row({**base, "step": step}, "reshard.backward", "last", not problems, expected,
                                  "; ".join(problems)[:800] or f"{len(units)} unit(s) as set after every backward"))
     return rows
+
+
+def flagged_owed(cell: Cell) -> bool:
+    return cell.finalize == "flagged"
+
+
+def flagged_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``finalize.flagged``: under ``finalize = "flagged"`` the root's state holds each backward
+    to be the last exactly when it is the step's last micro-batch (``set_is_last_backward``),
+    read before the backward. FSDP's own default is True, and inside a no-sync window the
+    reductions are deferred anyway, so neither the numbers nor the collectives show a flag
+    that was never stored."""
+    if not flagged_owed(cell):
+        return []
+    expected = "is_last_backward True for the last micro-batch only"
+    rows = []
+    for step in range(cell.steps):
+        problems = []
+        for mb in range(cell.microbatches):
+            got = obs.contracts.last_backward.get((step, mb))
+            if got is None:
+                problems.append(f"mb{mb}: not read")
+            elif got != (mb == cell.microbatches - 1):
+                problems.append(f"mb{mb}: {got}")
+        rows.append(contract_row({**base, "step": step}, "finalize.flagged", "is_last_backward", not problems,
+                                 expected, "; ".join(problems) or "as set"))
+    return rows
