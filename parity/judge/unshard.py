@@ -1,13 +1,17 @@
-"""``unshard``: a recipe that gathers its units by hand (``unshard = "explicit"``) did, on each rank.
+"""Recipe knobs whose effect no number shows, read from FSDP's state on each rank, one record per
+step: ``unshard`` (a recipe that gathers its units by hand), ``reshard.backward`` (units kept
+gathered across a no-sync window) and ``finalize.flagged`` (the last backward flagged by the
+recipe).
 
-The recipe calls every unit's ``unshard(async_op=True)`` before each training forward and waits
-on the root's handle; FSDP's own pre-forward would gather the same parameters anyway, so an
-``unshard()`` that issues nothing trains the same numbers with the same all-gather count. What
-shows it is each unit's state right after those calls (:func:`parity.execute.evaluation.gather_states`):
-every unit holding parameters has an all-gather pending or is already unsharded. One record per step.
+Each knob changes when FSDP gathers, frees or finalizes, never what it computes: FSDP's own hooks
+would gather the same parameters, and its default already treats a backward as the last. What
+shows the knob is the state FSDP holds at the moment the knob speaks for, read there
+(:mod:`parity.execute.training`, :mod:`parity.execute.evaluation`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from parity.execute.observation import Observation
 from parity.judge.record import Record
@@ -17,28 +21,42 @@ from parity.matrix.cell import Cell
 READY = ("pending", "unsharded")
 
 
+def _per_microbatch(cell: Cell, base: dict, check: str, name: str, expected: str, read: dict,
+                    problems_of: Callable[[int, object], list[str]], held: str) -> list[Record]:
+    """One record per step: ``problems_of(mb, seen)`` over what each micro-batch read (``read[(step,
+    mb)]``); a micro-batch that read nothing is a problem naming it."""
+    rows = []
+    for step in range(cell.steps):
+        problems = []
+        for mb in range(cell.microbatches):
+            seen = read.get((step, mb))
+            problems += [f"mb{mb}: not read"] if seen is None else problems_of(mb, seen)
+        rows.append(contract_row({**base, "step": step}, check, name, not problems, expected,
+                                 "; ".join(problems)[:800] or held))
+    return rows
+
+
+def _units(obs: Observation) -> list[str]:
+    """The units holding parameters, as :func:`parity.execute.evaluation.unit_states` names them."""
+    return sorted({u.modules[0] or "<root>" for u in obs.report.units if u.params})
+
+
 def owed(cell: Cell) -> bool:
     return cell.unshard == "explicit"
 
 
 def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``unshard``: right after the recipe's ``unshard(async_op=True)`` calls, before each training
+    forward, every unit holding parameters has an all-gather pending or is unsharded."""
     if not owed(cell):
         return []
-    units = {u.modules[0] or "<root>" for u in obs.report.units if u.params}  # as gather_states names them
-    expected = "every unit's all-gather pending or its parameters unsharded before each training forward"
-    rows = []
-    for step in range(cell.steps):
-        problems = []
-        for mb in range(cell.microbatches):
-            states = obs.contracts.unshard.get((step, mb))
-            if states is None:
-                problems.append(f"mb{mb}: not read")
-                continue
-            problems += [f"mb{mb}: {u}: {states.get(u, 'not reported')}" for u in sorted(units)
-                         if states.get(u) not in READY]
-        rows.append(contract_row({**base, "step": step}, "unshard", "explicit", not problems, expected,
-                                 "; ".join(problems)[:800] or f"{len(units)} unit(s) ready in every micro-batch"))
-    return rows
+    units = _units(obs)
+    return _per_microbatch(
+        cell, base, "unshard", "explicit",
+        "every unit's all-gather pending or its parameters unsharded before each training forward",
+        obs.contracts.unshard,
+        lambda mb, states: [f"mb{mb}: {u}: {states.get(u, 'not reported')}" for u in units if states.get(u) not in READY],
+        f"{len(units)} unit(s) ready in every micro-batch")
 
 
 def reshard_owed(cell: Cell) -> bool:
@@ -52,22 +70,15 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     ``collectives`` on several ranks only; this record reads the state on one rank too."""
     if not reshard_owed(cell):
         return []
-    units = {u.modules[0] or "<root>" for u in obs.report.units if u.params}
-    expected = "every unit unsharded after each backward but the last, sharded after the last"
-    rows = []
-    for step in range(cell.steps):
-        problems = []
-        for mb in range(cell.microbatches):
-            states = obs.contracts.after_backward.get((step, mb))
-            want = "unsharded" if mb < cell.microbatches - 1 else "sharded"
-            if states is None:
-                problems.append(f"mb{mb}: not read")
-                continue
-            problems += [f"after mb{mb}: {u}: {states.get(u, 'not reported')} (want {want})" for u in sorted(units)
-                         if states.get(u) != want]
-        rows.append(contract_row({**base, "step": step}, "reshard.backward", "last", not problems, expected,
-                                 "; ".join(problems)[:800] or f"{len(units)} unit(s) as set after every backward"))
-    return rows
+    units, last = _units(obs), cell.microbatches - 1
+
+    def problems(mb: int, states: dict) -> list[str]:
+        want = "unsharded" if mb < last else "sharded"
+        return [f"after mb{mb}: {u}: {states.get(u, 'not reported')} (want {want})" for u in units
+                if states.get(u) != want]
+    return _per_microbatch(cell, base, "reshard.backward", "last",
+                           "every unit unsharded after each backward but the last, sharded after the last",
+                           obs.contracts.after_backward, problems, f"{len(units)} unit(s) as set after every backward")
 
 
 def flagged_owed(cell: Cell) -> bool:
@@ -82,16 +93,7 @@ def flagged_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     that was never stored."""
     if not flagged_owed(cell):
         return []
-    expected = "is_last_backward True for the last micro-batch only"
-    rows = []
-    for step in range(cell.steps):
-        problems = []
-        for mb in range(cell.microbatches):
-            got = obs.contracts.last_backward.get((step, mb))
-            if got is None:
-                problems.append(f"mb{mb}: not read")
-            elif got != (mb == cell.microbatches - 1):
-                problems.append(f"mb{mb}: {got}")
-        rows.append(contract_row({**base, "step": step}, "finalize.flagged", "is_last_backward", not problems,
-                                 expected, "; ".join(problems) or "as set"))
-    return rows
+    last = cell.microbatches - 1
+    return _per_microbatch(cell, base, "finalize.flagged", "is_last_backward",
+                           "is_last_backward True for the last micro-batch only", obs.contracts.last_backward,
+                           lambda mb, flag: [] if flag == (mb == last) else [f"mb{mb}: {flag}"], "as set")
