@@ -47,19 +47,25 @@ def test_plan_prints_the_table_and_both_paths(capsys):
     assert "path requested=legacy taken=legacy" in out and "path requested=native taken=native" in out
 
 
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
+
+
+def _beside_example(path, body: str):
+    """A model file that imports examples/own_model/my_model.py as ``mod`` and adds ``body``."""
+    path.write_text(f"import dataclasses, importlib.util, torch\n"
+                    f"spec = importlib.util.spec_from_file_location('their_model', {EXAMPLE!r})\n"
+                    "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n" + body)
+    return path
+
+
 def test_plan_exits_1_when_a_model_declares_fp32_tensors_other_than_its_plan(tmp_path, capsys):
     """``expect_fp32`` is the model's own word on what computes in FP32: a plan that disagrees
     would fail every cell's ``plan`` check, and a CI step gating on ``plan`` must see it."""
-    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
-    model = tmp_path / "declared.py"
-    model.write_text(f"import dataclasses, importlib.util\n"
-                     f"spec = importlib.util.spec_from_file_location('their_model', {example!r})\n"
-                     "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-                     "def wrong():\n"
-                     "    return dataclasses.replace(mod.parity_model(), expect_fp32=('layers.0.norm.norm_weight',))\n")
+    model = _beside_example(tmp_path / "declared.py", "def wrong():\n"
+                            "    return dataclasses.replace(mod.parity_model(), expect_fp32=('layers.0.norm.norm_weight',))\n")
     assert main(["plan", "--model", f"{model}:wrong"]) == 1
     assert "(the plan check fails)" in capsys.readouterr().out
-    assert main(["plan", "--model", f"{example}:parity_model"]) == 0  # nothing declared: nothing to disagree with
+    assert main(["plan", "--model", f"{EXAMPLE}:parity_model"]) == 0  # nothing declared: nothing to disagree with
 
 
 def test_plan_of_a_model_its_source_does_not_have_is_refused(capsys):
@@ -81,20 +87,15 @@ def test_plan_shows_fallback_and_isolation_error(capsys):
 def test_plan_shows_legacys_refusal_of_a_parameter_read_outside_its_unit(tmp_path, capsys):
     """A cell's legacy run refuses a holder parameter its parent's forward reads; ``plan`` shows
     the same refusal, not a plan whose cells would all be ERROR (review, twenty-first stop)."""
-    example = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "own_model", "my_model.py")
-    model = tmp_path / "reads.py"
-    model.write_text(f"import dataclasses, importlib.util, torch\n"
-                     f"spec = importlib.util.spec_from_file_location('their_model', {example!r})\n"
-                     "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
-                     "class Block(mod.Block):\n"
-                     "    def forward(self, x):\n"
-                     "        return super().forward(x) + self.gate.A_log.float().sum().to(x.dtype)\n"
-                     "class Model(mod.MyModel):\n"
-                     "    def __init__(self):\n"
-                     "        super().__init__()\n"
-                     "        self.layers = torch.nn.ModuleList([Block() for _ in range(2)])\n"
-                     "def reads():\n"
-                     "    return dataclasses.replace(mod.parity_model(), name='reads', build=Model)\n")
+    model = _beside_example(tmp_path / "reads.py", "class Block(mod.Block):\n"
+                            "    def forward(self, x):\n"
+                            "        return super().forward(x) + self.gate.A_log.float().sum().to(x.dtype)\n"
+                            "class Model(mod.MyModel):\n"
+                            "    def __init__(self):\n"
+                            "        super().__init__()\n"
+                            "        self.layers = torch.nn.ModuleList([Block() for _ in range(2)])\n"
+                            "def reads():\n"
+                            "    return dataclasses.replace(mod.parity_model(), name='reads', build=Model)\n")
     main(["plan", "--model", f"{model}:reads"])
     out = capsys.readouterr().out
     assert "path requested=legacy: error: legacy dtype-split cannot isolate layers.0.gate.A_log" in out
