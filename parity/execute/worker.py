@@ -97,10 +97,10 @@ def _train(cell: Cell, obs: Observation, inject: Injector, *, rank: int, world: 
         recorder.segments.functional = collectives.functional_scope(cell)
         if s.compiled is not None:  # graphs compiled and run, per segment of the loop
             s.compiled.where = lambda: recorder.segments.current
-        tp = None
-        unwatch = _watch_recomputes(cell, s, recorder, obs)
+        tp, unwatch = None, (lambda: None)
         t1 = time.perf_counter()
         try:  # from here on the recorder's patches are undone whatever happens: the worker lives on
+            unwatch = _watch_recomputes(cell, s, recorder, obs)
             if any(o.startswith("tp-") for o in s.owners.values()):
                 tp = parallel.TPReductions(s.model, s.owners)
             if cell.trace:  # every rank, every micro-batch of the traced step
