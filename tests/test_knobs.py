@@ -187,6 +187,23 @@ def test_an_embedding_kept_out_of_backward_gathers_only_in_forward(tmp_path):
         assert len(held) and set(held["verdict"]) == {"PASS"} and {"legacy", "native"} <= set(held["path_taken"])
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("backward-free")
+def test_an_embedding_no_backward_gathers_is_gathered_again_with_the_others_kept(tmp_path):
+    """Units kept gathered across micro-batches (``rb-last``) beside one no backward gathers
+    (``ub-needed``): the embedding, resharded by its forward, stays sharded after every backward
+    and is gathered again by the next forward -- neither ``reshard.backward`` nor ``collectives``
+    may call that a fault (review, twenty-first stop: both did)."""
+    matrix = tmp_path / "ubrb.toml"
+    matrix.write_text('description = "ub-needed beside rb-last"\nsteps = 2\n[axes]\nfixture = ["untied_lm"]\n'
+                      'path = ["native"]\nranks = [2]\nunshard_in_backward = ["needed"]\nreshard_backward = ["last"]\n'
+                      'accumulation = ["3:last"]\nreshard = [true]\n')
+    result = parity.run(matrix=str(matrix), out=str(tmp_path / "out"), quiet=True)
+    assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
+    held = result.cells[result.cells["check"].isin(["reshard.backward", "collectives"])]
+    assert len(held) and set(held["verdict"]) == {"PASS"}
+
+
 def test_a_schedule_knob_is_named_and_runs_on_1d_fsdp_only():
     with pytest.raises(UsageError, match="finalize: unknown value 'never'; valid: auto, flagged, manual"):
         Cell(fixture="kda", path="native", finalize="never")

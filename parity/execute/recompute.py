@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from parity.model.plan import canonical_fqn
 
-#: (step, segment label, module FQN) -> [forward calls, calls whose output required gradient].
+#: (step, segment label, module FQN) -> [forward calls, calls whose output required gradient,
+#: calls of the checkpoint wrapper around it].
 Runs = dict[tuple[int, str, str], list[int]]
 
 
@@ -30,21 +31,26 @@ def watched(checkpointing: str, blocks: tuple[str, ...], unit_modules: tuple[str
 
 
 def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[int, str]]) -> tuple[Runs, Callable[[], None]]:
-    """Count the forward calls of the modules ``names`` (canonical FQNs; the module a checkpoint
-    wrapper wraps, not the wrapper) under ``where()``'s (step, label): the counts, and what
-    removes the hooks."""
+    """Count the forward calls of the modules ``names`` (canonical FQNs) under ``where()``'s (step,
+    label), and of the checkpoint wrapper around each apart: a wrapper's recompute calls only the
+    module it wraps, so in a backward the module's calls less its wrapper's are its own
+    recomputes (the wrapper runs again only inside an outer checkpoint's recompute). Returns the
+    counts and what removes the hooks."""
     runs: Runs = {}
     handles = []
     for name, module in model.named_modules():
         fqn = canonical_fqn(name)
-        if fqn not in names or isinstance(module, CheckpointWrapper):
+        if fqn not in names:
             continue
+        wrapper = isinstance(module, CheckpointWrapper)
 
-        def counted(mod, args, out, fqn=fqn):
-            graded = any(getattr(t, "requires_grad", False) for t in tree_leaves(out))
-            seen = runs.setdefault((*where(), fqn), [0, 0])
+        def counted(mod, args, out, fqn=fqn, wrapper=wrapper):
+            seen = runs.setdefault((*where(), fqn), [0, 0, 0])
+            if wrapper:
+                seen[2] += 1
+                return
             seen[0] += 1
-            seen[1] += int(graded)
+            seen[1] += int(any(getattr(t, "requires_grad", False) for t in tree_leaves(out)))
         handles.append(module.register_forward_hook(counted, always_call=True))
 
     def close() -> None:

@@ -135,7 +135,8 @@ def _kept_gathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int,
     every unit again: a unit still gathered would compute with the weights before the optimizer
     step. Under ``"last"`` the first forward of a step all-gathers every unit (the last backward
     resharded them before the optimizer step), and a later micro-batch's forward only the units
-    the previous backward had nothing to keep gathered for (no parameter trained this step). An
+    the previous backward had nothing to keep gathered for (no parameter trained this step, or
+    no backward gathers them: :func:`_regathered`). An
     evaluation forward between micro-batches may reshard (reshard on), and one that leaves the
     units gathered (reshard off) owes the next forward nothing: the counts are then bounds only."""
     kept_by_eval = {0: not cell.reshard and cell.eval == "between-steps"}  # micro-batch -> follows a kept eval
@@ -144,10 +145,25 @@ def _kept_gathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int,
     if cell.reshard_backward != "last":
         return {(f"mb{mb}/forward", "all-gather"): units for mb, kept in kept_by_eval.items() if not kept}
     kept = expected_reductions(cell, obs, plan, step)  # the units holding a parameter trained this step
+    kept -= _regathered(cell, obs, plan, step)
     if cell.eval != "between-microbatches":
         for mb in range(1, cell.microbatches):
             bound[(f"mb{mb}/forward", "all-gather")] = units - kept
     return {("mb0/forward", "all-gather"): units} if not kept_by_eval[0] else {}
+
+
+def _regathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int) -> int:
+    """Units holding a parameter trained at ``step`` that no backward gathers
+    (``unshard_in_backward = "needed"`` on the units the model declares no backward reads): a
+    forward that resharded them (reshard on) leaves nothing to keep gathered, so the next
+    forward gathers them again."""
+    if cell.unshard_in_backward != "needed" or not cell.reshard:
+        return 0
+    from parity.model.registry import get_fixture
+
+    free = set(get_fixture(cell.fixture, cell.source).backward_free)
+    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
+    return sum(1 for u in obs.report.units if trained & set(u.params) and set(u.modules) & free)
 
 
 def _outside(cell: Cell, counts: dict, base: dict) -> list[Record]:

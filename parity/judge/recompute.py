@@ -4,8 +4,12 @@ Checkpointing changes no number: a block whose checkpoint kept its activations, 
 whose checkpointing wrapped nothing, trains exactly as the checkpointed one, so only the
 module calls show it (:mod:`parity.execute.recompute`). Under ``full``, ``selective`` and
 ``outer`` every watched module whose forward output joined the autograd graph in a micro-batch
-runs again in that micro-batch's backward; under ``none`` no watched block does. One record per
-step.
+runs again in that micro-batch's backward (its runs there less its checkpoint wrapper's: a
+wrapper runs again only inside an enclosing recompute), and under ``selective`` and ``outer``
+each watched module but the root runs inside its wrapper. Under ``outer`` the root's recompute
+runs every unit inside it again, and torch's nested non-reentrant checkpoints may recompute a
+unit there only: its own wrapper in the forward is what shows the unit checkpointed. Under
+``none`` no watched block runs again. One record per step.
 """
 
 from __future__ import annotations
@@ -43,21 +47,28 @@ def _problems(cell: Cell, runs, watched: tuple[str, ...], step: int, checkpointe
     if not runs:
         return [f"no watched module's forward was counted (watched: {', '.join(watched) or 'none'})"]
     mine = {(label, fqn): n for (s, label, fqn), n in runs.items() if s == step}
-    if not mine:
-        return [f"no watched module ran in step {step}"]
+    wrapped = cell.checkpointing == "selective" or cell.checkpointing == "outer"  # by a CheckpointWrapper
     problems = []
     for mb in range(cell.microbatches):
-        modules = sorted({fqn for label, fqn in mine if label.startswith(f"mb{mb}/")})
-        for fqn in modules:
-            graded = mine.get((f"mb{mb}/forward", fqn), [0, 0])[1]
-            again = mine.get((f"mb{mb}/backward", fqn), [0, 0])[0]
-            if checkpointed and graded and not again:
-                problems.append(f"{fqn or '<root>'} not run again in mb{mb}'s backward")
+        forward = {fqn: n for (label, fqn), n in mine.items() if label == f"mb{mb}/forward" and n[0]}
+        if not forward:
+            problems.append(f"no watched module ran in mb{mb}'s forward")
+        for fqn, (calls, graded, wrapper) in sorted(forward.items()):
+            again, around = mine.get((f"mb{mb}/backward", fqn), [0, 0, 0])[::2]
+            # outer: a unit inside the root's recompute may be recomputed there only (torch's nested
+            # non-reentrant checkpoints); its wrapper in forward is what shows it checkpointed
+            own = again if cell.checkpointing == "outer" else again - around
+            name = fqn or "<root>"
+            if wrapped and fqn and not wrapper:
+                problems.append(f"{name} ran in mb{mb}'s forward without its checkpoint wrapper")
+            elif checkpointed and graded and own < 1:
+                problems.append(f"{name} not recomputed in mb{mb}'s backward ({again} run(s) there, {around} "
+                                "inside an outer recompute)")
             elif not checkpointed and again:
-                problems.append(f"{fqn or '<root>'} ran {again} time(s) again in mb{mb}'s backward")
+                problems.append(f"{name} ran {again} time(s) again in mb{mb}'s backward")
     return problems
 
 
 def _said(runs, step: int) -> str:
-    again = sum(n[0] for (s, label, _), n in runs.items() if s == step and label.endswith("/backward"))
-    return f"{again} forward call(s) of watched modules in step {step}'s backwards"
+    again = sum(n[0] - n[2] for (s, label, _), n in runs.items() if s == step and label.endswith("/backward"))
+    return f"{again} recompute(s) of watched modules in step {step}'s backwards"

@@ -67,10 +67,12 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     """``reshard.backward``: under ``reshard_backward = "last"`` (``set_reshard_after_backward``
     False but for the last micro-batch) every unit holding parameters is still unsharded after
     each backward but the last, and sharded after the last. The gathers it saves show in
-    ``collectives`` on several ranks only; this record reads the state on one rank too."""
+    ``collectives`` on several ranks only; this record reads the state on one rank too. Units no
+    backward gathers (:func:`_not_gathered_in_backward`) are not held to it."""
     if not reshard_owed(cell):
         return []
-    units, last = _units(obs), cell.microbatches - 1
+    last = cell.microbatches - 1
+    units = [u for u in _units(obs) if u not in _not_gathered_in_backward(cell, obs)]
 
     def problems(mb: int, states: dict) -> list[str]:
         want = "unsharded" if mb < last else "sharded"
@@ -79,6 +81,18 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     return _per_microbatch(cell, base, "reshard.backward", "last",
                            "every unit unsharded after each backward but the last, sharded after the last",
                            obs.contracts.after_backward, problems, f"{len(units)} unit(s) as set after every backward")
+
+
+def _not_gathered_in_backward(cell: Cell, obs: Observation) -> set[str]:
+    """Units no backward gathers, so a forward that resharded them leaves them sharded whatever
+    ``set_reshard_after_backward`` says: those the model declares no backward reads under
+    ``unshard_in_backward = "needed"``, and those holding no trainable parameter."""
+    from parity.model.registry import get_fixture
+
+    free = set(get_fixture(cell.fixture, cell.source).backward_free) if cell.unshard_in_backward == "needed" else set()
+    plan = obs.plan
+    return {u.modules[0] or "<root>" for u in obs.report.units
+            if set(u.modules) & free or not any(plan.get(p) is not None and plan.get(p).requires_grad for p in u.params)}
 
 
 def flagged_owed(cell: Cell) -> bool:
