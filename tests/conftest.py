@@ -25,6 +25,19 @@ def run_matrix(tmp_path):
     return run
 
 
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """A 1-rank gloo process group in this process and its mesh: a real FSDP run of one rank
+    (:func:`parity.execute.worker.run_rank`) for tests that judge its observation directly."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
 def pytest_addoption(parser):
     parser.addoption("--doc-commands", action="store_true",
                      help="also run the costly commands the docs show, as written (minutes each; the nightly job)")

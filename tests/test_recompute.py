@@ -3,7 +3,6 @@ checkpointing that wraps nothing, or wraps only the root, is a FAIL naming the m
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parity.execute import training
 from parity.execute.worker import run_rank
@@ -11,16 +10,6 @@ from parity.judge import recompute
 from parity.matrix.cell import Cell
 
 BASE = dict(cell="c", fixture="kda", path="native")
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def _records(mesh, cell):

@@ -4,22 +4,11 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parity.model import registry
 from parity.execute.worker import run_rank
 from parity.matrix.cell import Cell
 from parity.judge.cell import judge_cell
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
 
 
 def _observe(mesh, cell):
