@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from parity.execute import collectives
 from parity.model.dtypes import dtype_name
 from parity.model.plan import tp_reduction_key
+from parity.paths.units import module_index
 from parity.model.quantized import main_weight
 from parity.model.spec import Fixture
 from parity.model.topology import Topology
@@ -146,7 +147,7 @@ class TPReductions:
         self._current: list[str] = []
         self._funcol, self._orig = funcol, funcol.all_reduce
         self._handles = []
-        modules = dict(model.named_modules())
+        modules = module_index(model)  # canonical names: a checkpoint wrapper's inner module under its own
         for fqn, owner in owners.items():
             if owner.startswith("tp-"):
                 self._watch(modules[fqn.rpartition(".")[0]], tp_reduction_key(fqn, owner))
