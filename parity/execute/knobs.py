@@ -205,6 +205,17 @@ def block_units(model: nn.Module, blocks) -> list[FSDPModule]:
     return [modules[b] for b in blocks if isinstance(modules.get(b), FSDPModule)]
 
 
+def kept_out_of_backward(cell: Cell, unit_modules: tuple[str, ...]) -> bool:
+    """Whether :func:`apply` turns ``set_unshard_in_backward(False)`` on the unit built on
+    ``unit_modules``: under ``unshard_in_backward = "needed"``, a unit on a module the model
+    declares no backward reads (``Fixture.backward_free``)."""
+    if cell.unshard_in_backward != "needed":
+        return False
+    from parity.model.registry import get_fixture
+
+    return bool(set(unit_modules) & set(get_fixture(cell.fixture, cell.source).backward_free))
+
+
 def apply(cell: Cell, model: nn.Module, blocks=(), backward_free=()) -> None:
     """Turn ``cell``'s knobs on every FSDP unit of ``model`` (each unit holds its own setting);
     ``blocks``: the fixture's block FQNs; ``backward_free``: its units no backward reads."""

@@ -252,8 +252,9 @@ class ContractsSeen:
     call was running (a block run eagerly has none)."""
     module_runs: dict[tuple[int, str, str], list[int]] | None = None
     """Activation checkpointing (:mod:`parity.execute.recompute`): (step, segment, module) ->
-    [forward calls, calls whose output required gradient] of each watched module; None: not
-    watched (compiled blocks)."""
+    [forward calls, calls whose output required gradient, calls of its checkpoint wrapper] of
+    each watched module (:data:`parity.execute.recompute.Runs`); None: not watched (compiled
+    blocks)."""
     unshard: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``unshard = "explicit"``: (step, micro-batch) -> unit root -> its state right after the
     recipe's ``unshard()`` calls, before the forward (:func:`parity.execute.evaluation.gather_states`)."""

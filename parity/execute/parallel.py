@@ -16,10 +16,10 @@ from torch.distributed.tensor import DTensor
 from parity.execute import collectives
 from parity.model.dtypes import dtype_name
 from parity.model.plan import tp_reduction_key
-from parity.paths.units import module_index
 from parity.model.quantized import main_weight
 from parity.model.spec import Fixture
 from parity.model.topology import Topology
+from parity.paths.units import module_index
 
 _MESHES: dict[tuple, object] = {}
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 
 from parity.execute.collectives import FUNCTIONAL_PREFIX
-from parity.execute.knobs import shard_dim
+from parity.execute.knobs import kept_out_of_backward, shard_dim
 from parity.execute.observation import Observation
 from parity.judge import exchanges
 from parity.judge.record import Record
@@ -24,8 +24,13 @@ def expected_reductions(cell: Cell, obs: Observation, plan: PrecisionPlan, step:
     """Reduce-scatters one synchronizing backward issues: one per unit holding a parameter trained at
     ``step`` (a unit's gradients travel in one collective, mixed dtypes packed; a unit with nothing
     to train reduces nothing). None on one rank: FSDP issues no collective there."""
+    return len(_trained_units(obs, plan, step))
+
+
+def _trained_units(obs: Observation, plan: PrecisionPlan, step: int) -> list:
+    """The units holding an FSDP-managed parameter trained at ``step``."""
     trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
-    return sum(1 for u in obs.report.units if trained & set(u.params))
+    return [u for u in obs.report.units if trained & set(u.params)]
 
 
 def _shard_size(cell: Cell) -> int:
@@ -157,13 +162,9 @@ def _regathered(cell: Cell, obs: Observation, plan: PrecisionPlan, step: int) ->
     (``unshard_in_backward = "needed"`` on the units the model declares no backward reads): a
     forward that resharded them (reshard on) leaves nothing to keep gathered, so the next
     forward gathers them again."""
-    if cell.unshard_in_backward != "needed" or not cell.reshard:
+    if not cell.reshard:
         return 0
-    from parity.model.registry import get_fixture
-
-    free = set(get_fixture(cell.fixture, cell.source).backward_free)
-    trained = {t.fqn for t in plan.params if t.requires_grad and t.trainable_from <= step and t.ownership == "managed"}
-    return sum(1 for u in obs.report.units if trained & set(u.params) and set(u.modules) & free)
+    return sum(1 for u in _trained_units(obs, plan, step) if kept_out_of_backward(cell, u.modules))
 
 
 def _outside(cell: Cell, counts: dict, base: dict) -> list[Record]:

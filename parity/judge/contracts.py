@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import Shard
 
-from parity.execute.knobs import shard_dim
+from parity.execute.knobs import kept_out_of_backward, shard_dim
 from parity.execute.observation import Observation
 from parity.judge import checkpoint_entries, moved, recompute, resumed, unshard
 from parity.judge import compiled as compiled_graphs
@@ -221,9 +221,6 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     no backward reads it (``Fixture.backward_free``)."""
     config = plan.config
     prefetch = _prefetch_plan(cell, obs)
-    from parity.model.registry import get_fixture
-
-    backward_free = get_fixture(cell.fixture, cell.source).backward_free
     rows = []
     native = obs.report.contract == PER_PARAMETER
     for unit in obs.report.units:
@@ -238,8 +235,7 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
             want["gradient_divide_factor"] = "1.0" if summed else "None"
             want["force_sum_reduction_for_comms"] = str(summed)
             want["offload"] = cell.offload
-            want["unshard_in_backward"] = str(not (cell.unshard_in_backward == "needed"
-                                                   and set(unit.modules) & set(backward_free)))
+            want["unshard_in_backward"] = str(not kept_out_of_backward(cell, unit.modules))
             want["reshard_after_forward"] = ("off" if not cell.reshard else f"{cell.ranks // 2} ranks"
                                              if cell.reshard_to == "half" else "on")
         want["forward_prefetch"], want["backward_prefetch"] = prefetch.get(unit.root, ("", ""))

@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import torch
 
+from parity.execute import dcp_files
 from parity.execute.observation import Observation
 from parity.judge import tolerance
-from parity.execute import dcp_files
 from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict

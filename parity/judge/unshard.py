@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from parity.execute.knobs import kept_out_of_backward
 from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.rows import contract_row
@@ -87,12 +88,10 @@ def _not_gathered_in_backward(cell: Cell, obs: Observation) -> set[str]:
     """Units no backward gathers, so a forward that resharded them leaves them sharded whatever
     ``set_reshard_after_backward`` says: those the model declares no backward reads under
     ``unshard_in_backward = "needed"``, and those holding no trainable parameter."""
-    from parity.model.registry import get_fixture
-
-    free = set(get_fixture(cell.fixture, cell.source).backward_free) if cell.unshard_in_backward == "needed" else set()
     plan = obs.plan
     return {u.modules[0] or "<root>" for u in obs.report.units
-            if set(u.modules) & free or not any(plan.get(p) is not None and plan.get(p).requires_grad for p in u.params)}
+            if kept_out_of_backward(cell, u.modules)
+            or not any(plan.get(p) is not None and plan.get(p).requires_grad for p in u.params)}
 
 
 def flagged_owed(cell: Cell) -> bool:
