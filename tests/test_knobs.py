@@ -2,6 +2,7 @@
 data-parallel ranks, FSDP sums), checked against a reference that agrees with the mean
 reduction's, and explicit prefetching; both on both paths, read back from every unit."""
 
+import dataclasses
 import os
 
 import pytest
@@ -277,3 +278,29 @@ def test_offloading_reaches_only_a_path_that_takes_it(monkeypatch):
     assert "offload 'cpu': path 'native' takes no offload_policy" in knobs.unsupported(cell)
     with pytest.raises(UsageError, match="offload 'cpu' runs on mesh 'fsdp'"):
         Cell(fixture="kda", path="native", ranks=4, mesh="hsdp", offload="cpu")
+
+
+def test_a_step_with_no_unit_to_read_is_no_evidence():
+    """``unshard`` and ``reshard.backward`` read each unit's state: a path that reported no unit
+    fails naming the absence, a cell whose units no backward gathers is a SKIP saying why --
+    neither is a PASS over nothing."""
+    from parity.execute.observation import Observation
+    from parity.judge import unshard
+    from parity.judge.record import Verdict
+    from parity.paths.base import ShardReport
+
+    base = {"cell": "c", "fixture": "kda", "path": "native"}
+    explicit = Cell(fixture="kda", path="native", unshard="explicit")
+    empty = Observation(rank=0, report=ShardReport(requested="native", taken="native"))
+    assert {r.verdict for r in unshard.check(explicit, empty, base)} == {Verdict.FAIL}
+    kept = Cell(fixture="kda", path="native", microbatches=2, sync="last", reshard_backward="last")
+    rows = unshard.reshard_check(kept, empty, base)
+    assert {r.verdict for r in rows} == {Verdict.FAIL} and len(rows) == kept.steps
+    assert "no unit holding parameters reported" in rows[0].detail
+    model = get_fixture("kda").make(0)
+    plan = get_fixture("kda").resolve(model, kept.precision(), ())
+    report = plan_sharding(model, get_fixture("kda").unit_roots, plan, "native", ())
+    frozen = Observation(rank=0, report=report, plan=dataclasses.replace(
+        plan, tensors=tuple(dataclasses.replace(t, requires_grad=False) for t in plan.tensors), _by_fqn={}))
+    rows = unshard.reshard_check(kept, frozen, base)
+    assert {r.verdict for r in rows} == {Verdict.SKIP} and "gathered in backward" in rows[0].detail

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from parity.execute.knobs import kept_out_of_backward
 from parity.execute.observation import Observation
 from parity.judge.record import Record
-from parity.judge.rows import contract_row
+from parity.judge.rows import contract_row, skipped
 from parity.matrix.cell import Cell
 
 READY = ("pending", "unsharded")
@@ -42,6 +42,17 @@ def _units(obs: Observation) -> list[str]:
     return sorted({u.modules[0] or "<root>" for u in obs.report.units if u.params})
 
 
+def _nothing_to_read(cell: Cell, base: dict, check: str, name: str, why: str, verdict_fail: bool) -> list[Record]:
+    """A step with no unit to read is no evidence: a FAIL where the path reported no unit holding
+    parameters (the observation is missing), a SKIP saying why where the knob does not reach any."""
+    rows = []
+    for step in range(cell.steps):
+        at = {**base, "step": step}
+        rows.append(contract_row(at, check, name, False, "at least one unit to read", why) if verdict_fail
+                    else skipped(at, check, name, why))
+    return rows
+
+
 def owed(cell: Cell) -> bool:
     return cell.unshard == "explicit"
 
@@ -52,6 +63,8 @@ def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     if not owed(cell):
         return []
     units = _units(obs)
+    if not units:
+        return _nothing_to_read(cell, base, "unshard", "explicit", "no unit holding parameters reported", True)
     return _per_microbatch(
         cell, base, "unshard", "explicit",
         "every unit's all-gather pending or its parameters unsharded before each training forward",
@@ -73,7 +86,12 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     if not reshard_owed(cell):
         return []
     last = cell.microbatches - 1
-    units = [u for u in _units(obs) if u not in _not_gathered_in_backward(cell, obs)]
+    every = _units(obs)
+    units = [u for u in every if u not in _not_gathered_in_backward(cell, obs)]
+    if not units:
+        why = ("no unit holding parameters reported" if not every else
+               f"none of the {len(every)} unit(s) is gathered in backward (frozen, or kept out of it by unshard_in_backward)")
+        return _nothing_to_read(cell, base, "reshard.backward", "last", why, not every)
 
     def problems(mb: int, states: dict) -> list[str]:
         want = "unsharded" if mb < last else "sharded"
