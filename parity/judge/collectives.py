@@ -209,6 +209,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
     their dtypes: ``dtype.tp_reduce``)."""
     counts = obs.contracts.collectives
     units = sum(1 for u in obs.report.units if u.params)
+    unit_modules = tuple(m for u in obs.report.units for m in u.modules)
     ignored = {t.fqn for t in plan.params if t.ownership == "ignored" and t.requires_grad}
     rows = []
     fixture = get_fixture(cell.fixture, cell.source)
@@ -265,7 +266,7 @@ def collective_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
         if cell.ranks > 1 and ref is not None and ref.params:
             problems += _wire(cell, obs, plan, ref, step)
         graded = set(ref.grads[step]) if ref is not None and step < len(ref.grads) else None
-        odd, owed = exchanges.problems(cell, fixture, plan, step, graded, functional)
+        odd, owed = exchanges.problems(cell, fixture, plan, step, graded, unit_modules, functional)
         problems += odd
         labels = cell.segments(step)
         labels += sorted(({label for label, _ in got} | {label for label, _ in problems}) - set(labels))

@@ -12,8 +12,8 @@ torch issues from C++ pass too, over :func:`parity.execute.collectives.functiona
   and the adjoint of each expert exchange (an all-gather's is a reduce-scatter, and back; an
   all-to-all's an all-to-all); with activation checkpointing a recompute may issue the
   exchanges of the modules it runs again (torch stops recomputing once the saved tensors are
-  rebuilt): at most those of the checkpointed modules' forward (the blocks; under ``outer``
-  the whole model);
+  rebuilt): at most those of each checkpointed module's forward (the blocks; under ``outer``
+  the whole model and each unit again, the checkpoints nesting);
 - the optimizer segment: the gradient norm all-reduces once per mesh dimension its gradients
   are sharded over, per mesh they live on (FSDP's dimension; a tensor-parallel weight's ``dp``
   and ``tp``; the experts' ``ep``); a loss scaler's found-inf once per gradient dtype (DTensor's
@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import Counter
 
 from parity.execute.collectives import FUNCTIONAL_PREFIX, functional_scope
+from parity.execute.recompute import watched
 from parity.matrix.cell import Cell
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import loss_scale
@@ -54,10 +55,17 @@ def _forward(cell: Cell, fixture, within: tuple[str, ...] | None = None) -> Coun
     return got
 
 
-def _recomputed(cell: Cell, fixture) -> tuple[str, ...]:
-    """What activation checkpointing may run again in backward: the blocks (``full``,
-    ``selective``), the whole model (``outer`` checkpoints every unit and the root), nothing."""
-    return {"none": (), "outer": ("",)}.get(cell.checkpointing, tuple(fixture.blocks))
+def _recomputed(cell: Cell, fixture, unit_modules: tuple[str, ...]) -> Counter:
+    """The exchanges activation checkpointing may issue again in one backward: those of each
+    checkpointed module's forward (:func:`parity.execute.recompute.watched`: the blocks under
+    ``full`` and ``selective``; under ``outer`` the root and every unit, nested, so a module inside
+    a unit may run again in the root's recompute and in its unit's own), nothing under ``none``."""
+    if cell.checkpointing == "none":
+        return Counter()
+    got: Counter = Counter()
+    for root in watched(cell.checkpointing, tuple(fixture.blocks), unit_modules):
+        got.update(_forward(cell, fixture, (root,)))
+    return got
 
 
 def _backward(cell: Cell, fixture) -> Counter:
@@ -101,9 +109,11 @@ def found_inf_all_reduces(cell: Cell, plan: PrecisionPlan, step: int, graded: se
     return dtypes, dtypes * (2 if cell.mesh in ("fsdp+tp", "ep") else 1)
 
 
-def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None) -> dict[str, tuple[Counter, Counter]]:
+def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None,
+             unit_modules: tuple[str, ...]) -> dict[str, tuple[Counter, Counter]]:
     """Segment label -> (floor, ceiling) of the functional collectives counted there, by kind; a
-    segment absent here owes none. Empty where nothing is counted (one rank)."""
+    segment absent here owes none. Empty where nothing is counted (one rank). ``unit_modules``:
+    the modules of the path's FSDP units (what ``outer`` checkpoints)."""
     scope = functional_scope(cell)
     out: dict[str, tuple[Counter, Counter]] = {}
     if scope == "none":
@@ -112,7 +122,7 @@ def expected(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | 
         fwd, bwd = _forward(cell, fixture), _backward(cell, fixture)
         for mb in range(cell.microbatches):
             out[f"mb{mb}/forward"] = (fwd, fwd)
-            out[f"mb{mb}/backward"] = (bwd, bwd + _forward(cell, fixture, _recomputed(cell, fixture)))
+            out[f"mb{mb}/backward"] = (bwd, bwd + _recomputed(cell, fixture, unit_modules))
         evals = len(cell.eval_labels(step))
         if evals:
             each = Counter({k: n * evals for k, n in fwd.items()})
@@ -129,11 +139,11 @@ def unobserved(cell: Cell, label: str) -> bool:
     return scope == "reductions" and label != "optimizer"
 
 
-def problems(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None,
+def problems(cell: Cell, fixture, plan: PrecisionPlan, step: int, graded: set | None, unit_modules: tuple[str, ...],
              got: dict[tuple[str, str], int]) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(segment, problem) pairs for ``got`` ((segment, kind) -> count, kinds without the prefix)
     against :func:`expected`, and what each segment owes in words."""
-    want = expected(cell, fixture, plan, step, graded)
+    want = expected(cell, fixture, plan, step, graded, unit_modules)
     found: list[tuple[str, str]] = []
     labels = {label for label, _ in got} | set(want)
     for label in sorted(labels):
