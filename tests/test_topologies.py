@@ -204,7 +204,8 @@ def test_an_undeclarable_expert_exchange_is_one_line_naming_the_field():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shard,replicas", [(2, 2), (4, 2), (2, 1), (1, 2), (8, 4)])
-@pytest.mark.parametrize("factor,force_sum", [(None, False), (1.0, True), (2.0, False), (4.0, False)])
+@pytest.mark.parametrize("factor,force_sum", [(None, False), (1.0, True), (2.0, False), (4.0, False),
+                                               (None, True), (4.0, True)])  # forced sums: review, 22nd stop
 def test_the_shard_groups_divisor_is_fsdps_own_rule(dtype, shard, replicas, factor, force_sum):
     """The reference divides each shard group's sum as FSDP's reduce-scatter does before the
     replica all-reduce (``grad.partial``); held to torch's own rule, which it does not call."""

@@ -115,10 +115,13 @@ def shard_group_divisor(reduce_dtype: torch.dtype, shard: int, data: int, factor
     """What FSDP divides a shard group's gradient sum by before the all-reduce across replicas
     (torch 2.15's ``_get_gradient_divide_factors``, held to it by a test): in FP32 and BF16 the
     reduce-scatter averages over the shard group (or pre-multiplies by ``1 / factor`` when the
-    recipe set a divide factor) and the all-reduce averages (sums) the rest; in other dtypes, or
-    with sum-only collectives, each rank pre-divides by the power of two nearest below the square
-    root of the factor (``data`` ranks by default) and both collectives sum."""
-    if reduce_dtype in (torch.float32, torch.bfloat16) and not force_sum:
+    recipe set a divide factor) and the all-reduce averages (sums) the rest; with sum-only
+    collectives both sum and the whole factor is divided after them (the group's sum is not
+    divided); in other dtypes (overflow risk) each rank pre-divides by the power of two nearest
+    below the square root of the factor (``data`` ranks by default) and both collectives sum."""
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        if force_sum:
+            return 1.0
         if factor is None:
             return float(shard) if data > 1 else 1.0
         return float(factor)
