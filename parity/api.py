@@ -70,7 +70,7 @@ class Result:
         path = os.path.join(self.out, "gate.json")
         if not os.path.isfile(path):
             return []
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             return json.load(fh)["decisions"]
 
 

@@ -263,6 +263,19 @@ def test_a_no_go_names_the_first_divergence_before_its_later_symptoms():
                           "divergent stage: gather in 1 cell)")
 
 
+def test_gate_md_gives_a_no_go_its_reproducer(tmp_path):
+    """gate.md said where a NO-GO diverged but not how to re-run it (review, twenty-second stop)."""
+    from parity.report.gate import evaluate, write
+
+    records = healthy() + [rec("m", "native", 1, check="param", verdict="FAIL", ratio=5.0),
+                           rec("m", "native", 0, check="stage", name="gather", verdict="FAIL", ratio=2.0)]
+    write(str(tmp_path), evaluate(records), records, meta={"candidate": "native", "torch": "x", "matrix": "smoke",
+                                                            "results": "results/latest"})
+    md = (tmp_path / "gate.md").read_text()
+    assert "- reproduce: `python -m parity repro m/native/r1/c0 --from results/latest --out repro.py`" in md
+    assert md.count("reproduce:") == 1
+
+
 def test_a_baseline_that_cannot_shard_leaves_go_with_a_note():
     rows = [rec("m", "native", 0), rec("m", "native", 0, check="coverage"), rec("m", "legacy", 0, check="expected_error"),
             rec("m", "legacy~native", 0, check="pair", verdict="UNPAIRED", taken="", name="expected-isolation-error",

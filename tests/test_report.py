@@ -326,9 +326,11 @@ def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_
     records = grads + [stage]
     md = summary_markdown(records, title="t", timings={}, cells_total=1)
     assert "FAIL stage gather" in md and f"... {len(records) - SHOWN_PER_CELL} more (cells.csv has every record)" in md
+    assert "reproduce: `python -m parity repro kda/native/r2 --from DIR --out repro.py`" in md  # NO-GO says how (review)
     write_html(str(tmp_path), records, {"status": "complete", "cells": ["kda/native/r2"]})
     page = (tmp_path / "report.html").read_text()
     assert "first divergent stage: gather" in page and f"The first {SHOWN_FAILING}" in page and "id='banner'" not in page
+    assert f"python -m parity repro kda/native/r2 --from {tmp_path} --out repro.py" in page
     write_html(str(tmp_path), records)  # no run.json in tmp_path: nothing says these are every cell's rows
     assert "How this run ended is not recorded (no run.json)" in (tmp_path / "report.html").read_text()
     write_html(str(tmp_path), records, {"cells": ["kda/native/r2"]})
@@ -340,6 +342,26 @@ def test_summary_and_report_show_each_failing_cells_stage_and_what_they_cut_and_
         skipped, title="t", timings={}, cells_total=1)
     write_html(str(tmp_path), skipped, {"status": "complete", "cells": ["kda/native/r2"]})
     assert "Nothing was checked: every cell was skipped (needs 2 GPUs)" in (tmp_path / "report.html").read_text()
+
+
+def test_outputs_are_utf8_whatever_the_locale_and_survive_a_lone_surrogate(tmp_path):
+    """A record the Python API built with a lone surrogate once crashed ``report.html``, and every
+    report file was written in the locale's encoding (an ASCII locale refused a non-ASCII tensor
+    name) while the page declares UTF-8 (review, twenty-second stop)."""
+    script = (
+        "import sys; from parity.judge.record import Record, Verdict\n"
+        "from parity.report.html import write_html\nfrom parity.report.summary import summary_markdown\n"
+        "r = Record(cell='c', fixture='kda', path='native', check='grad', name='norm\\u2192scale\\ud800',"
+        " verdict=Verdict.FAIL, observed=2.0, allowed=1.0, ratio=2.0, detail='gr\\u00f6\\u00dfer')\n"
+        "write_html(sys.argv[1], [r], {'status': 'complete', 'cells': ['c']})\n"
+        "open(sys.argv[1] + '/s.md', 'w', encoding='utf-8', errors='backslashreplace').write("
+        "summary_markdown([r], title='t', timings={}, cells_total=1))\n")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    proc = subprocess.run([sys.executable, "-X", "utf8=0", "-c", script, str(tmp_path)], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    page = (tmp_path / "report.html").read_bytes().decode("utf-8")
+    assert "norm\u2192scale\\ud800" in page and "gr\u00f6\u00dfer" in page
 
 
 @settings(max_examples=100, deadline=None)

@@ -40,7 +40,7 @@ def harness_cost(matrix: str, models: list[tuple[str, str]], paths: list[str], *
     for _ in range(repeats):
         with quietly():  # the bench reports instead (warnings and errors still reach stderr)
             code = run_cells(cells, options, skip_reason=m.skip_reason)
-        with open(os.path.join(out, "timings.json")) as fh:
+        with open(os.path.join(out, "timings.json"), encoding="utf-8") as fh:
             timings = json.load(fh)
         runs.append({k: float(timings.get(k, 0.0)) for k in PHASES})
         verdicts = dict(Counter(str(v) for v in cell_verdicts(read_records(os.path.join(out, "cells.csv"))).values()))

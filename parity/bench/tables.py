@@ -42,7 +42,7 @@ def rows_for(fixture: str, path: str, ranks: int, device: str, results) -> list[
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as fh:
+    with open(path, "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)

@@ -292,6 +292,6 @@ def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str
     bad, info = compare(old, new, factor=factor)
     print(report(old_dir, new_dir, bad, info))
     if write_digest:
-        with open(os.path.join(write_digest, DIGEST), "w") as fh:
+        with open(os.path.join(write_digest, DIGEST), "w", encoding="utf-8", errors="backslashreplace") as fh:
             json.dump(new, fh, indent=0, sort_keys=True)
     return 1 if bad else 0

@@ -53,7 +53,7 @@ def merged_copies_in(out: str) -> list[str]:
     where ``out`` holds a merged campaign (its :data:`MANIFEST` lists parts) and the folder holds
     reproducers and nothing else. A part kept there, a run's part or anything else is left alone."""
     try:
-        with open(os.path.join(out, MANIFEST)) as fh:
+        with open(os.path.join(out, MANIFEST), encoding="utf-8") as fh:
             merged = json.load(fh).get("parts")
     except (OSError, ValueError, AttributeError):
         return []
@@ -89,7 +89,7 @@ def is_part(directory: str) -> bool:
 def _read(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError) as exc:
         raise UsageError(f"merge: {path} is unreadable ({exc}); rerun that fuzz part") from None
@@ -228,13 +228,13 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
             target = os.path.join(out, f"part-{m['index']}", f)
             if os.path.realpath(target) != os.path.realpath(os.path.join(d, f)):  # a part kept as out/part-I
                 shutil.copy2(os.path.join(d, f), target)
-    with writing(os.path.join(out, name)), open(os.path.join(out, name), "w") as fh:
+    with writing(os.path.join(out, name)), open(os.path.join(out, name), "w", encoding="utf-8", errors="backslashreplace") as fh:
         fh.write(text + "\n")
     merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1",
               "status": "complete", "index": None, "asked": first["examples"], "ran": ran, "code": code,
               "caught": caught if fault else None, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
               "parts": [os.path.abspath(d) for d, _ in parts]}
-    with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w") as fh:
+    with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w", encoding="utf-8", errors="backslashreplace") as fh:
         json.dump(merged, fh, indent=1)
     print(text)
     return code

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from parity.judge.record import BAD, LOCATING_CHECKS, Record, Unpaired, Verdict
 from parity.judge.stages import STAGES, stage_of
 from parity.matrix.cell import pair_of, steps_of
-from parity.report.summary import cell_verdicts, is_pair, md_text, ratio_distribution
+from parity.report.summary import cell_verdicts, is_pair, located_first, md_text, ratio_distribution, repro_command
 
 GO, NO_GO, NOT_APPLICABLE, PARTIAL = "GO", "NO-GO", "NOT APPLICABLE", "PARTIAL"
 
@@ -449,12 +449,22 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
     for d in decisions:
         md += [f"### {d.model}: {d.decision}", ""]
         md += [f"- {k}: {v}" for k, v in d.counts.items()]
-        md += [f"- reason: {md_text(x)}" for x in d.reasons] + [f"- note: {md_text(x)}" for x in d.notes] + [""]
+        md += [f"- reason: {md_text(x)}" for x in d.reasons] + [f"- note: {md_text(x)}" for x in d.notes]
+        md += _reproduce(d, records, meta) + [""]
     md += ["## Ratio distribution per check", ""] + ratio_distribution(records)
-    with open(os.path.join(out, "gate.md"), "w") as fh:
+    with open(os.path.join(out, "gate.md"), "w", encoding="utf-8", errors="backslashreplace") as fh:
         fh.write("\n".join(md) + "\n")
-    with open(os.path.join(out, "gate.json"), "w") as fh:
+    with open(os.path.join(out, "gate.json"), "w", encoding="utf-8", errors="backslashreplace") as fh:
         json.dump({**meta, "decisions": [asdict(d) for d in decisions], "go": is_go(decisions)}, fh, indent=2)
+
+
+def _reproduce(d: Decision, records: list[Record], meta: dict) -> list[str]:
+    """A NO-GO's reproducer: the command for the model's first failing cell or pair, each failing
+    cell's stage and divergence records first (as ``summary.md`` lists them)."""
+    if d.decision != NO_GO:
+        return []
+    bad = located_first([r for r in records if r.fixture == d.model and r.verdict in BAD])
+    return [f"- reproduce: `{repro_command(bad[0].cell, meta['results'])}`"] if bad else []
 
 
 def _scope_lines(scope: dict, meta: dict) -> list[str]:

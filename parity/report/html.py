@@ -16,7 +16,7 @@ import os
 from parity.errors import UsageError
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
 from parity.report.outdir import MANIFEST, read_json, read_manifest
-from parity.report.summary import RATIO_COLUMNS, located_first, nothing_checked, ratio_rows, verdict_counts
+from parity.report.summary import RATIO_COLUMNS, located_first, nothing_checked, ratio_rows, repro_command, verdict_counts
 
 REPORT = "report.html"
 _STYLE = """
@@ -124,6 +124,8 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
     failing = located_first([r for r in records if Verdict(r.verdict) in BAD])
     parts.append(f"<h2 id='failing'>Failing records ({len(failing)})</h2>")
     if failing:
+        parts.append(f"<p id='reproduce'>Reproduce the first failing cell: <code>{_esc(repro_command(failing[0].cell, out_dir))}"
+                     "</code> (any cell id above in its place).</p>")
         if len(failing) > SHOWN_FAILING:
             parts.append(f"<p>The first {SHOWN_FAILING}, each failing cell's stage and first divergent module first; "
                          "cells.csv has every record.</p>")
@@ -142,7 +144,7 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
         parts += ["<h2 id='env'>Versions and hardware</h2>", _table(["", ""], [[k, v] for k, v in env.items()])]
     parts.append("</body></html>")
     path = os.path.join(out_dir, REPORT)
-    with open(path, "w") as fh:
+    with open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
         fh.write("\n".join(parts))
     return path
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import shlex
 import statistics
 from collections import Counter, defaultdict
 
@@ -15,6 +16,11 @@ from parity.judge.record import BAD, LOCATING_CHECKS, SEVERITY, VERDICTS, Record
 def is_pair(r: Record) -> bool:
     """A cross-path row (``baseline~path``) rather than a cell's own."""
     return "~" in r.path
+
+
+def repro_command(cell: str, results: str) -> str:
+    """The command writing a failing cell's (or pair's) reproducer: ``parity repro``."""
+    return f"python -m parity repro {shlex.quote(cell)} --from {shlex.quote(results or 'DIR')} --out repro.py"
 
 
 def check_label(r: Record) -> str:
@@ -182,7 +188,7 @@ def fault_line(records: list[Record], faults) -> str:
 
 def summary_markdown(records: list[Record], *, title: str, timings: dict[str, float], cells_total: int,
                      not_run: list[str] = (), interrupted: str = "", faults=(), resumable: bool = True,
-                     resume_dir: str = "") -> str:
+                     results_dir: str = "") -> str:
     verdicts = cell_verdicts(records)
     counts = Counter(verdicts.values())
     out = [f"# parity run: {md_text(title)}", ""]
@@ -191,7 +197,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
     if interrupted:
         out += [f"**Interrupted** ({interrupted}) after {cells_total - len(not_run)} of {cells_total} cells; "
                 f"{len(not_run)} not run (listed at the end). "
-                + (f"Continue with `python -m parity run --resume {resume_dir or 'DIR'}`." if resumable
+                + (f"Continue with `python -m parity run --resume {results_dir or 'DIR'}`." if resumable
                    else "A torchrun run does not resume: run the matrix again."), ""]
     elif skipped_all := nothing_checked(records):
         out += [f"**Nothing was checked**: every cell was skipped ({md_text(skipped_all)}); the run exits 1.", ""]
@@ -230,6 +236,7 @@ def summary_markdown(records: list[Record], *, title: str, timings: dict[str, fl
             out.append(f"  - {r.verdict} {md_text(r.check)} {md_text(r.name)}{where}: {numbers}{md_text(r.detail)}")
         if len(mine) > SHOWN_PER_CELL:
             out.append(f"  - ... {len(mine) - SHOWN_PER_CELL} more (cells.csv has every record)")
+        out.append(f"  - reproduce: `{repro_command(cell, results_dir)}`")
     skipped = sorted({(r.cell, r.detail) for r in records if verdicts.get(r.cell) == "SKIP"})
     if skipped:
         out += ["", "## Skipped cells", ""] + [f"- `{c}`: {md_text(d)}" for c, d in skipped]
