@@ -974,6 +974,30 @@ def test_a_command_that_starts_its_own_ranks_is_refused_under_torchrun(argv, mon
     assert f"parity: {argv[0]} starts its own rank processes; run it without torchrun" in capsys.readouterr().err
 
 
+FULL_LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"RANK": "abc"}, "torchrun: RANK='abc' is not an integer; launch with torchrun"),
+    ({"RANK": "2"}, "torchrun: RANK=2 LOCAL_RANK=0 with WORLD_SIZE=2: want 0 <= RANK < WORLD_SIZE"),
+    ({"MASTER_PORT": None}, "torchrun: MASTER_PORT not set beside RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR;"),
+    ({"LOCAL_RANK": None, "MASTER_PORT": None}, "torchrun: LOCAL_RANK, MASTER_PORT not set beside"),
+])
+@pytest.mark.parametrize("command", [["run", "--matrix", "smoke"], ["gate", "--matrix", "smoke"]])
+def test_a_launch_whose_variables_are_partial_or_wrong_is_one_line(command, changes, said, monkeypatch, capsys, tmp_path):
+    """A traceback once (RANK not an integer, a rank outside the world, no MASTER_PORT), and a
+    launcher that set RANK and WORLD_SIZE but not LOCAL_RANK ran every process as a whole run of
+    its own into the same --out (review, twenty-second stop)."""
+    for key, value in {**FULL_LAUNCH, **changes}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    assert main([*command, "--out", str(tmp_path / "o")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_on_fewer_gpus_than_its_ranks_is_refused_naming_the_ranks_that_fit(monkeypatch, capsys, tmp_path):
     """One GPU per rank: a 2-rank bench on one GPU measured nothing (every rank-1 start failed)."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)

@@ -76,14 +76,20 @@ def _one_line(exc: Exception) -> str:
 OWN_RANKS = ("bench", "fuzz")
 
 
+#: Commands that join a launcher's process group when one started them.
+LAUNCHED = ("run", "gate")
+
+
 def _command(args) -> int:
-    from parity.execute.torchrun import under_torchrun
+    from parity.execute.torchrun import check_launch, under_torchrun
 
     commands = {"plan": cmd_plan, "run": cmd_run, "gate": cmd_gate, "merge": cmd_merge, "bench": bench_command,
                 "compare": cmd_compare, "repro": cmd_repro,
                 "report": cmd_report, "fuzz": fuzz_command, "fixtures": cmd_fixtures}
     if args.command in OWN_RANKS and under_torchrun():
         raise UsageError(f"{args.command} starts its own rank processes; run it without torchrun")
+    if args.command in LAUNCHED:
+        check_launch()
     try:
         return commands[args.command](args)
     except SystemExit as exc:  # parity returns its codes; only user code (a model) exits

@@ -44,13 +44,41 @@ from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted, at_once
 
 
+#: What torchrun sets in each process it starts (and torch's ``env://`` rendezvous reads).
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+    """Whether a launcher started this process: any of its rank variables set (a partial set is
+    refused by :func:`check_launch`, never read as "no launcher": each process would run the
+    whole matrix into the same files)."""
+    return any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def check_launch() -> None:
+    """Under a launcher, every one of :data:`LAUNCH_VARIABLES` set, the ranks integers with
+    ``0 <= RANK < WORLD_SIZE``: else a one-line :class:`UsageError` naming the variable."""
+    if not under_torchrun():
+        return
+    fix = "launch with torchrun (it sets " + ", ".join(LAUNCH_VARIABLES) + "), or unset RANK, WORLD_SIZE and LOCAL_RANK"
+    missing = [k for k in LAUNCH_VARIABLES if not os.environ.get(k)]
+    if missing:
+        raise UsageError(f"torchrun: {', '.join(missing)} not set beside "
+                         f"{', '.join(k for k in LAUNCH_VARIABLES if k not in missing)}; {fix}")
+    values = {}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        try:
+            values[k] = int(os.environ[k])
+        except ValueError:
+            raise UsageError(f"torchrun: {k}={os.environ[k]!r} is not an integer; {fix}") from None
+    if not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        raise UsageError(f"torchrun: RANK={values['RANK']} LOCAL_RANK={values['LOCAL_RANK']} with "
+                         f"WORLD_SIZE={values['WORLD_SIZE']}: want 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0; {fix}")
 
 
 def writes_results() -> bool:
     """Whether this process judges and writes a run's files: always, except a torchrun peer."""
-    return not under_torchrun() or os.environ["RANK"] == "0"
+    return not under_torchrun() or os.environ.get("RANK") == "0"
 
 
 _lost = ""
@@ -163,7 +191,7 @@ def _join(backend: str, timeout: float) -> None:
     that is a one-line :class:`UsageError` (exit 2, refused before any work), not a traceback."""
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    except dist.DistStoreError as exc:  # the store timed out waiting for a peer; other errors keep their text
+    except dist.DistError as exc:  # the store timed out waiting for a peer, or its address did not answer
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise UsageError(f"torchrun: rank {os.environ.get('RANK', '?')}: the process group did not form within "
