@@ -28,6 +28,47 @@ def test_a_dequantized_weight_is_exact_in_bf16_and_within_e4m3_roundoff(seed, fm
     assert ((fq - w).abs() <= F.E4M3_UNIT_ROUNDOFF * w.abs())[normal].all()
 
 
+@pytest.mark.parametrize("amax, scale", [(448.0, 1.0), (449.0, 2.0), (480.0, 2.0), (224.0, 0.5), (224.5, 1.0),
+                                         (0.9, 2.0 ** -8), (1e-3, 2.0 ** -18), (0.0, 1.0)])
+def test_scales_are_e4m3s_by_a_rule_read_from_torch_and_by_a_hand_table(amax, scale):
+    """Two oracles for the scale every check shares: a hand-computed table, and the judge's own
+    rule from ``torch.finfo(float8_e4m3fn)`` (an off-by-one exponent in formats.py passed every
+    check, the reference quantizing the same way: review, twenty-second stop)."""
+    from parity.judge.quantized import not_e4m3_scales
+
+    got = F.power_of_two_scale(torch.tensor(amax))
+    assert float(got) == scale and not not_e4m3_scales(torch.tensor(amax), got)
+    if amax:
+        assert not_e4m3_scales(torch.tensor([amax, amax]), torch.tensor([scale * 2, scale / 2])) == 2
+
+
+def test_the_judge_flags_scales_formats_py_derives_wrongly(monkeypatch):
+    """The derivation shared by the extension, the reference and the expectation off by one
+    exponent: ``quant.scale`` and ``quant.blocks`` fail on the rule read from torch."""
+    from parity.execute.observation import Observation
+    from parity.judge import quantized as Q
+    from parity.model.plan import TensorPlan
+    from parity.model.quantized import GatherStats
+
+    w = torch.randn(4, 2 * F.BLOCK, generator=torch.Generator().manual_seed(0))
+    right = F.power_of_two_scale
+    monkeypatch.setattr(F, "power_of_two_scale", lambda amax: right(amax) * 2)
+    base = {"cell": "c", "fixture": "fp8", "path": "native"}
+    for fmt, check in (("fp8-tensorwise", "quant.scale"), ("mxfp8", "quant.blocks")):
+        scales = F.scales_of(w, fmt)
+        st = GatherStats(quantized=1, gathers=1, scales=[float(scales)] if scales.dim() == 0 else [],
+                         scale_ranks=1, digests=[Q.fingerprint(F.fake_quantize(w, fmt, torch.float32))],
+                         exponents=None if scales.dim() == 0 else (torch.log2(scales) + 127).to(torch.uint8))
+        obs = Observation(rank=0)
+        obs.contracts.quant = [{"l.weight": st}]
+        t = TensorPlan(fqn="l.weight", kind="param", storage=torch.float32, compute=torch.float32, format=fmt,
+                       reduce=torch.float32, requires_grad=True, ownership="managed")
+        rows = {r.check: r for r in Q._param_checks(Cell(fixture="fp8", path="native"), [obs], t, None, [{"l.weight": w}], base)
+                if r.check != "quant.gather"}
+        assert rows[check].verdict == "FAIL" and "not E4M3's smallest power of two" in rows[check].detail, rows[check]
+        assert rows["quant.values"].verdict == "PASS"  # the shared derivation agrees with itself
+
+
 def test_mx_scales_are_per_row_block_and_tensorwise_one_per_tensor():
     w = torch.ones(3, 2 * F.BLOCK)
     w[1, F.BLOCK:] *= 64

@@ -13,6 +13,10 @@
   scale of the whole main weight before the step;
 - ``quant.blocks`` (MX): the gathered block exponents are the whole weight's, block by block
   (no block straddles a shard boundary); a step whose dequantization consumed none fails;
+- both, a second oracle: every scale used is E4M3's own, read from torch and not from
+  :mod:`parity.model.formats` (which derives the expectation above and the reference's
+  quantization alike): the smallest power of two putting the amax within
+  ``torch.finfo(torch.float8_e4m3fn).max`` (:func:`not_e4m3_scales`);
 - ``quant.values``: every all-gather of a step (forward, backward, activation recompute)
   produced the same weight, the whole main weight quantized at once (the reference's), bitwise
   (:func:`parity.model.quantized.fingerprint`: a moved row or a flipped sign differs).
@@ -77,6 +81,19 @@ def _wire_row(cell: Cell, observations: list[Observation], t: TensorPlan, plan: 
                 "; ".join(problems[:4]) or "as expected", f"{t.format}: on the wire", "float8_e4m3fn")
 
 
+def not_e4m3_scales(amax: torch.Tensor, scales: torch.Tensor) -> int:
+    """How many of ``scales`` (one per amax) are not E4M3's: a power of two ``s`` with ``amax / s``
+    in ``(max / 2, max]``, ``max`` the largest finite ``float8_e4m3fn`` as torch defines it (any
+    power of two for an all-zero block). Independent of :func:`parity.model.formats.power_of_two_scale`,
+    whose off-by-one exponent every other check would share."""
+    top = torch.finfo(F.ELEMENT).max
+    amax, scales = amax.double().flatten(), scales.double().flatten()
+    exponent = torch.log2(scales)
+    ratio = amax / scales
+    ok = (exponent == exponent.round()) & (ratio <= top) & ((amax == 0) | (ratio > top / 2))
+    return int((~ok).sum())
+
+
 def unwitnessed(st, fmt: str, where: str) -> dict[str, list[str]]:
     """What of one rank's step of statistics ``st`` is missing, by check: a tensorwise all-gather
     without a scale from every rank of its group (``scale``), an all-gather whose dequantized
@@ -116,6 +133,9 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 if bad:
                     scale.append(f"step {step} rank {o.rank}: shard scales {st.scales[:8]}, whole-tensor "
                                  f"{float(want_scales)}")
+                if st.scales and not_e4m3_scales(whole.abs().amax().expand(len(st.scales)), torch.tensor(st.scales)):
+                    scale.append(f"step {step} rank {o.rank}: scales {sorted(set(st.scales))[:4]} for amax "
+                                 f"{float(whole.abs().amax()):.6g}: not E4M3's smallest power of two")
                 scale += missing["scale"]
             elif st.exponents is None:  # no MX dequantization ran: what the GEMM consumed is unknown
                 blocks.append(f"step {step} rank {o.rank}: no block exponents consumed (the all-gather carried "
@@ -125,6 +145,12 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 differ = (st.exponents != want).any(dim=-1).nonzero().flatten().tolist()
                 if differ:
                     blocks.append(f"step {step} rank {o.rank}: rows {differ[:6]} have other block exponents")
+                used = torch.exp2(st.exponents.double() - 127)
+                amax = whole.reshape(-1, whole.shape[-1]).abs().reshape(*used.shape, -1).amax(dim=-1)
+                wrong = not_e4m3_scales(amax, used) if used.shape == amax.shape else used.numel()
+                if wrong:
+                    blocks.append(f"step {step} rank {o.rank}: {wrong} of {used.numel()} block exponents are not "
+                                  "E4M3's smallest power of two for their block's amax")
             values += missing["values"]
             off = [i for i, d in enumerate(st.digests) if d != want_digest]
             if off:

@@ -7,7 +7,10 @@
 
 Scales are powers of two (E8M0 for MX, rounded for tensorwise), so a dequantized element is
 exactly representable in BF16 and a GEMM in the compute dtype on the dequantized weight is an
-exact emulation of the FP8 GEMM for the values it sees. The format's precision is E4M3's:
+exact emulation of the FP8 GEMM for the values it sees. A scale is the smallest power of two
+that saturates no element (``ceil(log2(amax / 448))``); the OCP MX specification's
+``floor(log2(amax)) - 8`` is one exponent smaller where the amax's mantissa exceeds 1.75 and
+saturates those elements, so an extension following it differs here by design. The format's precision is E4M3's:
 unit roundoff 2^-4 relative to the element's scale (:data:`E4M3_UNIT_ROUNDOFF`).
 """
 
@@ -25,8 +28,9 @@ ELEMENT = torch.float8_e4m3fn
 
 def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     """The smallest power of two ``s`` with ``amax / s <= E4M3_MAX`` (1 for an all-zero block)."""
-    amax = amax.double().clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX))).float()
+    amax = amax.double()
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX)))
+    return torch.where(amax > 0, scale, torch.ones_like(scale)).float()
 
 
 def block_amax(w: torch.Tensor) -> torch.Tensor:
