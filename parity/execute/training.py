@@ -25,7 +25,7 @@ from parity.model.compiling import CompileLog, compiled_blocks
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import (loss_divisor, loss_scale, make_optimizer, owner_reduction, rescales_gradients,
+from parity.model.recipe import (folded_divisors, loss_scale, make_optimizer, owner_reduction, rescales_gradients,
                                  state_tensors)
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
@@ -200,11 +200,9 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     ``data`` maps (rank, micro-batch) to the (data rank, micro-batch) whose batch it trains
     (default: its own); ``fold`` how many data ranks' batches each rank trains (a layout on
     fewer ranks, :mod:`parity.execute.moves`): each micro-batch's loss is then divided as on
-    the full layout (by ``cell.microbatches // fold``) and the step's reduced gradients by
-    ``fold``, where the full layout's reduction averages over those ranks -- so every
-    micro-batch's backward computes the numbers it computes there, and only the order of the
-    sum differs (a loss halved before the backward would round float16 subnormals in the
-    output's gradient differently); ``keep`` how tensors are recorded (default: :func:`observed`);
+    the full layout (by ``cell.microbatches // fold`` and :func:`parity.model.recipe.folded_divisors`)
+    and the step's reduced gradients as that says -- so every micro-batch's backward computes
+    the numbers it computes there, and only the order of the sum differs; ``keep`` how tensors are recorded (default: :func:`observed`);
     ``segments`` labels the collectives it issues by segment of the loop (default: the
     recorder's); ``state_dicts`` whether it takes the cell's state dicts where the loop takes them
     (default: when it records; a resumed run repeats its step with them, as the loop ran it)."""
@@ -212,7 +210,7 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     topo, keep = cell.topology(), keep or observed(cell)
     data = data or (lambda r, m: (topo.data_rank(r), m))
     freeze_schedule(s, step)
-    divisor = loss_divisor(cell.reduction, topo.data_world)
+    divisor, after = folded_divisors(cell.reduction, topo.data_world, fold)
 
     segments = segments or (recorder.segments if recorder else None)
     taking = recorder is not None if state_dicts is None else state_dicts
@@ -222,7 +220,8 @@ def train_step(cell: Cell, s: Sharded, step: int, *, rank: int, world: int, devi
     reductions = segments.reductions if segments else contextlib.nullcontext
     with segment(BETWEEN):  # whatever runs between the named segments is counted too
         _microbatches(cell, s, step, fixture, segment, taking, reductions=reductions, rank=rank, world=world,
-                      device=device, obs=obs, recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep, divisor=divisor, fold=fold)
+                      device=device, obs=obs, recorder=recorder, heartbeat=heartbeat, tp=tp, data=data, keep=keep,
+                      divisor=divisor, fold=fold, after=after)
 
 
 #: The segment label of what a step runs outside its named segments (the loss, the recorder's reads):
@@ -231,7 +230,7 @@ BETWEEN = "between segments"
 
 
 def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: bool, *, reductions, rank: int, world: int,
-                  device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor, fold) -> None:
+                  device, obs: Observation, recorder, heartbeat, tp, data, keep, divisor, fold, after) -> None:
     """The body of :func:`train_step`: its micro-batches, the optimizer step, evaluations and state
     dicts, each in its segment."""
     for mb in range(cell.microbatches):
@@ -280,7 +279,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with segment("eval"):
                 _evaluate(cell, s, fixture, step, f"mb{mb}", rank, device, obs, state_dicts=taking)
     with segment("optimizer"):
-        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture, fold=fold,
+        _finish_step(cell, s, step, world=world, obs=obs, keep=keep, fixture=fixture, fold=after,
                      reductions=reductions)
     if taking and "after-step" in cell.state_dict_points(step):
         with segment("state-dict"):

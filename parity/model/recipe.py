@@ -112,7 +112,20 @@ def loss_divisor(reduction: str, data_world: int) -> int:
     """What each rank divides its loss by besides its micro-batch count: under a ``sum``
     reduction the recipe normalizes the loss over the data-parallel ranks itself (FSDP
     sums); under ``mean`` FSDP divides (:attr:`parity.matrix.cell.Cell.reduction`)."""
-    return data_world if reduction == "sum" else 1
+    return folded_divisors(reduction, data_world, 1)[0]
+
+
+def folded_divisors(reduction: str, data_world: int, fold: int) -> tuple[int, int]:
+    """(loss divisor, reduced-gradient divisor) on a layout each of whose ranks trains ``fold``
+    data ranks' batches of a ``data_world * fold``-rank layout (a moved checkpoint's one-rank
+    side, :mod:`parity.execute.moves`), so each backward computes what it computes on the full
+    layout: under ``sum`` every rank there divided its loss by the full data world before the
+    backward (a float16 loss halved or not rounds its gradient's subnormals differently) and
+    the sum needs nothing after; under ``mean`` FSDP averaged over the full layout's ranks,
+    so the reduced gradients are divided by ``fold`` after."""
+    if reduction == "sum":
+        return data_world * fold, 1
+    return 1, fold
 
 
 def owner_reduction(reduction: str, ignored_reduction: str) -> str:
