@@ -93,7 +93,7 @@ def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
 
     assert not {"reduction", "prefetch", "reshard_backward", "placement"} & set(DESIGN_AXES)
     cells = load("default").cells
-    assert len(cells) == 444
+    assert len(cells) == 516
     assert {(c.reduction, c.prefetch, c.reshard_backward, c.placement) for c in cells} == {
         ("mean", "none", "every", "dim0")}
 
@@ -304,3 +304,19 @@ def test_a_step_with_no_unit_to_read_is_no_evidence():
         plan, tensors=tuple(dataclasses.replace(t, requires_grad=False) for t in plan.tensors), _by_fqn={}))
     rows = unshard.reshard_check(kept, frozen, base)
     assert {r.verdict for r in rows} == {Verdict.SKIP} and "gathered in backward" in rows[0].detail
+
+
+def test_a_summed_float16_recipe_moves_its_checkpoint_onto_one_rank(run_matrix):
+    """The one-rank side of a moved checkpoint divided a summed recipe's loss by its own data
+    world (1) and halved the reduced gradients after, where every rank of the two-rank layout
+    halves its float16 loss before the backward: ``checkpoint.moved`` failed on both paths
+    (ratio ~200), found once the covering design ran the pair (review, twenty-second stop)."""
+    from parity.model.recipe import folded_divisors
+
+    assert folded_divisors("sum", 1, 2) == (2, 1) and folded_divisors("mean", 1, 2) == (1, 2)
+    cells = [Cell(fixture="kda", path=p, ranks=2, param_dtype="float16", move=m, reduction="sum")
+             for p in ("legacy", "native") for m in ("shrink", "grow")]
+    code, records = run_matrix(cells, timeout=120)
+    bad = [(r["cell"], r["check"], r["name"]) for r in records if r["verdict"] not in ("PASS", "SKIP")]
+    assert code == 0 and not bad, bad[:5]
+    assert sum(r["check"] == "checkpoint.moved" for r in records) > 20

@@ -1,11 +1,13 @@
 import itertools
+import os
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parity.errors import UsageError
-from parity.matrix.load import AXES, covering, load, select
+from parity.matrix.design import covering
+from parity.matrix.load import AXES, load, select
 
 
 def test_smoke_is_every_fixture_path_rank_and_accumulation():
@@ -57,6 +59,71 @@ def test_covering_design_covers_all_pairs(sizes, n_exhaustive):
         assert {(r[a], r[b]) for r in rows} == set(itertools.product(axes[a], axes[b]))
     base = set(itertools.product(*(axes[a] for a in exhaustive)))
     assert {tuple(r[a] for a in exhaustive) for r in rows} == base
+
+
+def test_a_pair_one_exhaustive_combination_cannot_run_is_covered_where_another_can():
+    """A move runs on two ranks only: the design once tried every missing pair at the first row's
+    exhaustive values (one rank), and dropped it there as if no row could run it (review,
+    twenty-second stop)."""
+    axes = {"ranks": [1, 2], "clip": [0.0, 0.01], "move": ["none", "grow"], "eval": ["none", "between-steps"]}
+    moving_on_one = lambda row: {"move"} if row.get("move") == "grow" and row.get("ranks") == 1 else set()  # noqa: E731
+    rows = covering(axes, ["ranks"], moving_on_one)
+    honest = [r for r in rows if not moving_on_one(r)]
+    for other in ("clip", "eval"):
+        assert {(r["move"], r[other]) for r in honest} == set(itertools.product(axes["move"], axes[other])), other
+
+
+def test_a_skip_keeps_its_cells_listed_and_its_pairs_run_elsewhere():
+    """Skips were applied after one shared design: a pair whose only row a skip lists for one
+    fixture never ran there. That fixture now gets rows beside the listed ones."""
+    from parity.matrix.design import fixture_designs
+
+    axes = {"ranks": [1, 2], "param_dtype": ["bfloat16", "float16"], "optimizer": ["adamw", "sgd"],
+            "clip": [0.0, 0.01]}
+    listed = lambda f, row: f == "frozen" and row.get("param_dtype") == "float16"  # noqa: E731
+    designs = fixture_designs(axes, ["ranks"], ["kda", "frozen"], listed)
+    shared = designs["kda"]
+    assert designs["frozen"][:len(shared)] == shared  # the listed rows stay, SKIP with their reason
+    ran = [r for r in designs["frozen"] if not listed("frozen", r)]
+    for a, b in (("ranks", "optimizer"), ("ranks", "clip"), ("optimizer", "clip")):
+        assert {(r[a], r[b]) for r in ran} == set(itertools.product(axes[a], axes[b])), (a, b)
+
+
+def test_every_shipped_covering_runs_each_pair_for_each_fixture_and_path():
+    """The claim docs/matrices.md makes, over the cells a matrix runs (not skipped): each pair of
+    values of two free axes that some cell of the fixture and path can run (the other free axes
+    at their first values) is run by one."""
+    import tomllib
+
+    from parity.matrix.design import row_cell
+    from parity.matrix.load import _matrix_dir
+
+    def runnable(m, row, f, p, a, b):
+        cell = row_cell(row, fixture=f, path=p)
+        return (cell is not None and getattr(cell, a) == row[a] and getattr(cell, b) == row[b]
+                and not m.skip_reason(cell))
+
+    import importlib.util
+
+    hf = ("models",) if importlib.util.find_spec("transformers") else ()
+    for name in ("default", "configs", "knobs", "schedules", "backward-free", "cast-inputs", "grad-dtype", *hf):
+        with open(os.path.join(_matrix_dir(), f"{name}.toml"), "rb") as fh:
+            data = tomllib.load(fh)
+        m = load(name)
+        axes = {"fixture": sorted({c.fixture for c in m.cells}), **data["axes"]}
+        exhaustive = [a for a in data.get("exhaustive", []) if a not in ("fixture", "path")]
+        free = [a for a in axes if a not in exhaustive + ["fixture", "path", "accumulation"] + data.get("rotate", [])]
+        runs = [c for c in m.cells if not m.skip_reason(c)]
+        for f, p in itertools.product(axes["fixture"], axes["path"]):
+            mine = [c for c in runs if c.fixture == f and c.path == p]
+            for a, b in itertools.combinations(free, 2):
+                held = {(getattr(c, a), getattr(c, b)) for c in mine}
+                for va, vb in itertools.product(axes[a], axes[b]):
+                    if (va, vb) in held:
+                        continue
+                    can = any(runnable(m, {**dict(zip(exhaustive, base)), a: va, b: vb}, f, p, a, b)
+                              for base in itertools.product(*(axes[x] for x in exhaustive)))
+                    assert not can, (name, f, p, (a, va), (b, vb))
 
 
 def test_filter_expressions():

@@ -47,15 +47,16 @@ from __future__ import annotations
 import ast
 import itertools
 import os
-import re
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from parity.arguments import MAX_MICROBATCHES, MAX_STEPS, RANK_COUNTS, SEEDS
+from parity.arguments import MAX_STEPS, RANK_COUNTS, SEEDS
 from parity.errors import UsageError
+from parity.matrix.design import accumulation, fixture_designs, row_cell
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, OUTPUT_DTYPES,
-                                PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, SYNC, WEIGHTS, Cell)
+                                PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -159,89 +160,6 @@ def _typed(source: str, key: str, value, kind: type, item: type | None = None):
     return value
 
 
-def _accumulation(source: str, value) -> tuple[int, str]:
-    k, _, sync = str(value).partition(":")
-    micro = int(k) if re.fullmatch(r"[0-9]{1,4}", k) else 0  # ASCII digits: int() also reads "1_0", " 3", "３"
-    sync = sync or "every"
-    if not 1 <= micro <= MAX_MICROBATCHES or sync not in SYNC:
-        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, "
-                         f"K:replicas-last (1 <= K <= {MAX_MICROBATCHES})")
-    return micro, sync
-
-
-def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None) -> list[dict]:
-    """Full product over ``exhaustive`` axes; the others are assigned greedily so every
-    pair of values of two axes (at least one of them free) appears in some row.
-    ``dishonest(row)`` (optional) names the axes whose value a row would not really run (a
-    cell normalizes values it cannot run, e.g. evaluations between micro-batches of a
-    one-micro-batch cell): free values go where they stay honest, a pair counts as covered
-    only by a row that runs both values, and a pair no row can run is not covered."""
-    dishonest = dishonest or (lambda row: set())
-    free = [a for a in axes if a not in exhaustive]
-    names = list(axes)
-
-    def pairs(row, skip=frozenset()):
-        keys = [a for a in names if a in row and a not in skip]
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
-
-    uncovered = {
-        ((a, va), (b, vb))
-        for a, b in itertools.combinations(names, 2) if a in free or b in free
-        for va in axes[a] for vb in axes[b]
-    }
-
-    used = {a: {v: 0 for v in axes[a]} for a in free}
-
-    def fill(row):
-        # values the row runs first, then the most new pairs, then the least-used value,
-        # so free axes stay balanced
-        for a in free:
-            if a not in row:
-                row[a] = max(
-                    axes[a],
-                    key=lambda v: (-len(dishonest({**row, a: v})), len(pairs({**row, a: v}) & uncovered),
-                                   -used[a][v], -axes[a].index(v)),
-                )
-        for a in free:
-            used[a][row[a]] += 1
-        return row
-
-    rows = []
-    for base in itertools.product(*(axes[a] for a in exhaustive)):
-        row = fill(dict(zip(exhaustive, base)))
-        rows.append(row)
-        uncovered -= pairs(row, dishonest(row))
-    while uncovered:
-        pair = (a, va), (b, vb) = min(uncovered, key=repr)
-        row = {**rows[0], a: va, b: vb}
-        for x in free:
-            if x not in (a, b):
-                row.pop(x)
-        row = fill(row)
-        if {a, b} & dishonest(row):  # no row runs this pair
-            uncovered.discard(pair)
-            continue
-        rows.append(row)
-        uncovered -= pairs(row, dishonest(row))
-    return rows
-
-
-def _dishonest(row: dict) -> set[str]:
-    """The axes whose value a cell made of ``row`` (other fields at their defaults) would not
-    keep; every axis when no cell can be made of it."""
-    fields = {k: v for k, v in row.items() if k in Cell.__dataclass_fields__}
-    if "accumulation" in row:
-        fields["microbatches"], fields["sync"] = _accumulation("<row>", row["accumulation"])
-    try:
-        cell = Cell(**{"fixture": "", "path": "", **fields})
-    except UsageError:
-        return set(row)
-    out = {k for k, v in fields.items() if getattr(cell, k) != v and k in row}
-    if "accumulation" in row and (cell.microbatches, cell.sync) != (fields["microbatches"], fields["sync"]):
-        out.add("accumulation")
-    return out
-
-
 #: Matrices expanded in this process, by file (path and contents), ``models`` and the registered
 #: models and paths: a gate expands its matrix again to judge its scope, and ``full`` takes
 #: seconds to expand.
@@ -331,10 +249,11 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         raise UsageError(f"{path}: axes.clip has {unclipped[0]}; write finite max-norms >= 0.0 (0.0: no clipping)")
     normal = {}
     for v in _validate(path, "accumulation", axes["accumulation"]):
-        same = normal.setdefault(_accumulation(path, v), v)
+        same = normal.setdefault(accumulation(path, v), v)
         if same != v:
             raise UsageError(f"{path}: axes.accumulation has {same!r} and {v!r}, the same value; keep one")
     design = _typed(path, "design", data.get("design", "product"), str)
+    skips = _skips(path, data)
     if design != "covering":
         given = [k for k in ("exhaustive", "rotate") if k in data]
         if given:
@@ -357,16 +276,19 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
             raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
         rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)
                 and (a in DESIGN_AXES or a in axes_in)}
-        design = covering(rest, [a for a in AXES if a in exhaustive and a in rest], _dishonest)
-        for i, row in enumerate(design):  # rotated axes cycle through their values; the rest at their defaults
-            row.update({a: axes[a][i % len(axes[a])] for a in rotate})
-            row.update({a: axes[a][0] for a in AXES if a not in row and a not in ("fixture", "path")})
-        rows = [{**row, "fixture": f, "path": p} for f in axes["fixture"] for row in design for p in axes["path"]]
+        designs = fixture_designs(rest, [a for a in AXES if a in exhaustive and a in rest], axes["fixture"],
+                                  _listed(skips, axes["path"]) if skips else lambda f, row: False)
+        rows = []
+        for f in axes["fixture"]:
+            for i, row in enumerate(designs[f]):  # rotated axes cycle through their values; the rest at defaults
+                row = {**row, **{a: axes[a][i % len(axes[a])] for a in rotate}}
+                row.update({a: axes[a][0] for a in AXES if a not in row and a not in ("fixture", "path")})
+                rows += [{**row, "fixture": f, "path": p} for p in axes["path"]]
     else:
         raise UsageError(f"{path}: design has unknown value {design!r}; valid: product, covering")
     cells, seen = [], set()
     for row in rows:
-        micro, sync = _accumulation(path, row["accumulation"])
+        micro, sync = accumulation(path, row["accumulation"])
         try:
             cell = Cell(
                 fixture=row["fixture"], path=row["path"], ranks=row["ranks"], microbatches=micro, sync=sync,
@@ -380,6 +302,17 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         if cell.id not in seen:
             seen.add(cell.id)
             cells.append(cell)
+    _evaluates(cells, [when for when, _ in skips], f"{path}: skip.when")
+    if not data.get("axes") and not sources:  # an empty or truncated file asks for no default
+        raise UsageError(f"{path}: the matrix names no axes and no models; give it an [axes] table with at least "
+                         "one axis (docs/matrices.md)")
+    name = os.path.basename(path).removesuffix(".toml")
+    return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
+                  path=os.path.abspath(path))
+
+
+def _skips(path: str, data: dict) -> list[tuple[str, str]]:
+    """The file's ``[[skip]]`` entries as (when, reason), each checked."""
     skips = []
     for entry in _typed(path, "skip", data.get("skip", []), list, dict):
         if set(entry) != {"when", "reason"}:
@@ -389,13 +322,23 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         if not reason.strip():  # an empty reason would read as "not skipped"
             raise UsageError(f"{path}: a [[skip]] reason is empty; say why its cells are skipped")
         skips.append((entry["when"], reason))
-    _evaluates(cells, [when for when, _ in skips], f"{path}: skip.when")
-    if not data.get("axes") and not sources:  # an empty or truncated file asks for no default
-        raise UsageError(f"{path}: the matrix names no axes and no models; give it an [axes] table with at least "
-                         "one axis (docs/matrices.md)")
-    name = os.path.basename(path).removesuffix(".toml")
-    return Matrix(name=name, description=description, cells=tuple(cells), skips=tuple(skips),
-                  path=os.path.abspath(path))
+    return skips
+
+
+def _listed(skips: list[tuple[str, str]], paths: list[str]) -> Callable[[str, dict], bool]:
+    """Whether a skip lists the cell a design row makes for ``fixture`` on some path (a row
+    whose cell cannot be made, or a skip it cannot evaluate, is left to the cells' own checks)."""
+    def listed(fixture: str, row: dict) -> bool:
+        for p in paths:
+            cell = row_cell(row, fixture=fixture, path=p)
+            for when, _ in skips if cell is not None else ():
+                try:
+                    if matches(cell, when, "skip.when"):
+                        return True
+                except UsageError:
+                    continue
+        return False
+    return listed
 
 
 def check_filter(expr: str, what: str = "-k") -> None:

@@ -1,0 +1,141 @@
+"""Covering designs: which rows of axis values a ``design = "covering"`` matrix runs.
+
+The ``exhaustive`` axes are a full product; every other axis is assigned so that each pair of
+values of two axes (one of them free at least) appears in a row that *runs* both values -- a
+cell keeps every value it was given (:func:`dishonest_axes`) and no ``[[skip]]`` of the matrix
+lists it. One design is shared by a matrix's fixtures and paths (every legacy cell has its native
+twin); a fixture some of whose rows a skip lists gets rows of its own beside them that run
+the pairs only those rows held (:func:`fixture_designs`), so a skip never silently takes a pair
+away.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+
+from parity.arguments import MAX_MICROBATCHES
+from parity.errors import UsageError
+from parity.matrix.cell import SYNC, Cell
+
+
+def accumulation(source: str, value) -> tuple[int, str]:
+    k, _, sync = str(value).partition(":")
+    micro = int(k) if re.fullmatch(r"[0-9]{1,4}", k) else 0  # ASCII digits: int() also reads "1_0", " 3", "３"
+    sync = sync or "every"
+    if not 1 <= micro <= MAX_MICROBATCHES or sync not in SYNC:
+        raise UsageError(f"{source}: axes.accumulation has unknown value {value!r}; valid: 1, K:every, K:last, "
+                         f"K:replicas-last (1 <= K <= {MAX_MICROBATCHES})")
+    return micro, sync
+
+
+def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start: list[dict] | None = None) -> list[dict]:
+    """Full product over ``exhaustive`` axes; the others are assigned greedily so every
+    pair of values of two axes (at least one of them free) appears in some row.
+    ``dishonest(row)`` (optional) names the axes whose value a row would not really run (a
+    cell normalizes values it cannot run, e.g. evaluations between micro-batches of a
+    one-micro-batch cell): free values go where they stay honest, a pair counts as covered
+    only by a row that runs both values, and a pair no row can run is not covered."""
+    dishonest = dishonest or (lambda row: set())
+    free = [a for a in axes if a not in exhaustive]
+    names = list(axes)
+
+    def pairs(row, skip=frozenset()):
+        keys = [a for a in names if a in row and a not in skip]
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
+
+    uncovered = {
+        ((a, va), (b, vb))
+        for a, b in itertools.combinations(names, 2) if a in free or b in free
+        for va in axes[a] for vb in axes[b]
+    }
+
+    used = {a: {v: 0 for v in axes[a]} for a in free}
+
+    def fill(row, count=True):
+        # values the row runs first, then the most new pairs, then the least-used value,
+        # so free axes stay balanced
+        for a in free:
+            if a not in row:
+                row[a] = max(
+                    axes[a],
+                    key=lambda v: (-len(dishonest({**row, a: v})), len(pairs({**row, a: v}) & uncovered),
+                                   -used[a][v], -axes[a].index(v)),
+                )
+        if count:
+            for a in free:
+                used[a][row[a]] += 1
+        return row
+
+    rows = []
+    bases = [dict(zip(exhaustive, base)) for base in itertools.product(*(axes[a] for a in exhaustive))]
+    for base in (bases if start is None else ()):
+        row = fill(dict(base))
+        rows.append(row)
+        uncovered -= pairs(row, dishonest(row))
+    for row in start or ():  # kept as they are; the pairs they run are covered
+        rows.append(dict(row))
+        for a in free:
+            used[a][row[a]] += 1
+        uncovered -= pairs(row, dishonest(row))
+    while uncovered:
+        pair = (a, va), (b, vb) = min(uncovered, key=repr)
+        runs = [r for r in (_completed(fill, base, a, va, b, vb) for base in bases) if not {a, b} & dishonest(r)]
+        # of the exhaustive combinations that run it, the one covering the most pairs still missing
+        row = max(runs, key=lambda r: len(pairs(r, dishonest(r)) & uncovered), default=None)
+        if row is None:  # no row runs this pair
+            uncovered.discard(pair)
+            continue
+        for x in free:
+            used[x][row[x]] += 1
+        rows.append(row)
+        uncovered -= pairs(row, dishonest(row))
+    return rows
+
+
+def _completed(fill, base: dict, a: str, va, b: str, vb) -> dict:
+    """A row of ``base`` (exhaustive values) holding ``a = va`` and ``b = vb``, the other free axes
+    filled (the candidate is not counted as used until it is kept)."""
+    return fill({**base, a: va, b: vb}, count=False)
+
+
+def row_cell(row: dict, **fixed) -> Cell | None:
+    """The cell made of ``row`` (other fields at their defaults, ``fixed`` over them); None
+    where no cell can be."""
+    fields = {k: v for k, v in row.items() if k in Cell.__dataclass_fields__}
+    if "accumulation" in row:
+        fields["microbatches"], fields["sync"] = accumulation("<row>", row["accumulation"])
+    try:
+        return Cell(**{"fixture": "", "path": "", **fields, **fixed})
+    except UsageError:
+        return None
+
+
+def dishonest_axes(row: dict) -> set[str]:
+    """The axes whose value a cell made of ``row`` would not keep; every axis when no cell can
+    be made of it."""
+    cell = row_cell(row)
+    if cell is None:
+        return set(row)
+    out = {k for k in row if k in Cell.__dataclass_fields__ and getattr(cell, k) != row[k]}
+    if "accumulation" in row and (cell.microbatches, cell.sync) != accumulation("<row>", row["accumulation"]):
+        out.add("accumulation")
+    return out
+
+
+def fixture_designs(axes: dict[str, list], exhaustive: list[str], fixtures: list[str],
+                    skipped: Callable[[str, dict], bool]) -> dict[str, list[dict]]:
+    """Fixture -> its design rows: the shared covering, and, for a fixture some of whose rows
+    ``skipped(fixture, row)`` (a ``[[skip]]`` lists the row's cell on some path), rows added
+    after them that run the pairs only listed rows held, where some row can. The listed rows
+    stay (SKIP with their reason, never dropped)."""
+    shared = covering(axes, exhaustive, dishonest_axes)
+    out = {}
+    for f in fixtures:
+        if any(skipped(f, row) for row in shared):
+            out[f] = covering(axes, exhaustive, lambda row, f=f: set(row) if skipped(f, row) else dishonest_axes(row),
+                              start=shared)
+        else:
+            out[f] = shared
+    return out
