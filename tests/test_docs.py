@@ -27,7 +27,7 @@ def _commands() -> list[tuple[str, str]]:
         blocks = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
         for line in inline + blocks:
             for part in line.split("&&"):
-                command = part.split("  #")[0].split(" # ")[0].strip()
+                command = " ".join(part.split("  #")[0].split(" # ")[0].split())  # one line, however wrapped
                 if re.match(r"(python -m parity|torchrun .*-m parity|nox -s) ", command) and not TEMPLATE.search(command):
                     found.append((os.path.relpath(path, ROOT), command))
     return sorted(set(found))
