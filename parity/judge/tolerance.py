@@ -57,7 +57,11 @@ def gradient(reduce_dtype: torch.dtype, storage_dtype: torch.dtype, terms: int, 
     """A sum of ``terms`` contributions in ``reduce_dtype`` (recursive-summation bound
     (n-1)u plus one division), then a cast to storage if that is coarser. A tied weight's
     uses are not widened for: the reference sums them as FSDP does (autograd in the compute
-    dtype, or rounded apart on the first micro-batch without sync)."""
+    dtype, or rounded apart on the first micro-batch without sync). The storage term is one
+    half-ulp, not a flip per cast and add of each synchronizing micro-batch (up to ``2K - 1``
+    ulps for ``K``): the reference reduces in FSDP's order and casts and adds each micro-batch
+    in the kept dtype as FSDP does, so the sums it casts are FSDP's bit for bit (every such
+    record so far: observed 0) and a flip is a finding, not noise."""
     n = terms * unit_roundoff(reduce_dtype)
     dtype = reduce_dtype
     basis = _fmt(terms, reduce_dtype, scale)
