@@ -89,6 +89,22 @@ def test_a_skip_keeps_its_cells_listed_and_its_pairs_run_elsewhere():
         assert {(r[a], r[b]) for r in ran} == set(itertools.product(axes[a], axes[b])), (a, b)
 
 
+def test_a_skip_of_a_rotated_value_is_read_on_the_row_that_takes_it(tmp_path):
+    """The skip-aware rows once read each row with its rotated axes at their defaults: a skip of
+    a rotated value listed cells whose pairs then ran nowhere (review, twenty-second stop)."""
+    path = tmp_path / "rot.toml"
+    path.write_text('design = "covering"\nexhaustive = ["fixture", "path", "ranks"]\nrotate = ["output_dtype"]\n'
+                    '[axes]\nfixture = ["kda", "lm"]\npath = ["native"]\nranks = [1, 2]\nreshard = [true, false]\n'
+                    'clip = [0.0, 0.01]\noutput_dtype = ["natural", "float32"]\n[[skip]]\n'
+                    'when = "fixture == \'lm\' and output_dtype == \'float32\' and clip == 0.01"\nreason = "r"\n')
+    m = load(str(path))
+    runs = [c for c in m.cells if c.fixture == "lm" and not m.skip_reason(c)]
+    assert any(m.skip_reason(c) for c in m.cells)
+    for a, b in (("ranks", "clip"), ("ranks", "reshard"), ("reshard", "clip")):
+        assert {(getattr(c, a), getattr(c, b)) for c in runs} == {(x, y) for x in {getattr(c, a) for c in m.cells}
+                                                                  for y in {getattr(c, b) for c in m.cells}}, (a, b)
+
+
 def test_every_shipped_covering_runs_each_pair_for_each_fixture_and_path():
     """The claim docs/matrices.md makes, over the cells a matrix runs (not skipped): each pair of
     values of two free axes that some cell of the fixture and path can run (the other free axes

@@ -49,16 +49,17 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_P
 
 
 def under_torchrun() -> bool:
-    """Whether a launcher started this process: any of its rank variables set (a partial set is
-    refused by :func:`check_launch`, never read as "no launcher": each process would run the
-    whole matrix into the same files)."""
-    return any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    """Whether torchrun started this process (its variables set). ``run`` and ``gate`` first
+    refuse a partial set (:func:`check_launch`), which would otherwise read as no launcher: each
+    process would run the whole matrix into the same files."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
 def check_launch() -> None:
-    """Under a launcher, every one of :data:`LAUNCH_VARIABLES` set, the ranks integers with
-    ``0 <= RANK < WORLD_SIZE``: else a one-line :class:`UsageError` naming the variable."""
-    if not under_torchrun():
+    """Where any of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` is set, every one of
+    :data:`LAUNCH_VARIABLES` set, the ranks integers with ``0 <= RANK < WORLD_SIZE``: else a
+    one-line :class:`UsageError` naming the variable."""
+    if not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return
     fix = "launch with torchrun (it sets " + ", ".join(LAUNCH_VARIABLES) + "), or unset RANK, WORLD_SIZE and LOCAL_RANK"
     missing = [k for k in LAUNCH_VARIABLES if not os.environ.get(k)]
@@ -78,7 +79,7 @@ def check_launch() -> None:
 
 def writes_results() -> bool:
     """Whether this process judges and writes a run's files: always, except a torchrun peer."""
-    return not under_torchrun() or os.environ.get("RANK") == "0"
+    return not under_torchrun() or os.environ["RANK"] == "0"
 
 
 _lost = ""

@@ -124,18 +124,27 @@ def dishonest_axes(row: dict) -> set[str]:
     return out
 
 
+def rotated(rows: list[dict], rotate: dict[str, list]) -> list[dict]:
+    """``rows`` with each ``rotate`` axis cycling through its values, row by row."""
+    return [{**row, **{a: values[i % len(values)] for a, values in rotate.items()}} for i, row in enumerate(rows)]
+
+
 def fixture_designs(axes: dict[str, list], exhaustive: list[str], fixtures: list[str],
-                    skipped: Callable[[str, dict], bool]) -> dict[str, list[dict]]:
-    """Fixture -> its design rows: the shared covering, and, for a fixture some of whose rows
-    ``skipped(fixture, row)`` (a ``[[skip]]`` lists the row's cell on some path), rows added
-    after them that run the pairs only listed rows held, where some row can. The listed rows
-    stay (SKIP with their reason, never dropped)."""
-    shared = covering(axes, exhaustive, dishonest_axes)
+                    skipped: Callable[[str, dict], bool], rotate: dict[str, list] | None = None) -> dict[str, list[dict]]:
+    """Fixture -> its design rows (``rotate``'s axes cycled over them): the shared covering,
+    and, for a fixture some of whose rows ``skipped(fixture, row)`` (a ``[[skip]]`` lists the
+    row's cell on some path), rows added after them that run the pairs only listed rows held,
+    where some row can, each rotated axis at its first value. The listed rows stay (SKIP with
+    their reason, never dropped)."""
+    rotate = rotate or {}
+    firsts = {a: values[0] for a, values in rotate.items()}
+    shared = rotated(covering(axes, exhaustive, dishonest_axes), rotate)
     out = {}
     for f in fixtures:
-        if any(skipped(f, row) for row in shared):
-            out[f] = covering(axes, exhaustive, lambda row, f=f: set(row) if skipped(f, row) else dishonest_axes(row),
-                              start=shared)
-        else:
+        if not any(skipped(f, row) for row in shared):
             out[f] = shared
+            continue
+        listed = lambda row, f=f: skipped(f, {**firsts, **row})  # noqa: E731 - a new row takes the first values
+        rows = covering(axes, exhaustive, lambda row: set(row) if listed(row) else dishonest_axes(row), start=shared)
+        out[f] = shared + [{**firsts, **row} for row in rows[len(shared):]]
     return out

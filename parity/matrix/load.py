@@ -277,12 +277,12 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)
                 and (a in DESIGN_AXES or a in axes_in)}
         designs = fixture_designs(rest, [a for a in AXES if a in exhaustive and a in rest], axes["fixture"],
-                                  _listed(skips, axes["path"]) if skips else lambda f, row: False)
+                                  _listed(skips, axes["path"]) if skips else lambda f, row: False,
+                                  {a: axes[a] for a in rotate})
         rows = []
         for f in axes["fixture"]:
-            for i, row in enumerate(designs[f]):  # rotated axes cycle through their values; the rest at defaults
-                row = {**row, **{a: axes[a][i % len(axes[a])] for a in rotate}}
-                row.update({a: axes[a][0] for a in AXES if a not in row and a not in ("fixture", "path")})
+            for row in designs[f]:  # the axes neither designed nor rotated at their first values
+                row = {**{a: axes[a][0] for a in AXES if a not in ("fixture", "path")}, **row}
                 rows += [{**row, "fixture": f, "path": p} for p in axes["path"]]
     else:
         raise UsageError(f"{path}: design has unknown value {design!r}; valid: product, covering")
