@@ -93,7 +93,7 @@ def test_a_new_axis_leaves_the_matrices_that_do_not_declare_it_as_they_were():
 
     assert not {"reduction", "prefetch", "reshard_backward", "placement"} & set(DESIGN_AXES)
     cells = load("default").cells
-    assert len(cells) == 516
+    assert len(cells) == 444
     assert {(c.reduction, c.prefetch, c.reshard_backward, c.placement) for c in cells} == {
         ("mean", "none", "every", "dim0")}
 

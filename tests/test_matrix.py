@@ -73,6 +73,19 @@ def test_a_pair_one_exhaustive_combination_cannot_run_is_covered_where_another_c
         assert {(r["move"], r[other]) for r in honest} == set(itertools.product(axes["move"], axes[other])), other
 
 
+def test_a_singly_axis_has_each_value_run_not_every_pair():
+    """A move runs only on the checkpoint lifecycle's one exhaustive combination: pairing it
+    with every value of the others took default from 444 cells to 516, all of the costliest
+    kind; ``singly`` runs each of its values, the other axes still pairwise."""
+    axes = {"ranks": [1, 2], "clip": [0.0, 0.01], "eval": ["none", "a", "b"], "move": ["none", "grow", "shrink"]}
+    one_rank = lambda row: {"move"} if row.get("move") != "none" and row.get("ranks") == 1 else set()  # noqa: E731
+    rows = covering(axes, ["ranks"], one_rank, singly=("move",))
+    honest = [r for r in rows if not one_rank(r)]
+    assert {r["move"] for r in honest} == set(axes["move"])
+    assert {(r["clip"], r["eval"]) for r in honest} == set(itertools.product(axes["clip"], axes["eval"]))
+    assert len(rows) < len(covering(axes, ["ranks"], one_rank))
+
+
 def test_a_skip_keeps_its_cells_listed_and_its_pairs_run_elsewhere():
     """Skips were applied after one shared design: a pair whose only row a skip lists for one
     fixture never ran there. That fixture now gets rows beside the listed ones."""
@@ -128,10 +141,14 @@ def test_every_shipped_covering_runs_each_pair_for_each_fixture_and_path():
         m = load(name)
         axes = {"fixture": sorted({c.fixture for c in m.cells}), **data["axes"]}
         exhaustive = [a for a in data.get("exhaustive", []) if a not in ("fixture", "path")]
-        free = [a for a in axes if a not in exhaustive + ["fixture", "path", "accumulation"] + data.get("rotate", [])]
+        singly = data.get("singly", [])
+        free = [a for a in axes if a not in exhaustive + ["fixture", "path", "accumulation"] + data.get("rotate", [])
+                + singly]
         runs = [c for c in m.cells if not m.skip_reason(c)]
         for f, p in itertools.product(axes["fixture"], axes["path"]):
             mine = [c for c in runs if c.fixture == f and c.path == p]
+            for a in singly:  # each value runs (a move: where the checkpoint lifecycle does)
+                assert {getattr(c, a) for c in mine} == set(axes[a]), (name, f, p, a)
             for a, b in itertools.combinations(free, 2):
                 held = {(getattr(c, a), getattr(c, b)) for c in mine}
                 for va, vb in itertools.product(axes[a], axes[b]):
@@ -162,6 +179,9 @@ def test_filter_expressions():
         ("[axes]\naccumulation = ['3:sometimes']\n", "axes.accumulation has unknown value '3:sometimes'"),
         ("[axes]\noutput_dtype = ['float8']\n", "axes.output_dtype has unknown value 'float8'; valid: natural, float32"),
         ("design = 'random'\n", "design has unknown value 'random'; valid: product, covering"),
+        ("singly = ['move']\n[axes]\nmove = ['none']\n", "singly applies to design = \"covering\" only"),
+        ("design = 'covering'\nsingly = ['ranks']\nexhaustive = ['ranks']\n[axes]\nranks = [1]\n",
+         "singly has axis 'ranks' that is unknown, exhaustive or rotated"),
         ("[axes\n", "not valid TOML"),
         ("steps = 0\n", "steps must be a positive integer"),
         ("[axes]\nclip = [-1.0]\n", "axes.clip has -1.0; write finite max-norms >= 0.0"),

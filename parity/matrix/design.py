@@ -30,26 +30,31 @@ def accumulation(source: str, value) -> tuple[int, str]:
     return micro, sync
 
 
-def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start: list[dict] | None = None) -> list[dict]:
+def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start: list[dict] | None = None,
+             singly: tuple[str, ...] = ()) -> list[dict]:
     """Full product over ``exhaustive`` axes; the others are assigned greedily so every
-    pair of values of two axes (at least one of them free) appears in some row.
+    pair of values of two axes (at least one of them free) appears in some row, and each
+    value of a ``singly`` axis in some row (not in every pair: a value only a few exhaustive
+    combinations can run would multiply the rows, a checkpoint move costing the most).
     ``dishonest(row)`` (optional) names the axes whose value a row would not really run (a
     cell normalizes values it cannot run, e.g. evaluations between micro-batches of a
     one-micro-batch cell): free values go where they stay honest, a pair counts as covered
     only by a row that runs both values, and a pair no row can run is not covered."""
     dishonest = dishonest or (lambda row: set())
     free = [a for a in axes if a not in exhaustive]
-    names = list(axes)
+    paired = [a for a in axes if a not in singly]
 
-    def pairs(row, skip=frozenset()):
-        keys = [a for a in names if a in row and a not in skip]
-        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
+    def covers(row, skip=frozenset()):
+        """What ``row`` covers: its pairs of paired axes, its values of singly ones."""
+        keys = [a for a in paired if a in row and a not in skip]
+        out = {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(keys, 2) if a in free or b in free}
+        return out | {((a, row[a]),) for a in singly if a in row and a not in skip}
 
     uncovered = {
         ((a, va), (b, vb))
-        for a, b in itertools.combinations(names, 2) if a in free or b in free
+        for a, b in itertools.combinations(paired, 2) if a in free or b in free
         for va in axes[a] for vb in axes[b]
-    }
+    } | {((a, v),) for a in singly for v in axes[a]}
 
     used = {a: {v: 0 for v in axes[a]} for a in free}
 
@@ -60,7 +65,7 @@ def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start
             if a not in row:
                 row[a] = max(
                     axes[a],
-                    key=lambda v: (-len(dishonest({**row, a: v})), len(pairs({**row, a: v}) & uncovered),
+                    key=lambda v: (-len(dishonest({**row, a: v})), len(covers({**row, a: v}) & uncovered),
                                    -used[a][v], -axes[a].index(v)),
                 )
         if count:
@@ -73,31 +78,26 @@ def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start
     for base in (bases if start is None else ()):
         row = fill(dict(base))
         rows.append(row)
-        uncovered -= pairs(row, dishonest(row))
-    for row in start or ():  # kept as they are; the pairs they run are covered
+        uncovered -= covers(row, dishonest(row))
+    for row in start or ():  # kept as they are; what they run is covered
         rows.append(dict(row))
         for a in free:
             used[a][row[a]] += 1
-        uncovered -= pairs(row, dishonest(row))
+        uncovered -= covers(row, dishonest(row))
     while uncovered:
-        pair = (a, va), (b, vb) = min(uncovered, key=repr)
-        runs = [r for r in (_completed(fill, base, a, va, b, vb) for base in bases) if not {a, b} & dishonest(r)]
-        # of the exhaustive combinations that run it, the one covering the most pairs still missing
-        row = max(runs, key=lambda r: len(pairs(r, dishonest(r)) & uncovered), default=None)
-        if row is None:  # no row runs this pair
-            uncovered.discard(pair)
+        key = min(uncovered, key=repr)  # a pair, or one value of a singly axis
+        named = {a for a, _ in key}
+        runs = [r for r in (fill({**base, **dict(key)}, count=False) for base in bases) if not named & dishonest(r)]
+        # of the exhaustive combinations that run it, the one covering the most still missing
+        row = max(runs, key=lambda r: len(covers(r, dishonest(r)) & uncovered), default=None)
+        if row is None:  # no row runs it
+            uncovered.discard(key)
             continue
         for x in free:
             used[x][row[x]] += 1
         rows.append(row)
-        uncovered -= pairs(row, dishonest(row))
+        uncovered -= covers(row, dishonest(row))
     return rows
-
-
-def _completed(fill, base: dict, a: str, va, b: str, vb) -> dict:
-    """A row of ``base`` (exhaustive values) holding ``a = va`` and ``b = vb``, the other free axes
-    filled (the candidate is not counted as used until it is kept)."""
-    return fill({**base, a: va, b: vb}, count=False)
 
 
 def row_cell(row: dict, **fixed) -> Cell | None:
@@ -130,7 +130,8 @@ def rotated(rows: list[dict], rotate: dict[str, list]) -> list[dict]:
 
 
 def fixture_designs(axes: dict[str, list], exhaustive: list[str], fixtures: list[str],
-                    skipped: Callable[[str, dict], bool], rotate: dict[str, list] | None = None) -> dict[str, list[dict]]:
+                    skipped: Callable[[str, dict], bool], rotate: dict[str, list] | None = None,
+                    singly: tuple[str, ...] = ()) -> dict[str, list[dict]]:
     """Fixture -> its design rows (``rotate``'s axes cycled over them): the shared covering,
     and, for a fixture some of whose rows ``skipped(fixture, row)`` (a ``[[skip]]`` lists the
     row's cell on some path), rows added after them that run the pairs only listed rows held,
@@ -138,13 +139,14 @@ def fixture_designs(axes: dict[str, list], exhaustive: list[str], fixtures: list
     their reason, never dropped)."""
     rotate = rotate or {}
     firsts = {a: values[0] for a, values in rotate.items()}
-    shared = rotated(covering(axes, exhaustive, dishonest_axes), rotate)
+    shared = rotated(covering(axes, exhaustive, dishonest_axes, singly=singly), rotate)
     out = {}
     for f in fixtures:
         if not any(skipped(f, row) for row in shared):
             out[f] = shared
             continue
         listed = lambda row, f=f: skipped(f, {**firsts, **row})  # noqa: E731 - a new row takes the first values
-        rows = covering(axes, exhaustive, lambda row: set(row) if listed(row) else dishonest_axes(row), start=shared)
+        rows = covering(axes, exhaustive, lambda row: set(row) if listed(row) else dishonest_axes(row), start=shared,
+                        singly=singly)
         out[f] = shared + [{**firsts, **row} for row in rows[len(shared):]]
     return out

@@ -9,6 +9,7 @@ A matrix file::
     exhaustive = ["fixture", ...]   # covering only: axes taken as a full product;
                                     # every other axis is covered pairwise per (fixture, path)
     rotate = ["output_dtype"]       # covering only: axes cycled over the rows, not covered
+    singly = ["move"]               # covering only: each value in some running cell, not in every pair
     [axes]
     fixture = ["kda", "lm"]
     path = ["legacy", "native"]
@@ -206,7 +207,7 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     from parity.model.registry import registry
     from parity.paths import path_names
 
-    keys = ("description", "models", "steps", "design", "exhaustive", "rotate", "axes", "skip")
+    keys = ("description", "models", "steps", "design", "exhaustive", "rotate", "singly", "axes", "skip")
     unknown = [k for k in data if k not in keys]
     if unknown:
         raise UsageError(f"{path}: unknown key {unknown[0]!r}; valid: {', '.join(keys)}")
@@ -255,7 +256,7 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
     design = _typed(path, "design", data.get("design", "product"), str)
     skips = _skips(path, data)
     if design != "covering":
-        given = [k for k in ("exhaustive", "rotate") if k in data]
+        given = [k for k in ("exhaustive", "rotate", "singly") if k in data]
         if given:
             raise UsageError(f"{path}: {given[0]} applies to design = \"covering\" only; remove it or set design")
     if design == "product":
@@ -274,11 +275,16 @@ def _expand(path: str, text: bytes, models: tuple[str, ...]) -> Matrix:
         bad = [a for a in rotate if a not in AXES or a in exhaustive]
         if bad:
             raise UsageError(f"{path}: rotate has axis {bad[0]!r} that is unknown or exhaustive; valid: {', '.join(AXES)}")
+        singly = _typed(path, "singly", data.get("singly", []), list, str)
+        bad = [a for a in singly if a not in AXES or a in exhaustive or a in rotate]
+        if bad:
+            raise UsageError(f"{path}: singly has axis {bad[0]!r} that is unknown, exhaustive or rotated; valid: "
+                             f"{', '.join(AXES)}")
         rest = {a: v for a, v in axes.items() if a not in ("fixture", "path", *rotate)
                 and (a in DESIGN_AXES or a in axes_in)}
         designs = fixture_designs(rest, [a for a in AXES if a in exhaustive and a in rest], axes["fixture"],
                                   _listed(skips, axes["path"]) if skips else lambda f, row: False,
-                                  {a: axes[a] for a in rotate})
+                                  {a: axes[a] for a in rotate}, tuple(a for a in singly if a in rest))
         rows = []
         for f in axes["fixture"]:
             for row in designs[f]:  # the axes neither designed nor rotated at their first values
