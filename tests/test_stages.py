@@ -98,6 +98,9 @@ def test_the_checkpoint_is_three_stages_save_load_and_the_resumed_step():
     assert first_stage([resumed, loaded, saved], 2, BASE).name == "checkpoint-save"
     assert first_stage([resumed, loaded], 2, BASE).name == "checkpoint-load"
     assert first_stage([resumed], 2, BASE).name == "resumed"
+    # which step's checkpoint: the lifecycle stages once named none (review, twenty-second stop)
+    assert first_stage([resumed, loaded], 4, BASE, resume_step=2).detail.startswith(
+        "first divergent stage: checkpoint-load (the checkpoint saved after step 1, resumed at step 2)")
     assert [stage_of(_r("checkpoint.collectives", f"native:{p}")) for p in ("save", "load", "step")] == \
         ["checkpoint-save", "checkpoint-load", "resumed"]
     assert stage_of(_r("checkpoint.moved", "legacy:entry:model/w")) == "checkpoint-load"

@@ -185,7 +185,7 @@ def judge_cell(cell: Cell, observations: list[Observation], *, fp64: bool = Fals
     records.append(coverage.record(owed, records, base))
     untrained = coverage.untrained_record(cell, fresh, base)
     records += [untrained] if untrained else []
-    located = stages.first_stage(records, cell.steps, base)
+    located = stages.first_stage(records, cell.steps, base, cell.resume_step if cell.lifecycle else 0)
     return Judged(records + ([located] if located else []), comps, run)
 
 

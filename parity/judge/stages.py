@@ -180,10 +180,16 @@ def _other_ranks(here: list[Record], worst: Record) -> str:
     return f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed at this stage too"
 
 
-def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
+#: The stages of the checkpoint lifecycle, which runs the steps before its resume step again,
+#: saves, loads and repeats the resume step (:attr:`parity.matrix.cell.Cell.resume_step`).
+_LIFECYCLE = ("checkpoint-save", "checkpoint-load", "resumed")
+
+
+def first_stage(records: list[Record], steps: int, base: dict, resume_step: int = 0) -> Record | None:
     """The ``stage`` record of a cell whose records failed a staged check; None otherwise. Only the
     cell's own records count: a record judged here and filed under another cell (a load of this
-    cell's checkpoint that failed in another path is that path's ERROR) locates nothing here."""
+    cell's checkpoint that failed in another path is that path's ERROR) locates nothing here.
+    A lifecycle stage says which step's checkpoint (``resume_step``: the step it resumes at)."""
     records = [r for r in records if r.cell == base["cell"]]
     bad = [r for r in records if r.verdict in (Verdict.FAIL, Verdict.ERROR) and stage_of(r)]
     if not bad:
@@ -203,12 +209,14 @@ def first_stage(records: list[Record], steps: int, base: dict) -> Record | None:
         held = ["setup"] + (["step 0" if step == 1 else f"steps 0-{step - 1}"] if step else [])
         held += [f"{s} at step {step}" for s in _STEPPED[:_STEPPED.index(stage)]]
     else:
-        held = ["setup", "every step", *STAGES[STAGES.index("state-dict"):index]]
+        held = ["setup", "every step of the run", *STAGES[STAGES.index("state-dict"):index]]
+    when = (f" (the checkpoint saved after step {resume_step - 1}, resumed at step {resume_step})"
+            if stage in _LIFECYCLE and resume_step else "")
     failed = {r.check for r in here}
     within = sorted({r.check for r in records if r.verdict == Verdict.PASS and stage_of(r)
                      and _position(r, steps) == first} - failed)
     tensor = f"; tensor {tensor_of(worst)}" if tensor_of(worst) else ""
-    detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else ''}{_where(worst)}: "
+    detail = (f"first divergent stage: {stage}{f' at step {step}' if stepped else when}{_where(worst)}: "
               f"{worst.check} {worst.name}{ratio}{tensor}{_other_ranks(here, worst)}; {len(here)} failing record(s) there; "
               f"held before it: {', '.join(held) or 'nothing'}"
               f"{'; held within it: ' + ', '.join(within) if within else ''}")

@@ -276,4 +276,5 @@ def rerun(cell: Cell | list[Cell], argv: list[str] | None = None, **recorded) ->
         print(f"first divergent stage: {text}")
     for text in _divergences(bad, len(cells) > 1):
         print(f"first divergence: {text}")
+    print(f"results: {run_dir} (report.html for the bug report)")
     return code
