@@ -39,8 +39,11 @@ A matrix file::
     reason = "..."                  # not empty: it is what the SKIP says
 
 The file is UTF-8. A file naming no axis and no model is refused (it asks for nothing, not for
-every default); so are two values that mean the same (``"1"`` and ``"1:every"``) and
-``exhaustive`` / ``rotate`` under ``design = "product"``.
+every default); so are two values that mean the same (``"1"`` and ``"1:every"``),
+``exhaustive`` / ``rotate`` / ``singly`` without ``design = "covering"``, a rotated axis that is
+exhaustive and a ``singly`` axis that is exhaustive or rotated. The recipe-knob and composition
+axes (``mesh``, ``weights``, ``unshard``, ``finalize``, ``offload``, ``reshard_to``, ``compile``,
+...) are listed by ``AXES`` and docs/matrices.md.
 """
 
 from __future__ import annotations
