@@ -6,7 +6,7 @@ cell keeps every value it was given (:func:`dishonest_axes`) and no ``[[skip]]``
 lists it. One design is shared by a matrix's fixtures and paths (every legacy cell has its native
 twin); a fixture some of whose rows a skip lists gets rows of its own beside them that run
 the pairs only those rows held (:func:`fixture_designs`), so a skip never silently takes a pair
-away.
+away. A ``singly`` axis has each of its values in a running row, not in every pair.
 """
 
 from __future__ import annotations
