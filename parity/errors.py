@@ -41,6 +41,13 @@ def writing(path: str):
         raise OutputError(str(exc.filename) if exc.filename else path, exc) from None
 
 
+
+def text_file(path: str, mode: str = "w", **kw):
+    """``path`` opened for writing text as parity writes every file it leaves: UTF-8 whatever the
+    locale (pages declare it), a character UTF-8 cannot hold (a lone surrogate in a record built
+    through the API) written backslash-escaped rather than stopping the write."""
+    return open(path, mode, encoding="utf-8", errors="backslashreplace", **kw)
+
 class IsolationError(ValueError):
     """A dtype-split path cannot give a distinct-dtype parameter its own FSDP unit."""
 

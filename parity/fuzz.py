@@ -39,7 +39,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.errors import OutputError, writing
+from parity.errors import OutputError, text_file, writing
 from parity.execute.pool import RankPool
 from parity.interrupt import Interrupted, Signals
 from parity.judge.record import Unpaired, Verdict
@@ -226,7 +226,7 @@ def _campaign(*, examples: int, seed: int, out_dir: str, fault: str, device: str
     text = "\n".join(lines)
     print(text)
     path = os.path.join(out_dir, f"fuzz{'-' + fault if fault else ''}.md")
-    with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(path), text_file(path) as fh:
         fh.write(text + "\n")
     write_manifest(out_dir, {
         **campaign_of, "status": "complete", "asked": examples, "ran": ran[0], "code": signals.code if signals() else code,
@@ -269,7 +269,7 @@ def write_manifest(out_dir: str, fields: dict) -> None:
     from parity.report.identity import parity_version
 
     path = os.path.join(out_dir, MANIFEST)
-    with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:  # hypothesis: another version draws other models from a seed
+    with writing(path), text_file(path) as fh:  # hypothesis: another version draws other models from a seed
         json.dump({"kind": "parity-fuzz/1", "reproducers": [], "generator": generator_digest(),
                    "hypothesis": hypothesis.__version__, **fields,
                    "torch": torch.__version__, "parity": parity_version()}, fh, indent=1)
@@ -308,12 +308,12 @@ def _write_reproducer(out_dir: str, spec: dict, values: dict, cell: Cell | list[
     from parity.report.repro import recorded_options, render
 
     with writing(os.path.join(out_dir, f"repro_{spec['name']}.py")):
-        with open(os.path.join(out_dir, f"repro_{spec['name']}.py"), "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with text_file(os.path.join(out_dir, f"repro_{spec['name']}.py")) as fh:
             fh.write(render(cell, bad, origin, options=recorded_options({"timeout": timeout})))
     stem = os.path.join(out_dir, f"reproducer_{spec['name']}")
-    with writing(stem + ".py"), open(stem + ".py", "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(stem + ".py"), text_file(stem + ".py") as fh:
         fh.write(reproducer(spec))
-    with writing(stem + ".toml"), open(stem + ".toml", "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(stem + ".toml"), text_file(stem + ".toml") as fh:
         fh.write(replay_matrix(spec, values, os.path.basename(stem) + ".py"))
     replay = f"python -m parity run --matrix {stem}.toml --timeout {timeout:g}" + (f" --fault {fault}" if fault else "")
     print(f"fuzz: a generated model failed; reproducer: python {os.path.join(out_dir, 'repro_' + spec['name'])}.py "

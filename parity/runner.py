@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from parity.errors import IncompleteObservation, OutputError, UsageError, writing
+from parity.errors import IncompleteObservation, OutputError, UsageError, text_file, writing
 from parity.execute import knobs
 from parity.execute.pool import CellFailure
 from parity.execute.pools import Pools
@@ -405,12 +405,12 @@ class _Run:
             why = self.executor.lost_how + also
         faults = [f for c in self.cells for f in c.faults]
         path = os.path.join(out, "summary.md")
-        with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with writing(path), text_file(path) as fh:
             fh.write(summary_markdown(records, title=self.options.title, timings=dict(t), cells_total=len(self.cells),
                                       not_run=not_run if stopped else [], interrupted=why, faults=faults,
                                       resumable=self.executor is None, results_dir=out))
         path = os.path.join(out, "timings.json")
-        with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with writing(path), text_file(path) as fh:
             json.dump({**t, "interrupted": why} if why else dict(t), fh, indent=2)
         def final() -> dict:  # read again for run.json: a signal during this writing counts
             return {**manifest, "status": "interrupted" if signals() or self.lost else "complete",

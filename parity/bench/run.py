@@ -15,7 +15,7 @@ import tempfile
 from parity.report.environment import environment
 from parity.bench.measure import BenchTask
 from parity.bench.tables import PLOTS, markdown, plot, rows_for, write_csv
-from parity.errors import UsageError, writing
+from parity.errors import UsageError, text_file, writing
 from parity.execute.pool import CellFailure, RankPool
 from parity.interrupt import Interrupted, Signals
 from parity.matrix.cell import Cell
@@ -142,7 +142,7 @@ def _started(out_dir: str) -> None:
             if os.path.exists(path):
                 os.remove(path)
     path = os.path.join(out_dir, "bench.json")
-    with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(path), text_file(path) as fh:
         json.dump({"interrupted": RUNNING}, fh)
 
 
@@ -161,7 +161,7 @@ def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, 
 
         write_csv(path, rows + (csv_rows(harness, device) if harness else []))
     path = os.path.join(out_dir, "bench.md")
-    with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(path), text_file(path) as fh:
         text = markdown(rows, env, warmup=warmup, steps=steps, failures=failures, fell_back=fell_back)
         if harness:
             from parity.bench.harness import markdown as harness_markdown
@@ -169,7 +169,7 @@ def _write(out_dir: str, rows: list[dict], failures: list[str], *, device: str, 
             text += "\n" + "\n".join(harness_markdown(harness))
         fh.write(text)
     path = os.path.join(out_dir, "bench.json")
-    with writing(path), open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(path), text_file(path) as fh:
         json.dump({**meta, "interrupted": interrupted} if interrupted else meta, fh, indent=1)
     with writing(out_dir):
         written = plot(rows, out_dir) if plots and rows else []

@@ -27,7 +27,7 @@ import json
 import math
 import os
 
-from parity.errors import UsageError
+from parity.errors import UsageError, text_file
 from parity.judge.record import SEVERITY, VERDICTS, Verdict
 from parity.report.outdir import DIGEST, MANIFEST, read_json, read_manifest, recorded, usable
 from parity.report.summary import check_label, spread
@@ -292,6 +292,6 @@ def compare_dirs(old_dir: str, new_dir: str, *, factor: float, write_digest: str
     bad, info = compare(old, new, factor=factor)
     print(report(old_dir, new_dir, bad, info))
     if write_digest:
-        with open(os.path.join(write_digest, DIGEST), "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with text_file(os.path.join(write_digest, DIGEST)) as fh:
             json.dump(new, fh, indent=0, sort_keys=True)
     return 1 if bad else 0

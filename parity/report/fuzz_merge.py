@@ -20,7 +20,7 @@ import os
 import shutil
 from collections import Counter
 
-from parity.errors import UsageError, writing
+from parity.errors import UsageError, text_file, writing
 from parity.report.outdir import CAMPAIGN as MANIFEST
 #: Entries every part of one campaign shares (``generator``: the digest of the model generator's
 #: source, which an uncommitted edit changes where ``parity``'s commit does not).
@@ -228,13 +228,13 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False) -> int:
             target = os.path.join(out, f"part-{m['index']}", f)
             if os.path.realpath(target) != os.path.realpath(os.path.join(d, f)):  # a part kept as out/part-I
                 shutil.copy2(os.path.join(d, f), target)
-    with writing(os.path.join(out, name)), open(os.path.join(out, name), "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(os.path.join(out, name)), text_file(os.path.join(out, name)) as fh:
         fh.write(text + "\n")
     merged = {**{k: first[k] for k in SAME}, **{k: first.get(k) for k in SAME_OPTIONS}, "kind": "parity-fuzz/1",
               "status": "complete", "index": None, "asked": first["examples"], "ran": ran, "code": code,
               "caught": caught if fault else None, "verdicts": dict(sorted(verdicts.items())), "inconclusive": inconclusive,
               "parts": [os.path.abspath(d) for d, _ in parts]}
-    with writing(os.path.join(out, MANIFEST)), open(os.path.join(out, MANIFEST), "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(os.path.join(out, MANIFEST)), text_file(os.path.join(out, MANIFEST)) as fh:
         json.dump(merged, fh, indent=1)
     print(text)
     return code

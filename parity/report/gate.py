@@ -35,6 +35,7 @@ import os
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from parity.errors import text_file
 from parity.judge.record import BAD, LOCATING_CHECKS, Record, Unpaired, Verdict
 from parity.judge.stages import STAGES, stage_of
 from parity.matrix.cell import pair_of, steps_of
@@ -452,9 +453,9 @@ def write(out: str, decisions: list[Decision], records: list[Record], *, meta: d
         md += [f"- reason: {md_text(x)}" for x in d.reasons] + [f"- note: {md_text(x)}" for x in d.notes]
         md += _reproduce(d, records, meta) + [""]
     md += ["## Ratio distribution per check", ""] + ratio_distribution(records)
-    with open(os.path.join(out, "gate.md"), "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with text_file(os.path.join(out, "gate.md")) as fh:
         fh.write("\n".join(md) + "\n")
-    with open(os.path.join(out, "gate.json"), "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with text_file(os.path.join(out, "gate.json")) as fh:
         json.dump({**meta, "decisions": [asdict(d) for d in decisions], "go": is_go(decisions)}, fh, indent=2)
 
 

@@ -13,7 +13,7 @@ import json
 import math
 import os
 
-from parity.errors import UsageError
+from parity.errors import UsageError, text_file
 from parity.judge.record import BAD, SEVERITY, Record, Verdict
 from parity.report.outdir import MANIFEST, read_json, read_manifest
 from parity.report.summary import RATIO_COLUMNS, located_first, nothing_checked, ratio_rows, repro_command, verdict_counts
@@ -144,7 +144,7 @@ def write_html(out_dir: str, records: list[Record], manifest: dict | None = None
         parts += ["<h2 id='env'>Versions and hardware</h2>", _table(["", ""], [[k, v] for k, v in env.items()])]
     parts.append("</body></html>")
     path = os.path.join(out_dir, REPORT)
-    with open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with text_file(path) as fh:
         fh.write("\n".join(parts))
     return path
 

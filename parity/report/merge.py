@@ -25,7 +25,7 @@ import json
 import os
 from collections import Counter
 
-from parity.errors import UsageError, writing
+from parity.errors import UsageError, text_file, writing
 from parity.judge.record import Record
 from parity.matrix.shard import ids_digest
 from parity.report import fuzz_merge, outdir
@@ -220,10 +220,10 @@ def merge(directories: list[str], out: str, *, overwrite: bool = False, junit: s
         for d, m in zip(ordered, manifests):
             outdir.copy_traces(d, out, m["cells"])
         title = str(shard.get("title") or options.get("matrix") or "run")
-        with writing(os.path.join(out, "summary.md")), open(os.path.join(out, "summary.md"), "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with writing(os.path.join(out, "summary.md")), text_file(os.path.join(out, "summary.md")) as fh:
             fh.write(summary_markdown(records, title=title, timings=dict(timings), cells_total=len(shard["selection"]),
                                      faults=options.get("fault") or (), results_dir=out))
-        with writing(os.path.join(out, "timings.json")), open(os.path.join(out, "timings.json"), "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with writing(os.path.join(out, "timings.json")), text_file(os.path.join(out, "timings.json")) as fh:
             json.dump(dict(timings), fh, indent=2)
         with writing(os.path.join(out, "report.html")):
             write_html(out, records, {**manifest, "status": "complete"})

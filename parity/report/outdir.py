@@ -29,7 +29,7 @@ import shutil
 import tempfile
 
 from parity.digests import data_sha256
-from parity.errors import UsageError, writing
+from parity.errors import UsageError, text_file, writing
 
 MANIFEST = "run.json"
 PROGRESS = "progress.jsonl"
@@ -74,7 +74,7 @@ def writable_file(path: str, what: str, out: str = "", *inputs: str, example: st
         raise UsageError(f"{what} {path}: no folder {folder}; give a path in an existing folder or in --out")
     existed = os.path.exists(path)
     try:
-        with open(path, "a", encoding="utf-8", errors="backslashreplace"):
+        with text_file(path, "a"):
             pass
     except OSError as exc:
         raise UsageError(f"{what} {path}: cannot write there ({exc.strerror or exc}); choose a writable path") from None
@@ -196,7 +196,7 @@ def write_trace(out: str, cell_id: str, document: dict) -> None:
     path = trace_path(out, cell_id)
     with writing(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with text_file(path) as fh:
             json.dump(document, fh, indent=1)
 
 
@@ -213,7 +213,7 @@ def write_op_log(out: str, cell_id: str, op_log: dict) -> str:
     path = op_log_path(out, cell_id)
     with writing(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8", errors="backslashreplace") as fh:
+        with text_file(path) as fh:
             fh.write(op_log["log"])
     return os.path.basename(path)
 
@@ -223,7 +223,7 @@ def write_manifest(out: str, manifest: dict) -> None:
     tmp = os.path.join(out, MANIFEST + ".tmp")
     with writing(os.path.join(out, MANIFEST)):
         try:
-            with open(tmp, "w", encoding="utf-8", errors="backslashreplace") as fh:
+            with text_file(tmp) as fh:
                 json.dump(manifest, fh, indent=1)
             os.replace(tmp, os.path.join(out, MANIFEST))
         finally:
@@ -298,7 +298,7 @@ def mark_group_done(out: str, group: str) -> None:
         fh.seek(start)
         block = fh.read()
     entry = {"group": group, "bytes": start + len(block), "sha256": data_sha256(block)}
-    with writing(progress), open(progress, "a", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(progress), text_file(progress, "a") as fh:
         fh.write(json.dumps(entry) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
@@ -328,7 +328,7 @@ def _edited_group(cells: str, entries: list[dict]) -> str:
 
 def write_progress(out: str, entries: list[dict]) -> None:
     """``progress.jsonl`` written at once (a merged run's groups, or a resumed run's kept ones)."""
-    with writing(os.path.join(out, PROGRESS)), open(os.path.join(out, PROGRESS), "w", encoding="utf-8", errors="backslashreplace") as fh:
+    with writing(os.path.join(out, PROGRESS)), text_file(os.path.join(out, PROGRESS)) as fh:
         fh.writelines(json.dumps(e) + "\n" for e in entries)
         fh.flush()
         os.fsync(fh.fileno())

@@ -8,7 +8,7 @@ import math
 import operator
 import os
 
-from parity.errors import UsageError
+from parity.errors import UsageError, text_file
 from parity.judge.record import BAR, COLUMNS, OUTCOME_CHECKS, Record, Verdict
 
 NUMERIC_COLUMNS = ("observed", "allowed", "ratio", "fp64_observed", "signal", "allowed_over_signal")
@@ -31,7 +31,7 @@ class RecordWriter:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         # a detail is any exception's text: one holding a lone surrogate (a non-UTF-8 file name) is
         # written escaped, never a failed write that would lose the run's rows
-        self._fh = open(path, "a" if append else "w", newline="", encoding="utf-8", errors="backslashreplace")
+        self._fh = text_file(path, "a" if append else "w", newline="")
         self._rows = csv.writer(self._fh)
         if not append:
             self._rows.writerow(COLUMNS)
