@@ -58,7 +58,7 @@ def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start
 
     used = {a: {v: 0 for v in axes[a]} for a in free}
 
-    def fill(row, count=True):
+    def fill(row):
         # values the row runs first, then the most new pairs, then the least-used value,
         # so free axes stay balanced
         for a in free:
@@ -68,35 +68,32 @@ def covering(axes: dict[str, list], exhaustive: list[str], dishonest=None, start
                     key=lambda v: (-len(dishonest({**row, a: v})), len(covers({**row, a: v}) & uncovered),
                                    -used[a][v], -axes[a].index(v)),
                 )
-        if count:
-            for a in free:
-                used[a][row[a]] += 1
         return row
 
     rows = []
-    bases = [dict(zip(exhaustive, base)) for base in itertools.product(*(axes[a] for a in exhaustive))]
-    for base in (bases if start is None else ()):
-        row = fill(dict(base))
+
+    def keep(row):
+        """A row of the design: its values count as used, what it runs as covered."""
         rows.append(row)
-        uncovered -= covers(row, dishonest(row))
-    for row in start or ():  # kept as they are; what they run is covered
-        rows.append(dict(row))
         for a in free:
             used[a][row[a]] += 1
-        uncovered -= covers(row, dishonest(row))
+        uncovered.difference_update(covers(row, dishonest(row)))
+
+    bases = [dict(zip(exhaustive, base)) for base in itertools.product(*(axes[a] for a in exhaustive))]
+    for base in (bases if start is None else ()):
+        keep(fill(dict(base)))
+    for row in start or ():  # kept as they are
+        keep(dict(row))
     while uncovered:
         key = min(uncovered, key=repr)  # a pair, or one value of a singly axis
         named = {a for a, _ in key}
-        runs = [r for r in (fill({**base, **dict(key)}, count=False) for base in bases) if not named & dishonest(r)]
+        runs = [r for r in (fill({**base, **dict(key)}) for base in bases) if not named & dishonest(r)]
         # of the exhaustive combinations that run it, the one covering the most still missing
         row = max(runs, key=lambda r: len(covers(r, dishonest(r)) & uncovered), default=None)
         if row is None:  # no row runs it
             uncovered.discard(key)
             continue
-        for x in free:
-            used[x][row[x]] += 1
-        rows.append(row)
-        uncovered -= covers(row, dishonest(row))
+        keep(row)
     return rows
 
 
