@@ -133,9 +133,10 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 if bad:
                     scale.append(f"step {step} rank {o.rank}: shard scales {st.scales[:8]}, whole-tensor "
                                  f"{float(want_scales)}")
-                if st.scales and not_e4m3_scales(whole.abs().amax().expand(len(st.scales)), torch.tensor(st.scales)):
+                amax = whole.abs().amax()
+                if st.scales and not_e4m3_scales(amax.expand(len(st.scales)), torch.tensor(st.scales)):
                     scale.append(f"step {step} rank {o.rank}: scales {sorted(set(st.scales))[:4]} for amax "
-                                 f"{float(whole.abs().amax()):.6g}: not E4M3's smallest power of two")
+                                 f"{float(amax):.6g}: not E4M3's smallest power of two")
                 scale += missing["scale"]
             elif st.exponents is None:  # no MX dequantization ran: what the GEMM consumed is unknown
                 blocks.append(f"step {step} rank {o.rank}: no block exponents consumed (the all-gather carried "
@@ -145,8 +146,7 @@ def _param_checks(cell: Cell, observations: list[Observation], t: TensorPlan, pl
                 differ = (st.exponents != want).any(dim=-1).nonzero().flatten().tolist()
                 if differ:
                     blocks.append(f"step {step} rank {o.rank}: rows {differ[:6]} have other block exponents")
-                used = torch.exp2(st.exponents.double() - 127)
-                amax = whole.reshape(-1, whole.shape[-1]).abs().reshape(*used.shape, -1).amax(dim=-1)
+                used, amax = torch.exp2(st.exponents.double() - 127), F.block_amax(whole)
                 wrong = not_e4m3_scales(amax, used) if used.shape == amax.shape else used.numel()
                 if wrong:
                     blocks.append(f"step {step} rank {o.rank}: {wrong} of {used.numel()} block exponents are not "
