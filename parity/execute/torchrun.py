@@ -44,22 +44,24 @@ from parity.execute.wire import from_bytes, to_bytes
 from parity.interrupt import Interrupted, at_once
 
 
-#: What torchrun sets in each process it starts (and torch's ``env://`` rendezvous reads).
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: What torchrun sets in each process it starts (and torch's ``env://`` rendezvous reads): the
+#: ranks first (any of them set says a launcher started the process), then the rendezvous.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+LAUNCH_VARIABLES = (*RANK_VARIABLES, "MASTER_ADDR", "MASTER_PORT")
 
 
 def under_torchrun() -> bool:
     """Whether torchrun started this process (its variables set). ``run`` and ``gate`` first
     refuse a partial set (:func:`check_launch`), which would otherwise read as no launcher: each
     process would run the whole matrix into the same files."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+    return all(k in os.environ for k in (*RANK_VARIABLES, "MASTER_ADDR"))
 
 
 def check_launch() -> None:
     """Where any of ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` is set, every one of
     :data:`LAUNCH_VARIABLES` set, the ranks integers with ``0 <= RANK < WORLD_SIZE``: else a
     one-line :class:`UsageError` naming the variable."""
-    if not any(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+    if not any(k in os.environ for k in RANK_VARIABLES):
         return
     fix = "launch with torchrun (it sets " + ", ".join(LAUNCH_VARIABLES) + "), or unset RANK, WORLD_SIZE and LOCAL_RANK"
     missing = [k for k in LAUNCH_VARIABLES if not os.environ.get(k)]
@@ -67,7 +69,7 @@ def check_launch() -> None:
         raise UsageError(f"torchrun: {', '.join(missing)} not set beside "
                          f"{', '.join(k for k in LAUNCH_VARIABLES if k not in missing)}; {fix}")
     values = {}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+    for k in (*RANK_VARIABLES, "MASTER_PORT"):
         try:
             values[k] = int(os.environ[k])
         except ValueError:
