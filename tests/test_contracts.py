@@ -163,8 +163,13 @@ def test_an_evaluation_state_that_leaves_out_a_unit_or_names_another_fails():
     from parity.judge.contracts import eval_checks
 
     cell = Cell(fixture="kda", path="native", ranks=2, eval="between-steps")
-    units = [SimpleNamespace(modules=(m,), params=("w",)) for m in ("blocks.0", "blocks.1", "")]
-    units.append(SimpleNamespace(modules=("empty",), params=()))  # no parameter: FSDP holds no state to report
+    from parity.paths.base import UnitSpec
+
+    def unit(m, params):
+        return UnitSpec(modules=(m,), params=params, param_dtype=None, reduce_dtype=None, output_dtype=None,
+                        cast_forward_inputs=True)
+    units = [unit(m, ("w",)) for m in ("blocks.0", "blocks.1", "")]
+    units.append(unit("empty", ()))  # no parameter: FSDP holds no state to report
 
     def judged(states):
         evals = [EvalSeen(step=s, label="after-step", output=torch.zeros(1), units=dict(states)) for s in range(2)]

@@ -28,7 +28,7 @@ def unit_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
         state = modules[unit.modules[0]]._get_fsdp_state()
         group = state._fsdp_param_group
         names = sorted({p.sharded_state.name.lower() for p in group.fsdp_params}) if group else ["no parameter group"]
-        out[unit.modules[0] or "<root>"] = ",".join(names)
+        out[unit.state_name] = ",".join(names)
     return out
 
 
@@ -41,7 +41,7 @@ def gather_states(model: nn.Module, report: ShardReport) -> dict[str, str]:
     for unit in report.units:
         group = modules[unit.modules[0]]._get_fsdp_state()._fsdp_param_group if unit.params else None
         if group is not None and getattr(group, "_all_gather_result", None) is not None:
-            states[unit.modules[0] or "<root>"] = "pending"
+            states[unit.state_name] = "pending"
     return states
 
 
@@ -59,7 +59,7 @@ def reshard_settings(model: nn.Module, report: ShardReport) -> dict[str, str]:
     for unit in report.units:
         group = modules[unit.modules[0]]._get_fsdp_state()._fsdp_param_group if unit.params else None
         if group is not None:
-            out[unit.modules[0] or "<root>"] = post_forward(group)
+            out[unit.state_name] = post_forward(group)
     return out
 
 

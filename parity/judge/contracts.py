@@ -353,7 +353,7 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
                 f"{'on' if cell.reshard else 'off'} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}
-    owed = {u.modules[0] or "<root>" for u in obs.report.units if u.params}  # as unit_states names them
+    owed = {u.state_name for u in obs.report.units if u.params}
     rows = []
     for step in range(cell.steps):
         for label in cell.eval_labels(step):

@@ -38,8 +38,8 @@ def _per_microbatch(cell: Cell, base: dict, check: str, name: str, expected: str
 
 
 def _units(obs: Observation) -> list[str]:
-    """The units holding parameters, as :func:`parity.execute.evaluation.unit_states` names them."""
-    return sorted({u.modules[0] or "<root>" for u in obs.report.units if u.params})
+    """The units holding parameters, by :attr:`UnitSpec.state_name`."""
+    return sorted({u.state_name for u in obs.report.units if u.params})
 
 
 def _nothing_to_read(cell: Cell, base: dict, check: str, name: str, why: str, verdict_fail: bool) -> list[Record]:
@@ -107,7 +107,7 @@ def _not_gathered_in_backward(cell: Cell, obs: Observation) -> set[str]:
     ``set_reshard_after_backward`` says: those the model declares no backward reads under
     ``unshard_in_backward = "needed"``, and those holding no trainable parameter."""
     plan = obs.plan
-    return {u.modules[0] or "<root>" for u in obs.report.units
+    return {u.state_name for u in obs.report.units
             if kept_out_of_backward(cell, u.modules)
             or not any(plan.get(p) is not None and plan.get(p).requires_grad for p in u.params)}
 

@@ -51,6 +51,12 @@ class UnitSpec:
     def root(self) -> str:
         return "+".join(m or "<root>" for m in self.modules)
 
+    @property
+    def state_name(self) -> str:
+        """The unit as the reads of its FSDP state name it (:mod:`parity.execute.evaluation`): its
+        first module, whose state a grouped unit shares."""
+        return self.modules[0] or "<root>"
+
     def describe(self) -> str:
         pol = (
             f"param={dtype_name(self.param_dtype)} reduce={dtype_name(self.reduce_dtype)} "
