@@ -1,4 +1,4 @@
-"""Errors with a one-line message that names the thing and the fix."""
+"""Errors with a one-line message that names the thing and the fix, and how parity writes its files (:func:`writing`, :func:`text_file`)."""
 
 from __future__ import annotations
 
