@@ -347,7 +347,8 @@ if os.environ["RANK"] == "0":
 """
     proc, out, rows, junit = _torchrun(tmp_path, script=script)
     assert rows == [] and (tmp_path / "0").read_text() == "143", proc.stderr[-3000:]
-    assert (tmp_path / "1").read_text() != "0"
+    peer = tmp_path / "1"  # absent when torchrun's teardown stopped rank 1 before it could write its code
+    assert not peer.exists() or peer.read_text() != "0"
     assert "rank 0 was stopped by a signal during kda/legacy/r2" in proc.stderr
     assert "that cell did not finish, the 3 cells after it were not run" in proc.stderr
     summary = (out / "summary.md").read_text()
