@@ -277,3 +277,29 @@ def test_a_moment_judged_on_resume_is_held_to_its_steps_change_not_its_size():
     changed = Comparison(1, "checkpoint.cross", "m", before, after, allow, signal=moment_change(after, before)).record(base)
     assert sized.verdict == "PASS" and changed.verdict != "PASS"
     assert moment_change(after, torch.zeros(3)) is None  # unknown before: the size stands in
+
+
+def test_a_moved_steps_gradient_is_allowed_the_roundings_of_its_terms_not_of_its_cancelled_sum():
+    """Terms of size 1 that cancel to 1e-3 round at the terms' size wherever they are summed: a
+    moved layout summing them in another order differs by ~1e-8, which one rounding of the sum
+    (1e-3 x u) would call a FAIL. ``grad`` takes the reference's terms' scale; the moved and
+    resumed checks now take it too (twenty-second stop's review), falling back to the sum's own
+    largest element where the reference has none."""
+    from types import SimpleNamespace
+
+    from parity.judge import moved
+    from parity.matrix.cell import Cell
+
+    cell = Cell(fixture="kda", path="native", ranks=2)
+    plan = {"w": SimpleNamespace(sum_dtype=torch.float32, kept_grad=torch.float32, storage=torch.float32)}
+    straight = {"grad:w": torch.tensor([1e-3, 0.0])}
+    resumed = {"grad:w": torch.tensor([1e-3 + 1e-8, 0.0])}
+    base = dict(cell=cell.id, fixture="kda", path="native")
+
+    def verdict(scales):
+        [row] = moved._step(cell, base, "native", plan, {}, straight, resumed, "note", scales)
+        return row.verdict, row.allowed
+
+    termed, alone = verdict({"w": 1.0}), verdict({})
+    assert termed[0] == "PASS" and math.isclose(termed[1], 2 * 2**-24)
+    assert alone[0] == "FAIL" and math.isclose(alone[1], 2 * 2**-24 * 1e-3, rel_tol=1e-6)

@@ -257,7 +257,7 @@ def plan_comparisons(
         staged = step < len(ref.reduced)  # unscaling or clipping comes between reduction and step
         for f, expected in grads.items():
             entry = plan[f]
-            scale = ref.grad_scale[step].get(f, amax(expected))
+            scale = ref.terms_scale(step).get(f, amax(expected))
             allow = tolerance.gradient(entry.sum_dtype, entry.kept_grad, ref.grad_terms, scale)
             spread += expected.numel() * allow.allowed ** 2
             if staged:

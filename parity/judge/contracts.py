@@ -437,8 +437,9 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     rows += buffer_checks(observations, ref, plan, base)
     if obs.contracts.resume is not None:
         rows += resumed.optimizer_checks(cell, observations, plan, base)
-        rows += resumed.resume_checks(cell, observations, plan, base)
+        rows += resumed.resume_checks(cell, observations, plan, base, ref.terms_scale(obs.contracts.resume_step))
         rows += checkpoint_entries.checks(cell, observations, base)
     if cell.move != "none":
-        rows += moved.checks(cell, observations, plan, base) + moved_checks(cell, observations, base)
+        rows += moved.checks(cell, observations, plan, base, ref.terms_scale(cell.resume_step))
+        rows += moved_checks(cell, observations, base)
     return rows

@@ -12,7 +12,8 @@ Per target path:
   those of the freshly built model (loading fills the target's sharding, never replaces it);
 - ``grad:FQN``, ``param:FQN``, ``optim:FQN.MOMENT`` -- the loading layout's next step against
   the saving layout's next step from the same state and the same global batch: the gradient
-  allowance of a reduction over the cell's ranks x micro-batches in the reduction's dtype
+  allowance of a reduction over the cell's ranks x micro-batches in the reduction's dtype, at
+  the scale of the terms' largest elements (the reference's, as ``grad`` takes it)
   (both layouts compute every micro-batch's backward on the same numbers -- a layout on fewer
   ranks divides each loss as the full one does and averages the folded ranks after the
   reduction, :func:`parity.execute.training.train_step` -- and sum the same terms in another
@@ -73,13 +74,16 @@ def _witnesses(base: dict, target: str, per_rank: list[tuple[int, Moved]], note:
 
 
 def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict, straight: dict,
-          resumed: dict, note: str) -> list[Record]:
+          resumed: dict, note: str, scales: dict[str, float]) -> list[Record]:
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
     coefs = (1.0, 1.0)  # the straight and resumed steps' clipping coefficients
     if cell.clip:
-        norm_row, coefs = _norms(cell, base, target, plan, straight, resumed, note)
+        norm_row, coefs = _norms(cell, base, target, plan, straight, resumed, note, scales)
         rows.append(norm_row)
+
+    def scale(fqn: str, grad: torch.Tensor) -> float:  # the unclipped gradient's summation scale
+        return scales.get(fqn, amax(grad) / coefs[0])
     for key in dict.fromkeys([*straight, *resumed]):
         name = f"{target}:{key}"
         if key == NORM:
@@ -97,8 +101,9 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 continue
             allow = tolerance.moment(recipe.moment_dtype(t), amax(want))
             if cell.clip and f"grad:{fqn}" in straight:
-                allow = _moment_spread(allow, state_key, straight[f"grad:{fqn}"],
-                                       float(_spread(cell, t, straight[f"grad:{fqn}"], coefs).max()))
+                grad = straight[f"grad:{fqn}"]
+                spread = float(_spread(cell, t, grad, coefs, scale(fqn, grad)).max())
+                allow = _moment_spread(allow, state_key, grad, spread)
             comp = Comparison(cell.resume_step, CHECK, name, got, want, allow,
                               signal=moment_change(want, saved.get(key)))
         else:  # grad:FQN or param:FQN
@@ -108,7 +113,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 rows.append(exact(base, CHECK, name, want, got, note))
                 continue
             if kind == "grad":
-                allow = _clipped_grad(cell, t, want, coefs)
+                allow = _clipped_grad(cell, t, coefs, scale(rest, want))
                 ratio = coefs[1] / coefs[0]  # the straight gradient as the resumed step's coefficient scales it
                 comp = Comparison(cell.resume_step, CHECK, name, got, want * ratio if ratio != 1.0 else want, allow)
             else:
@@ -118,7 +123,8 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
                 allow = tolerance.parameter(t.storage, want, update, cell.optimizer)
                 if cell.clip:
                     grad = straight.get(f"grad:{rest}")
-                    allow = _propagated(cell, allow, _spread(cell, t, grad, coefs) if grad is not None else None,
+                    spread = _spread(cell, t, grad, coefs, scale(rest, grad)) if grad is not None else None
+                    allow = _propagated(cell, allow, spread,
                                         {k.rpartition("/")[2]: v for k, v in straight.items()
                                          if k.startswith(f"optim/{rest}/")})
                 comp = Comparison(cell.resume_step, CHECK, name, got, want, allow, signal=amax(update))
@@ -135,7 +141,7 @@ def _record(cell: Cell, base: dict, name: str, comp: Comparison, note: str) -> R
 
 
 def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: dict, resumed: dict,
-           note: str) -> tuple[Record, tuple[float, float]]:
+           note: str, scales: dict[str, float]) -> tuple[Record, tuple[float, float]]:
     """With clipping each layout clips with its own global norm, which another layout forms
     in another order: the norms are judged against each other (as ``grad_norm`` judges a
     run's), and the gradients then against the straight step's rescaled by the ratio of the
@@ -152,7 +158,8 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
         t = plan.get(fqn)
         if t is not None:  # the unclipped gradients may differ within their own allowances
             unclipped = g.double() / clip_coefficient(cell.clip, want)
-            a = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, amax(unclipped))
+            a = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches,
+                                   scales.get(fqn, amax(unclipped)))
             spread += g.numel() * a.allowed ** 2
     largest = max((g.numel() for g in grads.values()), default=1)
     allow = tolerance.grad_norm(torch.float32, largest, len(grads), cell.ranks, want, spread ** 0.5)
@@ -160,12 +167,11 @@ def _norms(cell: Cell, base: dict, target: str, plan: PrecisionPlan, straight: d
     return row, (clip_coefficient(cell.clip, want), clip_coefficient(cell.clip, got))
 
 
-def _clipped_grad(cell: Cell, t, want: torch.Tensor, coefs: tuple[float, float]) -> tolerance.Allowance:
-    """A gradient's allowance: its reduction's; after clipping, that of the unclipped gradient
-    times the resumed step's coefficient plus one rounding of each product
-    (:func:`parity.judge.tolerance.clipped`)."""
-    straight, resumed = coefs
-    scale = amax(want) / straight
+def _clipped_grad(cell: Cell, t, coefs: tuple[float, float], scale: float) -> tolerance.Allowance:
+    """A gradient's allowance: its reduction's (of terms summing to ``scale``, unclipped); after
+    clipping, that of the unclipped gradient times the resumed step's coefficient plus one
+    rounding of each product (:func:`parity.judge.tolerance.clipped`)."""
+    _, resumed = coefs
     before = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, scale)
     return tolerance.clipped(before, resumed, t.kept_grad, scale) if cell.clip else before
 
@@ -183,7 +189,7 @@ def _moment_spread(allow: tolerance.Allowance, key: str, grad: torch.Tensor, spr
                                f"{allow.basis} + {extra:.3g} (how far the clipped gradients may differ, through the moment)")
 
 
-def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float]) -> torch.Tensor:
+def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float], scale: float) -> torch.Tensor:
     """How far the two steps' clipped gradients may differ, per element: the straight one
     rescaled by the ratio of the clipping coefficients (``|g| x |ratio - 1|``), the reduction's
     summation bound (absolute, :func:`parity.judge.tolerance.gradient`, scaled by the resumed
@@ -194,8 +200,8 @@ def _spread(cell: Cell, t, grad: torch.Tensor, coefs: tuple[float, float]) -> to
     (``sqrt(v) >= sqrt(1 - b2) |g|``), where a tensor-wide bound times that sensitivity would not."""
     straight, resumed = coefs
     g = grad.detach().double().abs()
-    summed = tolerance.gradient(t.sum_dtype, t.sum_dtype, cell.ranks * cell.microbatches,
-                                amax(grad) / straight).allowed * resumed
+    terms = cell.ranks * cell.microbatches
+    summed = tolerance.gradient(t.sum_dtype, t.sum_dtype, terms, scale).allowed * resumed
     u = unit_roundoff(t.kept_grad)
     relative = (u if coarser(t.sum_dtype, t.kept_grad) != t.sum_dtype else 0.0) \
         + (u if cell.clip and resumed < 1.0 else 0.0)
@@ -219,7 +225,11 @@ def _propagated(cell: Cell, allow: tolerance.Allowance, spread: torch.Tensor | N
                                "(how far the clipped gradients may differ)", per_element=per_element)
 
 
-def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict,
+           scales: dict[str, float]) -> list[Record]:
+    """Every target path's moved-checkpoint records (see the module); ``scales``: the
+    reference's :meth:`~parity.judge.reference.ReferenceRun.terms_scale` of the step after the
+    save, the scale of each gradient's summation allowance (as in ``grad``)."""
     moved = observations[0].contracts.moved or {}
     rows = []
     own = moved.get(cell.path, Moved())
@@ -246,5 +256,5 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
                         note, ("saved", "loaded"))
         rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
         rows.append(_witnesses(at, target, [(r, m) for r, m in per_rank if m.part], note))
-        rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note)
+        rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note, scales)
     return rows

@@ -62,7 +62,10 @@ class ReferenceRun:
     """Parameter FQN -> whether any gradient autograd computed for it (in any step, micro-batch or
     rank; not the zeros filled in for an unused one) held a nonzero element."""
     grad_scale: list[dict[str, float]] = field(default_factory=list)
-    """Per step, fqn -> max over elements of the sum of |terms| entering the gradient."""
+    """Per step, fqn -> the sum over the terms entering the gradient of each term's largest
+    element (in the gradient's units: divided as the reduction divides). Every summation
+    allowance of that step's gradients takes it as its scale, not the sum's own largest element:
+    terms that cancel leave a small sum but their roundings (:meth:`terms_scale`)."""
     grad_terms: int = 1
     params: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -104,6 +107,10 @@ class ReferenceRun:
     name the reading module gives them (tied aliases apart): a module's own and its children's
     (``F.conv1d(x, self.conv.weight)``), as a rank notes them for ``dtype.compute``. A routed
     expert no token of a rank's batches reaches is not among them."""
+
+    def terms_scale(self, step: int) -> dict[str, float]:
+        """``step``'s :attr:`grad_scale` (empty where the reference did not reach that step)."""
+        return self.grad_scale[step] if 0 <= step < len(self.grad_scale) else {}
 
 
 def _readers(model: nn.Module, read: list[set[str]], reading: list) -> list:

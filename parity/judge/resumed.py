@@ -109,12 +109,15 @@ def _checkpointed(own) -> dict:
         return {}
 
 
-def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
+def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict,
+                  scales: dict[str, float]) -> list[Record]:
     """Resumed runs against the uninterrupted run's same step: gradients, parameters and
     optimizer state. Resuming on the same path must be bitwise equal (same kernels, same
     collectives); resuming on another path gets the gradient / one-step parameter / moment
     allowances, since another unit layout may reduce in another order on some backends
-    (bitwise on gloo)."""
+    (bitwise on gloo). A gradient's summation allowance takes ``scales`` (the reference's
+    :meth:`~parity.judge.reference.ReferenceRun.terms_scale` of that step) as ``grad`` does,
+    its own largest element where the reference has none."""
     recipe = optimizer_recipe(cell.optimizer)
     rows = []
     whole = observations[0].whole
@@ -147,7 +150,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
         grads = [o.grads[step] for o in observations]
         for f in (f for f in grads[0] if plan.get(f)):  # every tensor of the uninterrupted run must reappear
             want, t = full(grads, f), plan[f]
-            allow = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches, amax(want))
+            allow = tolerance.gradient(t.sum_dtype, t.kept_grad, cell.ranks * cell.microbatches,
+                                       scales.get(f, amax(want)))
             comps.append(Comparison(step, tag, f"grad:{f}", full([r.grads for r in per_rank], f), want, allow))
         params, previous = [o.params[step] for o in observations], [o.params[step - 1] for o in observations]
         for f in (f for f in params[0] if plan.get(f)):
