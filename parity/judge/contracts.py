@@ -437,7 +437,8 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
     rows += buffer_checks(observations, ref, plan, base)
     if obs.contracts.resume is not None:
         rows += resumed.optimizer_checks(cell, observations, plan, base)
-        rows += resumed.resume_checks(cell, observations, plan, base, ref.terms_scale(obs.contracts.resume_step))
+        scales = ref.terms_scale(obs.contracts.resume_step, clipped=bool(cell.clip))  # the runs hold clipped gradients
+        rows += resumed.resume_checks(cell, observations, plan, base, scales)
         rows += checkpoint_entries.checks(cell, observations, base)
     if cell.move != "none":
         rows += moved.checks(cell, observations, plan, base, ref.terms_scale(cell.resume_step))

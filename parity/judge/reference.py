@@ -108,9 +108,15 @@ class ReferenceRun:
     (``F.conv1d(x, self.conv.weight)``), as a rank notes them for ``dtype.compute``. A routed
     expert no token of a rank's batches reaches is not among them."""
 
-    def terms_scale(self, step: int) -> dict[str, float]:
-        """``step``'s :attr:`grad_scale` (empty where the reference did not reach that step)."""
-        return self.grad_scale[step] if 0 <= step < len(self.grad_scale) else {}
+    def terms_scale(self, step: int, *, clipped: bool = False) -> dict[str, float]:
+        """``step``'s :attr:`grad_scale` (empty where the reference did not reach that step);
+        ``clipped``: times that step's clipping coefficient, the scale of the gradients as a
+        clipping step leaves them (empty where the reference did not clip that step)."""
+        scales = self.grad_scale[step] if 0 <= step < len(self.grad_scale) else {}
+        if not clipped:
+            return scales
+        coef = self.clip_coefs[step] if 0 <= step < len(self.clip_coefs) else None
+        return {f: s * coef for f, s in scales.items()} if coef is not None else {}
 
 
 def _readers(model: nn.Module, read: list[set[str]], reading: list) -> list:
