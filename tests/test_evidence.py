@@ -1,6 +1,7 @@
 """The evidence contract (issue 19): absence is a finding, never a pass."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,3 +220,60 @@ def test_every_replicated_observation_of_another_rank_is_held_to_rank_0s(other):
     rows = agreement_records([_witness(0, **same), _witness(1, **{**same, **other})], plan, BASE)
     assert [r.verdict for r in rows] == [Verdict.FAIL]
     assert next(iter(other)).replace("moment", "moment ('w', 'exp_avg')") in rows[0].detail
+
+
+def test_snapshots_and_state_dicts_that_recorded_nothing_fail_by_name(one_rank, monkeypatch):
+    """A real 1-rank run whose probes record no parameter and no module: ``state_dict`` said
+    "0 parameters as their masters" and ``identity`` "same" / "kept" -- PASS on nothing (review,
+    twenty-third stop). The plan's parameters and the root module are owed by name."""
+    from parity.execute import probes, state_dicts
+    from parity.execute.worker import run_rank
+    from parity.judge.contracts import identity_checks, state_dict_checks
+
+    cell = Cell(fixture="kda", path="native", steps=1)
+
+    def judged():
+        obs = run_rank(cell, rank=0, world=1, mesh=one_rank, device=torch.device("cpu"))
+        return {(r.check, r.name): r for r in identity_checks(obs, obs.plan, BASE)
+                + state_dict_checks(cell, obs, obs.plan, BASE)}
+
+    assert {r.verdict for r in judged().values()} == {Verdict.PASS}
+    taken, named, unsharded = state_dicts.take, probes.names_snapshot, probes.before_sharding
+
+    def blank(model):
+        snap = unsharded(model)
+        snap.modules = {}
+        return snap
+
+    monkeypatch.setattr(state_dicts, "take", lambda model, params, *a, **k: taken(model, params[:0], *a, **k))
+    monkeypatch.setattr(probes, "names_snapshot", lambda model: replace(named(model), ids={}))
+    monkeypatch.setattr(probes, "before_sharding", blank)
+    rows = judged()
+    sd = [r for (check, _), r in rows.items() if check == "state_dict"]
+    assert sd and all(r.verdict == Verdict.FAIL and "no master recorded" in r.detail for r in sd)
+    assert "the root module" in rows[("identity", "modules@trained")].detail
+    for stage in ("lazy_init", "trained"):
+        row = rows[("identity", f"parameters@{stage}")]
+        assert row.verdict == Verdict.FAIL and "not seen: " in row.detail, row.detail
+
+
+def test_comparisons_over_nothing_are_not_matches():
+    """Gathered sums missing or truncated, every rank's shard of a non-empty gradient empty, a
+    saving rank that reported no save: each compared nothing and passed (review, twenty-third
+    stop)."""
+    from types import SimpleNamespace
+
+    from parity.execute.observation import Resumed
+    from parity.judge.checkpoint_entries import _left_alone
+    from parity.judge.gathered import _close
+    from parity.judge.shards import worst_shard
+
+    assert not _close((), (1.0, 2.0)) and not _close((1.0,), (1.0, 2.0)) and _close((1.0, 2.0), (1.0, 2.0))
+    whole = torch.ones(8, 4)
+    ranks = [SimpleNamespace(rank=r, offset=(4 * r, 0)) for r in range(2)]
+    worst = worst_shard(ranks, lambda o: (o.offset, torch.zeros(0, 4)), lambda o: whole, "no shard")
+    assert worst is not None and worst[0] == float("inf") and "cover 0 of 32" in worst[4]
+    assert worst_shard(ranks, lambda o: (o.offset, torch.zeros(0)), lambda o: torch.zeros(0), "-") is None
+    row = _left_alone(BASE, [(0, Resumed()), (1, None)])
+    assert row.verdict == Verdict.FAIL and "rank 1: no report of its save" in row.detail
+    assert _left_alone(BASE, [(0, Resumed()), (1, Resumed())]).verdict == Verdict.PASS

@@ -202,7 +202,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad.accum", "buffer", "grad", "grad_norm", "divergence", "grad.shard"}, _KDA2, patch=p.cast_buffers),
     _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
            {"optim.moments", "grad.accum", "names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "grad",
-            "param", "trajectory", "trajectory.emulation", "grad.shard"},
+            "param", "trajectory", "trajectory.emulation", "grad.shard", "state_dict"},
            _KDA2, patch=p.wrap_module),
     _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
            {"marker"}, _KDA2, patch=p.lose_buffer_marker, scopes=("markers",)),

@@ -89,11 +89,13 @@ def entries(base: dict, check: str, prefix: str, want: dict, per_rank: list[tupl
     return rows
 
 
-def _left_alone(base: dict, per_rank: list[tuple[int, Resumed]]) -> Record:
+def _left_alone(base: dict, per_rank: list[tuple[int, Resumed | None]]) -> Record:
     """``checkpoint.saved`` ``live``: on every saving rank the save left the model and optimizer
     it saved as they were (a job trains on after it saves; the resumed runs load the files, so a
-    save that changed the live state shows nowhere else)."""
-    changed = [f"rank {rank}: {', '.join(r.disturbed[:4])}" for rank, r in per_rank if r.disturbed]
+    save that changed the live state shows nowhere else). A rank that reported no save is no
+    witness of it: a FAIL naming the rank."""
+    changed = [f"rank {rank}: no report of its save" if r is None else f"rank {rank}: {', '.join(r.disturbed[:4])}"
+               for rank, r in per_rank if r is None or r.disturbed]
     return contract_row(base, "checkpoint.saved", "live", not changed, "the live state as handed to DCP after the save",
                         "; ".join(changed)[:600] or f"unchanged on {len(per_rank)} rank(s)")
 
@@ -117,7 +119,7 @@ def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Reco
     saving = f"saved by {cell.path}"
     handed = [(rank, r.get(cell.path, Resumed()).saved) for rank, r in resume]
     rows = entries(base, "checkpoint.saved", "entry:", written, handed, saving, ("written", "handed to DCP"))
-    rows.append(_left_alone(base, [(rank, r.get(cell.path, Resumed())) for rank, r in resume]))
+    rows.append(_left_alone(base, [(rank, r.get(cell.path)) for rank, r in resume]))
     for target, r0 in resume[0][1].items():
         if r0.error or r0.skip:
             rows.append(skipped(base, "checkpoint.loaded", target, f"not loaded into {target}: {(r0.error or r0.skip)[:300]}"))

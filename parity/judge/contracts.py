@@ -252,9 +252,15 @@ def unit_policy_checks(obs: Observation, plan: PrecisionPlan, base: dict, cell: 
     return rows
 
 
-def identity_checks(obs: Observation, base: dict) -> list[Record]:
+def identity_checks(obs: Observation, plan: PrecisionPlan, base: dict) -> list[Record]:
+    """``names`` and ``identity``: the parameter and state-dict names at each stage are the
+    unsharded model's, every parameter stays the object sharding made it, every module keeps its
+    class. The plan's parameters and the root module are owed by name: snapshots that hold
+    nothing are missing evidence, not a model whose nothing stayed the same."""
     c = obs.contracts
     un = c.unsharded
+    owed = set(un.params) | {t.fqn for t in plan.params}
+    sharded = c.sharded.ids if c.sharded is not None else {}
     rows = []
     for stage in ("sharded", "lazy_init", "trained"):
         snap = getattr(c, stage)
@@ -269,10 +275,16 @@ def identity_checks(obs: Observation, base: dict) -> list[Record]:
             rows.append(_row(base, "names", f"{label}@{stage}", want == got, "unsharded model's names",
                              "identical" if want == got else f"differs: {', '.join(diff[:4]) or 'order'}"))
         if stage != "sharded":
-            moved = sorted(f for f, i in snap.ids.items() if c.sharded.ids.get(f) != i)
-            rows.append(_row(base, "identity", f"parameters@{stage}", not moved, "same objects as after sharding",
-                             "same" if not moved else f"replaced: {', '.join(moved[:4])}"))
-    lost = sorted(m for m, cls in un.modules.items() if cls[0] not in c.trained.modules.get(m, []))
+            moved = sorted(f for f, i in snap.ids.items() if sharded.get(f) != i)
+            unseen = sorted(f for f in owed if f not in snap.ids or f not in sharded)
+            problems = ([f"replaced: {', '.join(moved[:4])}"] if moved else []) + (
+                [f"not seen: {', '.join(unseen[:4])}"] if unseen else [])
+            rows.append(_row(base, "identity", f"parameters@{stage}", not problems, "same objects as after sharding",
+                             "; ".join(problems) or "same"))
+    trained = c.trained.modules if c.trained is not None else {}
+    lost = sorted(m for m, cls in un.modules.items() if cls[0] not in trained.get(m, []))
+    if "" not in un.modules:  # every model has its root: a snapshot without it recorded nothing to keep
+        lost.insert(0, "the root module, not in the unsharded snapshot")
     rows.append(_row(base, "identity", "modules@trained", not lost, "every module keeps its class (holders too)",
                      "kept" if not lost else f"lost: {', '.join(lost[:4])}"))
     return rows
@@ -401,7 +413,7 @@ def state_dict_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, base: d
 def _entry_problems(masters: dict, entries: dict | None, plan: PrecisionPlan) -> list[str]:
     if entries is None:
         return ["no state dict"]
-    problems = []
+    problems = [f"{t.fqn}: no master recorded" for t in plan.params if t.fqn not in masters]
     for fqn, m in masters.items():
         e = entries.get(fqn)
         want = dtype_name(plan.get(fqn).storage) if plan.get(fqn) is not None else m.dtype
@@ -420,7 +432,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base, ref) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, base)
+            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, plan, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base) + recompute.check(cell, obs, base)
             + unshard.check(cell, obs, base) + unshard.reshard_check(cell, obs, base)

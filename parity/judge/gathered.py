@@ -39,7 +39,9 @@ _REL = 1e-12
 
 
 def _close(got: tuple[float, ...], want: tuple[float, ...]) -> bool:
-    return all(math.isclose(g, w, rel_tol=_REL, abs_tol=0.0) for g, w in zip(got, want))
+    """Every sum as the expected one; sums missing or extra are not close (nothing compared is
+    not a match)."""
+    return len(got) == len(want) and all(math.isclose(g, w, rel_tol=_REL, abs_tol=0.0) for g, w in zip(got, want))
 
 
 def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befores: list[dict],

@@ -59,8 +59,8 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 def worst_shard(observations: list[Observation], read, whole_of, missing: str):
     """Every rank's shard (``read(o)``: (offset, values) or None) against the same slice of the
     whole tensor it is a piece of (``whole_of(o)``): the worst as (error, rank, got, want, where),
-    a rank with nothing recorded as ``missing`` (infinite error); None when every shard is empty
-    (uneven sharding: nothing to compare)."""
+    a rank with nothing recorded as ``missing`` (infinite error); every shard empty where the
+    whole is not is a gap (:func:`_uncovered`); None only when there is nothing to compare."""
     worst = None
     for rank, got, want, where in _pieces(observations, read, whole_of, missing):
         err = _error(got, want)
@@ -74,9 +74,10 @@ def worst_shard(observations: list[Observation], read, whole_of, missing: str):
 
 def _uncovered(observations: list[Observation], read, whole_of):
     """Where the ranks' shards of one whole tensor (those ``whole_of`` hands the same tensor), one
-    of them holding something, leave part of it out -- a piece lost or recorded at another's
-    offset is then never compared -- as worst_shard's tuple naming a rank with an empty piece
-    (else the first); None when every part of each whole is some rank's."""
+    leave part of it out -- a piece lost or recorded at another's offset is then never compared,
+    every piece lost when all are empty -- as worst_shard's tuple naming a rank with an empty
+    piece (else the first); None when every part of each whole is some rank's (an empty whole
+    needs none)."""
     wholes: dict[int, list] = {}  # id(whole) -> [whole, covered mask, ranks, ranks with an empty piece]
     for o in observations:
         whole, got_read = whole_of(o), read(o)
@@ -88,7 +89,7 @@ def _uncovered(observations: list[Observation], read, whole_of):
             continue
         entry[1][tuple(slice(a, a + n) for a, n in zip(offset, got.shape))] = True
     for whole, mask, ranks, empty in wholes.values():
-        if len(empty) < len(ranks) and not bool(mask.all()):
+        if not bool(mask.all()):
             rank = (empty or ranks)[0]
             return (math.inf, rank, torch.zeros(0), whole,
                     f"the ranks' shards cover {int(mask.sum())} of {mask.numel()} elements")
