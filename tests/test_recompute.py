@@ -33,3 +33,16 @@ def test_checkpointing_that_wraps_nothing_fails_naming_the_module(one_rank, monk
     monkeypatch.setattr(training, unwrapped, lambda *a, **k: None)
     rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing=mode))
     assert [r.verdict for r in rows] == ["FAIL"] and said in rows[0].detail, rows[0].detail
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_a_watched_block_whose_calls_went_uncounted_fails_naming_it(one_rank, monkeypatch, mode):
+    """A block the rank watches but whose forward calls were never counted (its hook lost) is
+    no evidence of its checkpoint: it was judged by the blocks that were counted (review,
+    twenty-third stop)."""
+    from parity.execute import recompute as counting
+
+    watch = counting.watch
+    monkeypatch.setattr(counting, "watch", lambda model, names, where: watch(model, names[1:], where))
+    rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing=mode))
+    assert [r.verdict for r in rows] == ["FAIL"] and "blocks.0 not seen in mb0's forward" in rows[0].detail, rows[0].detail

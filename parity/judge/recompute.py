@@ -3,8 +3,9 @@
 Checkpointing changes no number: a block whose checkpoint kept its activations, or a recipe
 whose checkpointing wrapped nothing, trains exactly as the checkpointed one, so only the
 module calls show it (:mod:`parity.execute.recompute`). Under ``full``, ``selective`` and
-``outer`` every watched module whose forward output joined the autograd graph in a micro-batch
-runs again in that micro-batch's backward (its runs there less its checkpoint wrapper's: a
+``outer`` every watched module runs in each micro-batch's forward (one whose calls were not
+counted is no evidence), and every one whose forward output joined the autograd graph in a
+micro-batch runs again in that micro-batch's backward (its runs there less its checkpoint wrapper's: a
 wrapper runs again only inside an enclosing recompute), and under ``selective`` and ``outer``
 each watched module but the root runs inside its wrapper. Under ``outer`` the root's recompute
 runs every unit inside it again, and torch's nested non-reentrant checkpoints may recompute a
@@ -53,6 +54,9 @@ def _problems(cell: Cell, runs, watched: tuple[str, ...], step: int, checkpointe
         forward = {fqn: n for (label, fqn), n in mine.items() if label == f"mb{mb}/forward" and n[0]}
         if not forward:
             problems.append(f"no watched module ran in mb{mb}'s forward")
+        silent = [fqn or "<root>" for fqn in watched if fqn not in forward]
+        if forward and silent:  # a block whose calls went uncounted is no evidence of its checkpoint
+            problems.append(f"{', '.join(silent[:4])} not seen in mb{mb}'s forward (watched)")
         for fqn, (calls, graded, wrapper) in sorted(forward.items()):
             again, around = mine.get((f"mb{mb}/backward", fqn), [0, 0, 0])[::2]
             # outer: a unit inside the root's recompute may be recomputed there only (torch's nested
