@@ -206,7 +206,8 @@ def _files(t) -> dict[str, str]:
     columns = HEADER.strip().split(",")
     forged = {"pass_ratio": ("9", "1", "9", ""), "pass_nan": ("nan", "1", "nan", ""),  # observed, allowed, ratio, share[, signal]
               "pass_blank": ("", "", "", ""), "pass_quotient": ("1", "0.001", "0.5", ""),
-              "pass_vacuous": ("0.1", "1", "0.1", "5", "0.2"), "pass_unweighed": ("0.1", "1", "0.1", "", "")}
+              "pass_vacuous": ("0.1", "1", "0.1", "5", "0.2"), "pass_unweighed": ("0.1", "1", "0.1", "", ""),
+              "pass_understated": ("0.1", "1", "0.1", "0.1", "1.25")}
     for name in ("verdict", "number", "binary", *forged):
         d = results(t / f"csv_{name}", {A: "PASS"})
         with open(os.path.join(d, "cells.csv")) as fh:
@@ -377,6 +378,7 @@ CASES = [
     (["gate", "--from", "{csv_pass_vacuous}"], "(a PASS whose allowance is 5 of the change it judges (at least 0.5: INCONCLUSIVE))"),
     (["gate", "--from", "{csv_pass_unweighed}"],
      "(a PASS of output that allowed 1 without the size of what it judged (signal / allowed_over_signal))"),
+    (["gate", "--from", "{csv_pass_understated}"], "(a PASS whose allowed_over_signal 0.1 is under allowed / signal (0.8))"),
     (["report", "{csv_pass_ratio}"], "ratio 9)"),
     (["compare", "{complete}", "{csv_pass_ratio}"], "ratio 9)"),
     (["gate", "--from", "{complete}", "--compare-to", "{interrupted}"], "that run is interrupted, not complete"),

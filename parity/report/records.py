@@ -86,7 +86,9 @@ def _unjudged_pass(values: dict) -> str:
     carries observed, allowed and ratio, finite, with ratio = observed / allowed (0 when nothing
     was observed) at most 1, and an allowance under :data:`BAR` of the signal it judges (else it
     would read INCONCLUSIVE), written with that signal wherever something was allowed (a PASS
-    without it never had its allowance weighed). Only :data:`OUTCOME_CHECKS` pass without numbers."""
+    without it never had its allowance weighed) and at least ``allowed / signal`` (the row's
+    allowed is its worst element's, at most the whole allowance the share weighs). Only
+    :data:`OUTCOME_CHECKS` pass without numbers."""
     names = ("observed", "allowed", "ratio")
     nums = {k: values[k] for k in names if values[k] != ""}
     if not nums and values["check"] in OUTCOME_CHECKS:
@@ -105,6 +107,9 @@ def _unjudged_pass(values: dict) -> str:
                 "(signal / allowed_over_signal)")
     if share != "" and not share < BAR * (1 + _WRITTEN):
         return f"a PASS whose allowance is {share:g} of the change it judges (at least {BAR:g}: INCONCLUSIVE)"
+    least = allowed / values["signal"] if share != "" and allowed > 0 and values["signal"] > 0 else 0.0
+    if share != "" and share < least * (1 - _WRITTEN):  # the whole allowance over the signal: never below this row's
+        return f"a PASS whose allowed_over_signal {share:g} is under allowed / signal ({least:g})"
     return ""
 
 
