@@ -277,3 +277,29 @@ def test_comparisons_over_nothing_are_not_matches():
     row = _left_alone(BASE, [(0, Resumed()), (1, None)])
     assert row.verdict == Verdict.FAIL and "rank 1: no report of its save" in row.detail
     assert _left_alone(BASE, [(0, Resumed()), (1, Resumed())]).verdict == Verdict.PASS
+
+
+def test_a_load_target_the_ranks_did_not_report_fails_by_name(one_rank, monkeypatch):
+    """The lifecycle loads a checkpoint into the cell's path and its cross-load targets, a moving
+    one into the same: a target the ranks left out of their report was judged by nothing (its
+    records are named after what was reported), and coverage owes ``checkpoint.cross`` once for
+    all targets (review, twenty-third stop). Each target is owed by name."""
+    from parity.execute import lifecycle
+    from parity.execute.observation import Observation
+    from parity.execute.worker import run_rank
+    from parity.judge import moved, resumed
+
+    cell = Cell(fixture="kda", path="native", steps=2)
+    assert cell.lifecycle and cell.load_targets == ["native", "legacy"]
+    resume = lifecycle.resume
+    monkeypatch.setattr(lifecycle, "resume", lambda c, **k: {t: r for t, r in resume(c, **k).items() if t == c.path})
+    obs = run_rank(cell, rank=0, world=1, mesh=one_rank, device=torch.device("cpu"))
+    rows = resumed.resume_checks(cell, [obs], obs.plan, BASE, {})
+    lost = [r for r in rows if r.name == "legacy"]
+    assert [(r.check, r.verdict) for r in lost] == [("checkpoint.cross", Verdict.FAIL)], lost
+    assert "reported no load of the checkpoint into legacy" in lost[0].detail
+    silent = Observation(rank=0)
+    silent.contracts.moved = {}
+    moving = Cell(fixture="kda", path="native", ranks=2, move="shrink")
+    rows = moved.checks(moving, [silent], obs.plan, BASE, {})
+    assert [(r.name, r.verdict) for r in rows] == [("native", Verdict.FAIL), ("legacy", Verdict.FAIL)]

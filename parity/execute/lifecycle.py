@@ -79,7 +79,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
         dist.broadcast_object_list(ckpt_dir, src=0)
     out: dict[str, Resumed] = {}
     saving = collectives.Segments(collectives.functional_scope(cell))
-    targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
+    targets = cell.load_targets
     try:
         try:
             handed, disturbed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,

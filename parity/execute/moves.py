@@ -159,7 +159,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
     device_type = torch.device(device).type
     save_mesh, save_group = _mesh(save_l, world=world, rank=rank, world_mesh=mesh, device_type=device_type)
     load_mesh, load_group = _mesh(load_l, world=world, rank=rank, world_mesh=mesh, device_type=device_type)
-    targets = [cell.path] + [t for t in cell.crossload_targets if t != cell.path]
+    targets = cell.load_targets
     label = {t: dict(save=describe(save_l, cell.path), load=describe(load_l, t)) for t in targets}
     ckpt = [tempfile.mkdtemp(prefix="parity-moved-") if rank == 0 else None]
     if world > 1:

@@ -96,6 +96,12 @@ class Resumed:
     """Every entry as this rank holds it right after loading into this path, before the resumed
     step, ``(value, region)`` (:func:`parity.execute.lifecycle.pieces`)."""
 
+    @property
+    def save_failed(self) -> bool:
+        """Rank 0's report, own path: the save itself failed (an error, no files written or said
+        unread); the lifecycle then loads into no path."""
+        return bool(self.error) and not self.written and not self.unread
+
 
 #: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm
 #: a clipping step clipped with (a 0-d float64 tensor).

@@ -107,7 +107,7 @@ def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Reco
     ``checkpoint.same`` / ``checkpoint.cross`` record saying why."""
     resume = [(o.rank, o.contracts.resume or {}) for o in observations]
     own = resume[0][1].get(cell.path, Resumed())
-    if own.error and not own.written and not own.unread:  # the save itself failed
+    if own.save_failed:
         why = f"no checkpoint to read: {own.error[:300]} (the checkpoint.same record)"
         return [skipped(base, "checkpoint.saved", cell.path, why), skipped(base, "checkpoint.loaded", cell.path, why)]
     try:

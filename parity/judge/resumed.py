@@ -127,7 +127,12 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     def full(per_rank: list[dict], f: str):
         return gather_full(plan, f, per_rank, whole)
 
-    before = _checkpointed(observations[0].contracts.resume.get(cell.path))
+    own = observations[0].contracts.resume.get(cell.path)
+    before = _checkpointed(own)
+    owed = [] if own is not None and own.save_failed else cell.load_targets  # nothing loads after a failed save
+    rows += [Record(**base, check=f"checkpoint.{'same' if t == cell.path else 'cross'}", name=t, verdict=Verdict.FAIL,
+                    detail=f"rank 0 reported no load of the checkpoint into {t}: that load is not judged")
+             for t in owed if t not in observations[0].contracts.resume]
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
         errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations

@@ -395,6 +395,12 @@ class Cell:
             return self.crossload.split(",")
         return [self.baseline] if self.path != self.baseline else []
 
+    @property
+    def load_targets(self) -> list[str]:
+        """Every path the lifecycle (and a moving checkpoint) loads this cell's checkpoint into:
+        its own, then :attr:`crossload_targets`. The ranks report each; the judges owe each."""
+        return [self.path] + [t for t in self.crossload_targets if t != self.path]
+
     def axes(self) -> dict:
         """The cell's axis values by name (what ``-k`` and ``skip.when`` read), without the
         run-level fields; dtypes by name, ``reshard`` as ``on`` / ``off``."""
