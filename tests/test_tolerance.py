@@ -303,3 +303,17 @@ def test_a_moved_steps_gradient_is_allowed_the_roundings_of_its_terms_not_of_its
     termed, alone = verdict({"w": 1.0}), verdict({})
     assert termed[0] == "PASS" and math.isclose(termed[1], 2 * 2**-24)
     assert alone[0] == "FAIL" and math.isclose(alone[1], 2 * 2**-24 * 1e-3, rel_tol=1e-6)
+
+
+def test_a_moment_held_finer_than_the_plan_keeps_it_fails_though_its_values_are_within_rounding():
+    """A rank keeping a BF16 parameter's AdamW moments in FP32 passed ``optim.moments``: the FP32
+    values sit within one BF16 rounding of the replay's (review, twenty-third stop). The ranks'
+    shards are joined, so one rank's FP32 shard makes the whole FP32."""
+    from parity.judge import moments
+
+    want = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    base = dict(cell="c", fixture="f", path="native")
+    kept = moments._record(1, "w", "exp_avg_sq", want.float() * (1 + 2**-12), want, base, want * 0.5)
+    same = moments._record(1, "w", "exp_avg_sq", want.clone(), want, base, want * 0.5)
+    assert kept.verdict == "FAIL" and "held in float32 (on some rank)" in kept.detail, kept.detail
+    assert same.verdict == "PASS"

@@ -17,7 +17,9 @@ machine every such record has been exact. The allowance is weighed against what 
 in the state (:func:`_change`), the size a state not updated would be off by: where it is half of
 that or more the record is INCONCLUSIVE. A state tensor the reference holds and the run does
 not, or the other way round, FAILs (missing or unexpected evidence), and so does a moment the
-reference owes that neither holds (:func:`owed`: the optimizer never stepped the parameter).
+reference owes that neither holds (:func:`owed`: the optimizer never stepped the parameter), and a
+moment held in another dtype than the replay's (an FP32 moment passes a BF16 one's allowance; the
+ranks' shards joined, any rank's finer dtype shows).
 Scalars (``step``) are the checkpoint's to judge (``optim.state``).
 """
 
@@ -32,6 +34,7 @@ from parity.judge import tolerance
 from parity.judge.compare import Assembled, Comparison, amax
 from parity.judge.record import Record, Verdict, badness
 from parity.matrix.cell import Cell
+from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import owed_moments
 
@@ -95,4 +98,8 @@ def _record(step: int, f: str, key: str, got: torch.Tensor | None, want: torch.T
     got, want = (torch.zeros(0) if x is None else x for x in (got, want))
     allow = tolerance.carried_roundings(want.dtype if want.numel() else got.dtype, amax(want), step + 1)
     row = Comparison(step, CHECK, f, got, want, allow, signal=_change(want, before) if want.numel() else None).record(base)
+    if got.numel() and want.numel() and got.dtype != want.dtype:  # a finer moment passes a coarser one's allowance
+        return dataclasses.replace(row, verdict=Verdict.FAIL, ratio=math.inf, detail=(
+            f"{key}: held in {dtype_name(got.dtype)} (on some rank), the optimizer replayed on the plan keeps "
+            f"{dtype_name(want.dtype)}; {row.detail}")[:1000])
     return dataclasses.replace(row, detail=f"{key}: {row.detail}")
