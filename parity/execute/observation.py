@@ -264,6 +264,10 @@ class ContractsSeen:
     unshard: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``unshard = "explicit"``: (step, micro-batch) -> unit root -> its state right after the
     recipe's ``unshard()`` calls, before the forward (:func:`parity.execute.evaluation.gather_states`)."""
+    after_forward: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
+    """(step, micro-batch) -> unit -> its parameters' sharded state right after that training
+    forward, before its backward (:func:`parity.execute.evaluation.unit_states`): what
+    ``reshard_after_forward`` left (``reshard.forward``)."""
     after_backward: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``reshard_backward = "last"``: (step, micro-batch) -> unit root -> its sharded state right
     after that micro-batch's backward (:func:`parity.execute.evaluation.unit_states`)."""

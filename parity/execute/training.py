@@ -251,6 +251,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
                 if cell.unshard == "explicit":
                     obs.contracts.unshard[(step, mb)] = evaluation.gather_states(s.model, s.report)
                 out = fixture.output(_forward(cell, s.model, inputs))
+            obs.contracts.after_forward[(step, mb)] = evaluation.unit_states(s.model, s.report)
             loss = fixture.loss(out, batch.target) / (cell.microbatches // fold)
             if divisor != 1:
                 loss = loss / divisor

@@ -70,7 +70,7 @@ STAGE_OF_FAULT = {
                      "reshard_group_ignored", "unshard_in_backward_not_stored"), "setup"),
     **dict.fromkeys(("reshard_after_backward_not_stored", "reshard_after_backward_sticks"), "collectives"),
     **dict.fromkeys(("reshard_is_noop", "reshard_after_forward_sticks", "unsharded_layout_flips",
-                     "compiled_forward_dropped"), "forward"),
+                     "compiled_forward_dropped", "reshard_forward_skipped", "reshard_off_reshards"), "forward"),
     **dict.fromkeys(("explicit_unshard_regathers", "explicit_unshard_issues_nothing"), "gather"),
     **dict.fromkeys(("drop_override", "holder_dt_bias_bf16", "local_amax", "stale_quantized_copy",
                      "mx_tiles_cut_by_shard", "mx_exponents_misaligned", "fp8_gather_off", "fp8_gather_off_one_weight",
@@ -359,9 +359,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad.accum", "gathered", "input_grad", "grad", "grad_norm", "trajectory", "trajectory.emulation", "checkpoint.same",
             "checkpoint.cross", "divergence", "grad.shard"}, {**_KDA2}, quiet={"reshard": False}, patch=rp.backward_gather_stale),
     _fault("reshard_group_ignored", "fully_shard takes an int reshard_after_forward as True: units reshard over every "
-           "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard"},
+           "rank after forward, not the recipe's smaller group", {"unit.policy", "eval.reshard", "reshard.forward"},
            {"fixture": "kda", "path": "native", "ranks": 4, "reshard_to": "half", "eval": "between-steps"},
            quiet={"reshard_to": "all"}, patch=kp.reshard_group_ignored),
+    _fault("reshard_forward_skipped", "a unit set to reshard after forward keeps its parameters gathered until "
+           "backward (FSDPParamGroup.reshard returns early in forward)", {"reshard.forward"}, _KDA2,
+           quiet={"reshard": False}, patch=kp.reshard_forward_skipped),
+    _fault("reshard_off_reshards", "a unit set not to reshard after forward reshards anyway, and each backward "
+           "all-gathers it again", {"reshard.forward"}, {**_KDA2, "reshard": False}, quiet={"reshard": True},
+           patch=kp.reshard_off_reshards),
     _fault("unsharded_layout_flips", "from a parameter's second all-gather on, FSDP hands compute its unsharded "
            "matrices column-major (same values, transposed strides): compiled blocks recompile at every later forward",
            {"compile.graphs"}, {**_KDA2, "compile": "aot_eager"}, quiet={"compile": "none"},

@@ -324,3 +324,39 @@ def is_last_backward_not_stored():
     from torch.distributed.fsdp import FSDPModule
 
     return swap_attr(FSDPModule, "set_is_last_backward", lambda orig: lambda self, is_last_backward: None)
+
+
+def _forward_reshard(make):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    return swap_attr(FSDPParamGroup, "reshard", make)
+
+
+def reshard_forward_skipped():
+    """A unit set to reshard after forward keeps its parameters gathered until backward
+    (``FSDPParamGroup.reshard`` returns early in the forward state): the setting reads ``on``,
+    the numbers are the same, the backward gathers nothing again -- the memory reshard-on buys
+    is gone. Silent with reshard off."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    def make(orig):
+        def reshard(self):
+            return None if self._training_state == TrainingState.FORWARD else orig(self)
+        return reshard
+    return _forward_reshard(make)
+
+
+def reshard_off_reshards():
+    """A unit set not to reshard after forward reshards anyway (``FSDPParamGroup.reshard``
+    ignores ``reshard_after_forward`` in the forward state): the numbers are the same, each
+    backward all-gathers the units again -- the all-gathers reshard-off saves are back. Silent
+    with reshard on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    def make(orig):
+        def reshard(self):
+            if self._training_state == TrainingState.FORWARD and not self._reshard_after_forward:
+                return self._to_sharded()
+            return orig(self)
+        return reshard
+    return _forward_reshard(make)

@@ -1,5 +1,6 @@
 """Recipe knobs whose effect no number shows, read from FSDP's state on each rank, one record per
-step: ``unshard`` (a recipe that gathers its units by hand), ``reshard.backward`` (units kept
+step: ``unshard`` (a recipe that gathers its units by hand), ``reshard.forward`` (what
+``reshard_after_forward`` leaves after a training forward), ``reshard.backward`` (units kept
 gathered across a no-sync window) and ``finalize.flagged`` (the last backward flagged by the
 recipe).
 
@@ -75,6 +76,36 @@ def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
 
 def reshard_owed(cell: Cell) -> bool:
     return cell.reshard_backward == "last"
+
+
+def forward_owed(cell: Cell) -> bool:
+    """Every cell whose forwards FSDP's own hooks gather (the recipe's explicit phases: ``unshard``)."""
+    return cell.unshard != "explicit"
+
+
+def forward_name(cell: Cell) -> str:
+    return "off" if not cell.reshard else "half" if cell.reshard_to == "half" else "on"
+
+
+def forward_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
+    """``reshard.forward``: right after each training forward, every unit holding parameters is in
+    the state its ``reshard_after_forward`` gives (sharded with reshard on, over the smaller group
+    with ``reshard_to = "half"``, unsharded with it off; parity passes it to every unit, root
+    included). The numbers are the same either way and ``collectives`` bounds the backward's
+    all-gathers from above only: a setting FSDP holds but does not act on shows here."""
+    if not forward_owed(cell):
+        return []
+    units = _units(obs)
+    if not units:
+        return _nothing_to_read(cell, base, "reshard.forward", forward_name(cell), "no unit holding parameters reported",
+                                True)
+    want = "unsharded" if not cell.reshard else "sharded_post_forward" if cell.reshard_to == "half" else "sharded"
+
+    def problems(mb: int, states: dict) -> list[str]:
+        return [f"after mb{mb}'s forward: {u}: {states.get(u, 'not reported')} (want {want})" for u in units
+                if states.get(u) != want]
+    return _per_microbatch(cell, base, "reshard.forward", forward_name(cell), f"every unit {want} after each forward",
+                           obs.contracts.after_forward, problems, f"{len(units)} unit(s) {want} after every forward")
 
 
 def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
