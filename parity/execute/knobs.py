@@ -133,6 +133,13 @@ def reshard_after_forward(cell: Cell) -> bool | int:
     return cell.ranks // 2 if cell.reshard_to == "half" else cell.reshard
 
 
+def post_forward_state(cell: Cell) -> str:
+    """The sharded state :func:`reshard_after_forward` leaves a unit's parameters in after any
+    forward (torch 2.15, set explicitly on every unit, root included): ``sharded`` (reshard on),
+    ``sharded_post_forward`` (over the smaller group), ``unsharded`` (off)."""
+    return "unsharded" if not cell.reshard else "sharded_post_forward" if cell.reshard_to == "half" else "sharded"
+
+
 def offload_policy(cell: Cell):
     """The ``offload_policy`` every ``fully_shard`` call of the cell gets; None: FSDP's default
     (no offloading). Pinned host memory needs an accelerator: pinned only on CUDA."""

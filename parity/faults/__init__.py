@@ -335,7 +335,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "stay gathered", {"eval.reshard"}, {**_KDA2, "unshard": "explicit", "eval": "between-steps"},
            quiet={"unshard": "hooks"}, patch=kp.reshard_is_noop),
     _fault("reshard_after_forward_sticks", "FSDPModule.set_reshard_after_forward(True) is ignored after a False: "
-           "the units stop resharding after forward once an evaluation phase turned it off", {"eval.reshard"},
+           "the units stop resharding after forward once an evaluation phase turned it off",
+           {"eval.reshard", "reshard.forward"},
            {**_KDA2, "unshard": "explicit", "eval": "between-steps"}, quiet={"unshard": "hooks"},
            patch=kp.reshard_after_forward_sticks),
     _fault("not_last_backward_skips_sync", "FSDPModule.set_is_last_backward(False) also turns gradient "

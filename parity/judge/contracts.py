@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.tensor import Shard
 
-from parity.execute.knobs import kept_out_of_backward, shard_dim
+from parity.execute.knobs import kept_out_of_backward, post_forward_state, shard_dim
 from parity.execute.observation import Observation
 from parity.judge import checkpoint_entries, moved, recompute, resumed, unshard
 from parity.judge import compiled as compiled_graphs
@@ -360,8 +360,7 @@ def eval_checks(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     and holds the cell's ``reshard_after_forward`` again. A forward the cell owes and this rank
     did not run is missing, and so is a unit it did not report."""
     explicit = cell.unshard == "explicit"
-    want = ("unsharded" if explicit or not cell.reshard else
-            "sharded_post_forward" if cell.reshard_to == "half" else "sharded")
+    want = "unsharded" if explicit else post_forward_state(cell)
     expected = (f"every unit unsharded after the forward, sharded after reshard(), reshard_after_forward "
                 f"{'on' if cell.reshard else 'off'} again" if explicit else f"every unit {want}")
     seen = {(e.step, e.label): e for e in obs.evals}

@@ -76,8 +76,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out.append(("unshard", "explicit", step))
         if unshard.reshard_owed(cell):
             out.append(("reshard.backward", "last", step))
-        if unshard.forward_owed(cell):
-            out.append(("reshard.forward", unshard.forward_name(cell), step))
+        out.append(("reshard.forward", unshard.forward_name(cell), step))
         if unshard.flagged_owed(cell):
             out.append(("finalize.flagged", "is_last_backward", step))
         staged = rescales_gradients(cell.clip, plan.config.param_dtype)  # reduced, then unscaled/clipped

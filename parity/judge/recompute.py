@@ -2,9 +2,9 @@
 
 Checkpointing changes no number: a block whose checkpoint kept its activations, or a recipe
 whose checkpointing wrapped nothing, trains exactly as the checkpointed one, so only the
-module calls show it (:mod:`parity.execute.recompute`). Under ``full``, ``selective`` and
-``outer`` every watched module runs in each micro-batch's forward (one whose calls were not
-counted is no evidence), and every one whose forward output joined the autograd graph in a
+module calls show it (:mod:`parity.execute.recompute`). Every watched module runs in each
+micro-batch's forward (one whose calls were not counted is no evidence). Under ``full``,
+``selective`` and ``outer`` every one whose forward output joined the autograd graph in a
 micro-batch runs again in that micro-batch's backward (its runs there less its checkpoint wrapper's: a
 wrapper runs again only inside an enclosing recompute), and under ``selective`` and ``outer``
 each watched module but the root runs inside its wrapper. Under ``outer`` the root's recompute

@@ -474,6 +474,9 @@ def run_reference(
         if cell.clip and grads:
             _clip(run, [masters[f] for f in trainable], cell.clip,
                   clip_norms[step] if clip_norms is not None and step < len(clip_norms) else run.grad_norms[-1], fp64)
+        elif cell.clip:  # nothing trains this step: nothing clipped, a norm of 0 after it (as the ranks read it)
+            run.clip_coefs.append(1.0)  # the lists stay one entry per step
+            run.clipped_norms.append(0.0)
         run.grads.append({f: masters[f].grad.detach().cpu().clone() for f in trainable if masters[f].grad is not None})
         run.grad_scale.append(terms_scale)
         if not skip_step:

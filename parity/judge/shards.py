@@ -73,7 +73,7 @@ def worst_shard(observations: list[Observation], read, whole_of, missing: str):
 
 
 def _uncovered(observations: list[Observation], read, whole_of):
-    """Where the ranks' shards of one whole tensor (those ``whole_of`` hands the same tensor), one
+    """Where the ranks' shards of one whole tensor (those ``whole_of`` hands the same tensor)
     leave part of it out -- a piece lost or recorded at another's offset is then never compared,
     every piece lost when all are empty -- as worst_shard's tuple naming a rank with an empty
     piece (else the first); None when every part of each whole is some rank's (an empty whole

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from parity.execute.knobs import kept_out_of_backward
+from parity.execute.knobs import kept_out_of_backward, post_forward_state
 from parity.execute.observation import Observation
 from parity.judge.record import Record
 from parity.judge.rows import contract_row, skipped
@@ -78,11 +78,6 @@ def reshard_owed(cell: Cell) -> bool:
     return cell.reshard_backward == "last"
 
 
-def forward_owed(cell: Cell) -> bool:
-    """Every cell whose forwards FSDP's own hooks gather (the recipe's explicit phases: ``unshard``)."""
-    return cell.unshard != "explicit"
-
-
 def forward_name(cell: Cell) -> str:
     return "off" if not cell.reshard else "half" if cell.reshard_to == "half" else "on"
 
@@ -92,14 +87,14 @@ def forward_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     the state its ``reshard_after_forward`` gives (sharded with reshard on, over the smaller group
     with ``reshard_to = "half"``, unsharded with it off; parity passes it to every unit, root
     included). The numbers are the same either way and ``collectives`` bounds the backward's
-    all-gathers from above only: a setting FSDP holds but does not act on shows here."""
-    if not forward_owed(cell):
-        return []
+    all-gathers from above only: a setting FSDP holds but does not act on shows here. Under
+    ``unshard = "explicit"`` too: the recipe gathers ahead, FSDP's post-forward still reshards, and
+    the setting an evaluation phase turned off must be back."""
     units = _units(obs)
     if not units:
         return _nothing_to_read(cell, base, "reshard.forward", forward_name(cell), "no unit holding parameters reported",
                                 True)
-    want = "unsharded" if not cell.reshard else "sharded_post_forward" if cell.reshard_to == "half" else "sharded"
+    want = post_forward_state(cell)
 
     def problems(mb: int, states: dict) -> list[str]:
         return [f"after mb{mb}'s forward: {u}: {states.get(u, 'not reported')} (want {want})" for u in units
