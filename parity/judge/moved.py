@@ -233,8 +233,7 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
     moved = observations[0].contracts.moved or {}
     rows = []
     own = moved.get(cell.path, Moved())
-    rows += [Record(**base, check=CHECK, name=t, verdict=Verdict.FAIL,
-                    detail=f"rank 0 reported no load of the moved checkpoint into {t}: that load is not judged")
+    rows += [missing(base, CHECK, t, f"rank 0 reported no load of the moved checkpoint into {t}: that load is not judged")
              for t in cell.load_targets if t not in moved]
     for target, m0 in moved.items():
         per_rank = [(o.rank, o.contracts.moved.get(target, Moved(error="no report from this rank")))

@@ -13,6 +13,7 @@ import torch
 from parity.execute import dcp_files
 from parity.execute.observation import Observation
 from parity.judge import tolerance
+from parity.judge.checkpoint_entries import missing
 from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
@@ -130,8 +131,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     own = observations[0].contracts.resume.get(cell.path)
     before = _checkpointed(own)
     owed = [] if own is not None and own.save_failed else cell.load_targets  # nothing loads after a failed save
-    rows += [Record(**base, check=f"checkpoint.{'same' if t == cell.path else 'cross'}", name=t, verdict=Verdict.FAIL,
-                    detail=f"rank 0 reported no load of the checkpoint into {t}: that load is not judged")
+    rows += [missing(base, f"checkpoint.{'same' if t == cell.path else 'cross'}", t,
+                     f"rank 0 reported no load of the checkpoint into {t}: that load is not judged")
              for t in owed if t not in observations[0].contracts.resume]
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"

@@ -79,7 +79,8 @@ def reshard_owed(cell: Cell) -> bool:
 
 
 def forward_name(cell: Cell) -> str:
-    return "off" if not cell.reshard else "half" if cell.reshard_to == "half" else "on"
+    """The ``reshard.forward`` record's name: the setting whose state it reads."""
+    return {"unsharded": "off", "sharded_post_forward": "half", "sharded": "on"}[post_forward_state(cell)]
 
 
 def forward_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
