@@ -164,7 +164,9 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
     # a directory the command works in, as the command line does (_argv refused an option the command lacks)
     if out is not None and not isinstance(out, (str, os.PathLike)):
         raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
-    key = next((k for k in _IN_PLACE if options.get(k)), None)
+    if not isinstance(quiet, bool):
+        raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
+    key, made = next((k for k in _IN_PLACE if options.get(k)), None), out is None
     if key:
         if out and os.path.abspath(out) != os.path.abspath(options[key]):
             raise UsageError(f"{key}={options[key]!r} {_IN_PLACE[key]}; drop out={out!r}")
@@ -177,11 +179,15 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         argv.append(f"--out={out}")
     from parity.runner import quietly
 
-    if not isinstance(quiet, bool):
-        raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
-    args = _parse(command, argv)
-    with quietly(quiet), _in_keywords(command):  # the command's own refusals in the keywords' words
-        code = _command(args)
+    try:
+        args = _parse(command, argv)
+        with quietly(quiet), _in_keywords(command):  # the command's own refusals in the keywords' words
+            code = _command(args)
+    except BaseException:
+        if made and not key:  # the temporary folder this call made, if the refusal left it empty (never results)
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
     return Result(out=out, code=max(0, code))
 
 

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import tempfile
 
 import pytest
 
@@ -49,6 +50,11 @@ def test_bad_input_raises_what_the_cli_prints():
         parity.gate(colour="red")
 
 
+def _made(folder) -> list[str]:
+    """The folders parity made in ``folder`` (torch makes caches of its own there)."""
+    return [e for e in os.listdir(folder) if e.startswith("parity-")]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"model": 3}, r"parity.run\(model=...\): got int 3; give a string or a list of strings"),
     ({"filter": 3}, r"parity.run\(filter=...\): got int 3; give a string"),  # "-k 3" would select every cell
@@ -61,9 +67,11 @@ def test_bad_input_raises_what_the_cli_prints():
     ({"paths": ()}, r"parity.run\(paths=...\): got tuple \(\); give at least one value"),
     ({"quiet": "no"}, r"parity.run\(quiet=...\): got str 'no'; give True or False"),
 ])
-def test_a_keyword_of_the_wrong_type_is_named(kwargs, message):
+def test_a_keyword_of_the_wrong_type_is_named(kwargs, message, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(UsageError, match=message):
         parity.run(matrix="smoke", **kwargs)
+    assert _made(tmp_path) == []  # a refused call leaves no empty results folder behind
 
 
 @pytest.mark.parametrize("call, kwargs, message", [
@@ -85,10 +93,13 @@ def test_an_option_the_call_would_ignore_is_refused(call, kwargs, message):
     ("gate", {"from_dir": "/nonexistent-parity-dir"}, r"^from_dir /nonexistent-parity-dir: no cells.csv there; give the "
                                                        r"out directory of a parity run$"),
 ])
-def test_a_commands_own_refusal_names_keywords(call, kwargs, message):
-    """What the command refuses after parsing is said in the call's words, not the command line's."""
+def test_a_commands_own_refusal_names_keywords(call, kwargs, message, monkeypatch, tmp_path):
+    """What the command refuses after parsing is said in the call's words, not the command line's;
+    the temporary results folder the call made for it is not left behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(UsageError, match=message):
         getattr(parity, call)(**kwargs)
+    assert _made(tmp_path) == []
 
 
 def test_a_quoted_command_line_keeps_its_flags():
