@@ -57,7 +57,7 @@ def test_gathered_sums_see_the_same_values_in_another_order():
     import torch
 
     from parity.execute.observation import value_sums
-    from parity.judge.gathered import _close
+    from parity.judge.gathered import close as _close
 
     w = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
     swapped = torch.cat([w[4:], w[:4]])

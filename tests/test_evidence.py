@@ -265,7 +265,7 @@ def test_comparisons_over_nothing_are_not_matches():
 
     from parity.execute.observation import Resumed
     from parity.judge.checkpoint_entries import _left_alone
-    from parity.judge.gathered import _close
+    from parity.judge.gathered import close as _close
     from parity.judge.shards import worst_shard
 
     assert not _close((), (1.0, 2.0)) and not _close((1.0,), (1.0, 2.0)) and _close((1.0, 2.0), (1.0, 2.0))

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.digests import value_sha256
@@ -198,9 +199,12 @@ def _blanked(value):
 
 def load(s, ckpt: str, group=None) -> None:
     """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler;
-    every entry is blanked first (:func:`_blanked`), so what the load does not read shows."""
+    every entry is blanked first (:func:`_blanked`), so what the load does not read shows -- the
+    live optimizer's hyperparameters too, so that what ``set_state_dict`` does not set shows."""
     init_optimizer_state(s.opt)
     state = _blanked(_state(s))
+    for hyper in s.opt.param_groups:  # after _state: DCP's helpers step a fresh optimizer once with them
+        hyper.update(_blanked({k: v for k, v in hyper.items() if k != "params"}))
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:
         s.scaler.load_state_dict(state["scaler"])
@@ -256,6 +260,22 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     with segments.counted():
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
                    segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
-    return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0],
-                   optim=optimizer_state(cell, s.model, s.opt), collectives=segments.calls,
-                   loaded=loaded)
+    optim = optimizer_state(cell, s.model, s.opt)
+    return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0], optim=optim,
+                   collectives=segments.calls, loaded=loaded, regathered=regathered(s.model))
+
+
+def regathered(model: nn.Module) -> dict[str, tuple]:
+    """What the next forward would compute with after the resumed step: every FSDP unit gathered
+    explicitly (uncounted: parity's reading), each parameter read as gathered
+    (:func:`parity.execute.probes.gathered_read`), then resharded. A load that left FSDP's
+    all-gather input apart from the parameter the optimizer steps gathers correct values once,
+    in the resumed step, and the step's stale ones from then on."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        return {canonical_fqn(n): probes.gathered_read(p.detach()) for n, p in model.named_parameters()}
+    finally:
+        for unit in units:
+            unit.reshard()

@@ -94,9 +94,9 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments", "save_narrows_live_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
-                     "load_reads_tensors_only",
+                     "load_reads_tensors_only", "load_keeps_live_hyperparameters",
                      "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
-    "owner_reduces_to_rank0": "resumed",
+    **dict.fromkeys(("owner_reduces_to_rank0", "load_splits_gather_input"), "resumed"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
                      "recompute_skips_input_cast", "crash", "hang", "raise"), "run"),
 }
@@ -293,6 +293,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "
            "destination is blanked first", {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,
            patch=ckp.load_reads_tensors_only, scopes=("lifecycle",)),
+    _fault("load_keeps_live_hyperparameters", "setting a loaded optimizer state dict leaves the live param "
+           "groups' hyperparameters as they were (set_state_dict): equal by construction unless they are "
+           "blanked before the load", {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,
+           patch=ckp.load_keeps_live_hyperparameters, scopes=("lifecycle",)),
+    _fault("load_splits_gather_input", "after a load each FSDP parameter holds a new local shard while the "
+           "all-gather input stays the old one (FSDPParam.reset_sharded_param not run): the resumed step is right, "
+           "every later gather stale", {"checkpoint.same", "checkpoint.cross"}, _KDA2, patch=ckp.load_splits_gather_input, scopes=("lifecycle",)),
     _fault("load_regathers", "after loading a sharded state dict every FSDP unit is all-gathered and resharded: "
            "numerically invisible (set_state_dict)",
            {"checkpoint.collectives"}, _KDA2, quiet={"ranks": 1}, patch=ckp.load_regathers, scopes=("lifecycle",)),

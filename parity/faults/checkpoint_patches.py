@@ -25,6 +25,46 @@ def step_counter_restarts():
     return swap_attr(sd, "set_state_dict", make)
 
 
+def load_keeps_live_hyperparameters():
+    """Setting a loaded optimizer state dict restores each parameter's state but leaves the
+    optimizer's param groups (lr, betas, eps, weight decay) as they were: a resumed job trains
+    with whatever the fresh optimizer held. The same recipe's fresh optimizer holds the same
+    values, so only hyperparameters blanked before the load show it."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def set_state_dict(model, optimizers, **kwargs):
+            kept = [{k: v for k, v in group.items() if k != "params"} for group in optimizers.param_groups]
+            out = orig(model, optimizers, **kwargs)
+            for group, values in zip(optimizers.param_groups, kept):
+                group.update(values)
+            return out
+        return set_state_dict
+    return swap_attr(sd, "set_state_dict", make)
+
+
+def load_splits_gather_input():
+    """After a load, each parameter FSDP manages holds a new local shard while FSDP's all-gather
+    input stays the old one (``FSDPParam.reset_sharded_param`` does nothing, neither after the
+    load nor at the lazy init that would re-point it): the load wrote the old storage, so the resumed step gathers
+    the loaded values; the optimizer then steps the new shard, and every later all-gather hands
+    compute the stale loaded values."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def set_state_dict(model, optimizers, **kwargs):
+            out = orig(model, optimizers, **kwargs)
+            for module in model.modules():
+                group = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
+                for fsdp_param in getattr(group, "fsdp_params", ()):
+                    sharded = fsdp_param.sharded_param
+                    sharded._local_tensor = sharded._local_tensor.clone()
+                    fsdp_param.reset_sharded_param = lambda: None
+            return out
+        return set_state_dict
+    return swap_attr(sd, "set_state_dict", make)
+
+
 def load_regathers():
     """After loading a sharded state dict, every FSDP unit is all-gathered and resharded (a loader
     that refreshes the unsharded parameters from the loaded shards): numerically invisible --

@@ -38,7 +38,7 @@ from parity.model.plan import PrecisionPlan
 _REL = 1e-12
 
 
-def _close(got: tuple[float, ...], want: tuple[float, ...]) -> bool:
+def close(got: tuple[float, ...], want: tuple[float, ...]) -> bool:
     """Every sum as the expected one; sums missing or extra are not close (nothing compared is
     not a match)."""
     return len(got) == len(want) and all(math.isclose(g, w, rel_tol=_REL, abs_tol=0.0) for g, w in zip(got, want))
@@ -68,7 +68,7 @@ def check(cell: Cell, observations: list[Observation], plan: PrecisionPlan, befo
                     judged += 1
                     got, region = got[:3], (got[3] if len(got) > 3 else ())
                     want = value_sums(piece(master, region).to(parse_dtype(dtype)))
-                    if not _close(tuple(got), want):
+                    if not close(tuple(got), want):
                         problems.append(f"step {step} rank {o.rank} {where}: |values| sum {got[0]:.9g}, the master "
                                         f"before the step gives {want[0]:.9g} in {dtype}")
                         first_bad = step if first_bad is None else first_bad
