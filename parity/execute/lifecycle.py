@@ -256,13 +256,14 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
         load(s, ckpt)
     heartbeat(f"checkpoint loaded into {target}")
     loaded = pieces(s)  # uncounted: parity's reading, not the load's
+    held = [canonical_fqn(n) for n, p in s.model.named_parameters() if p.grad is not None]
     obs = Observation(rank=rank)
     with segments.counted():
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
                    segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
     optim = optimizer_state(cell, s.model, s.opt)
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0], optim=optim,
-                   collectives=segments.calls, loaded=loaded, regathered=regathered(s.model))
+                   collectives=segments.calls, loaded=loaded, held_grads=held, regathered=regathered(s.model))
 
 
 def regathered(model: nn.Module) -> dict[str, tuple]:

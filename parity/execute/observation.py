@@ -95,6 +95,8 @@ class Resumed:
     loaded: dict[str, tuple[object, tuple]] = field(default_factory=dict)
     """Every entry as this rank holds it right after loading into this path, before the resumed
     step, ``(value, region)`` (:func:`parity.execute.lifecycle.pieces`)."""
+    held_grads: list[str] | None = None
+    """The parameters holding a gradient right after the load (expected: none; None: not reported)."""
     regathered: dict[str, tuple] = field(default_factory=dict)
     """Every parameter as an all-gather after the resumed step hands it to compute, as
     :attr:`ContractsSeen.gathered` records it (:func:`parity.execute.lifecycle.regathered`)."""

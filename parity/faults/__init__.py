@@ -94,7 +94,7 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments", "save_narrows_live_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
-                     "load_reads_tensors_only", "load_keeps_live_hyperparameters",
+                     "load_reads_tensors_only", "load_keeps_live_hyperparameters", "load_keeps_zero_grads",
                      "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
     **dict.fromkeys(("owner_reduces_to_rank0", "load_splits_gather_input"), "resumed"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
@@ -300,6 +300,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("load_splits_gather_input", "after a load each FSDP parameter holds a new local shard while the "
            "all-gather input stays the old one (FSDPParam.reset_sharded_param not run): the resumed step is right, "
            "every later gather stale", {"checkpoint.same", "checkpoint.cross"}, _KDA2, patch=ckp.load_splits_gather_input, scopes=("lifecycle",)),
+    _fault("load_keeps_zero_grads", "DCP's fresh-optimizer initialization leaves its zero gradients on every "
+           "parameter (state_dict._init_optim_state): memory from load time on, numerically invisible",
+           {"checkpoint.loaded"}, _KDA2, patch=ckp.load_keeps_zero_grads, scopes=("lifecycle",)),
     _fault("load_regathers", "after loading a sharded state dict every FSDP unit is all-gathered and resharded: "
            "numerically invisible (set_state_dict)",
            {"checkpoint.collectives"}, _KDA2, quiet={"ranks": 1}, patch=ckp.load_regathers, scopes=("lifecycle",)),

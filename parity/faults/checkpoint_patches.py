@@ -65,6 +65,23 @@ def load_splits_gather_input():
     return swap_attr(sd, "set_state_dict", make)
 
 
+def load_keeps_zero_grads():
+    """DCP's helper that creates a fresh optimizer's state (one step of zero gradients at learning
+    rate 0) never frees the zero gradients: every parameter holds a full gradient from load time
+    on. Numerically invisible -- the next backward adds to zeros -- memory the job never asked for."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    def make(orig):
+        def init(optim):
+            optim.zero_grad = lambda set_to_none=True: None
+            try:
+                return orig(optim)
+            finally:
+                del optim.zero_grad
+        return init
+    return swap_attr(sd, "_init_optim_state", make)
+
+
 def load_regathers():
     """After loading a sharded state dict, every FSDP unit is all-gathered and resharded (a loader
     that refreshes the unsharded parameters from the loaded shards): numerically invisible --
