@@ -137,6 +137,10 @@ class Moved:
     saving layout's next step (whole)."""
     resumed: dict[str, torch.Tensor] = field(default_factory=dict)
     """Rank 0: the same after the loading layout's step."""
+    held_grads: list[str] | None = None
+    """Every loading rank: the parameters holding a gradient right after the load (as :class:`Resumed`'s)."""
+    regathered: dict[str, tuple] = field(default_factory=dict)
+    """Every loading rank: each parameter as an all-gather after the resumed step hands it over (as :class:`Resumed`'s)."""
     witness: dict[str, str] = field(default_factory=dict)
     """Every loading rank: ``loaded:KEY`` and ``resumed:KEY`` -> the digest of this rank's copy
     (:func:`parity.digests.value_sha256`), so each rank is held to rank 0's values."""

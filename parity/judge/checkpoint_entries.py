@@ -127,19 +127,19 @@ def checks(cell: Cell, observations: list[Observation], base: dict) -> list[Reco
         loaded = [(rank, r.get(target, Resumed()).loaded) for rank, r in resume]
         rows += entries(base, "checkpoint.loaded", f"{target}:entry:", written, loaded,
                         f"{saving}, loaded into {r0.taken or target}", ("written", "loaded"))
-        rows.append(_no_gradients(base, target, [(rank, r.get(target)) for rank, r in resume]))
+        rows.append(no_gradients(base, "checkpoint.loaded", target, [(rank, r.get(target)) for rank, r in resume]))
     return rows
 
 
-def _no_gradients(base: dict, target: str, per_rank: list[tuple[int, Resumed | None]]) -> Record:
-    """``checkpoint.loaded`` ``TARGET:grads``: on every rank no parameter holds a gradient right
-    after the load. DCP's helpers step a fresh optimizer once with zero gradients to create its
-    state and must free them: one left is a full gradient's memory per parameter from load time
-    on, numerically invisible (the next backward adds to zeros). A rank that reported none is no
-    witness: a FAIL naming it."""
+def no_gradients(base: dict, check: str, target: str, per_rank: list[tuple[int, object]]) -> Record:
+    """``check``'s ``TARGET:grads``: on every loading rank (``(rank, report)``, each report's
+    ``held_grads``) no parameter holds a gradient right after the load. DCP's helpers step a
+    fresh optimizer once with zero gradients to create its state and must free them: one left is
+    a full gradient's memory per parameter from load time on, numerically invisible (the next
+    backward adds to zeros). A rank that reported none is no witness: a FAIL naming it."""
     held = [f"rank {rank}: " + (f"{len(r.held_grads)} ({', '.join(r.held_grads[:4])})"
                                 if r is not None and r.held_grads is not None
                                 else "no report of the gradients after its load")
             for rank, r in per_rank if r is None or r.held_grads is None or r.held_grads]
-    return contract_row(base, "checkpoint.loaded", f"{target}:grads", not held, "no gradient held after the load",
+    return contract_row(base, check, f"{target}:grads", not held, "no gradient held after the load",
                         "; ".join(held)[:600] or f"none on {len(per_rank)} rank(s)")

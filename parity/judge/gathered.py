@@ -110,3 +110,32 @@ def _absent(cell: Cell, observations: list[Observation], steps: int, base: dict)
         return []
     return [contract_row(base, "gathered", "all-gathers", False, "every step's all-gathers read on every rank",
                          "no all-gather output read at " + ", ".join(missing[:4]), dtype="")]
+
+
+def regathered(base: dict, check: str, target: str, per_rank: list[tuple[int, object]], plan: PrecisionPlan,
+               stepped) -> list[Record]:
+    """A checkpoint's resumed step, gathered once more (``TARGET:regather:FQN`` records of
+    ``check``): on every loading rank (``(rank, report)``, each report's ``regathered``), each
+    parameter FSDP manages unquantized as an explicit all-gather handed it to compute, against the
+    parameter the resumed step left (``stepped(fqn)``, whole) cast to the dtype read -- this
+    module's rule, exact. A load that left FSDP's all-gather input apart from the parameter the
+    optimizer steps gathers right once, in the resumed step, and stale from then on."""
+    rows = []
+    for t in (t for t in plan.params if t.ownership == "managed" and t.format == "none"):
+        master, problems = stepped(t.fqn), []
+        for rank, report in per_rank:
+            read = report.regathered.get(t.fqn)
+            if read is None or not master.numel():
+                problems.append(f"rank {rank}: " + ("not read as gathered" if read is None
+                                                     else "no parameter recorded after the resumed step"))
+                continue
+            dtype, *got = read
+            got, region = tuple(got[:3]), (got[3] if len(got) > 3 else ())
+            want = value_sums(piece(master, region).to(parse_dtype(dtype)))
+            if not close(got, want):
+                problems.append(f"rank {rank}: |values| sum {got[0]:.9g}, the stepped parameter gives {want[0]:.9g} "
+                                f"in {dtype}")
+        rows.append(contract_row(base, check, f"{target}:regather:{t.fqn}", not problems,
+                                 "the next all-gather = the parameter the resumed step left, cast (FP64 sums, rel 1e-12)",
+                                 "; ".join(problems[:4]) or "as expected", dtype=dtype_name(t.compute)))
+    return rows

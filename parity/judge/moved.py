@@ -28,7 +28,8 @@ import torch
 
 from parity.execute.observation import NORM, Moved, Observation
 from parity.judge import tolerance
-from parity.judge.checkpoint_entries import entries, exact, missing
+from parity.judge.checkpoint_entries import entries, exact, missing, no_gradients
+from parity.judge.gathered import regathered
 from parity.judge.compare import Comparison, amax, moment_change
 from parity.judge.record import Record, Verdict
 from parity.judge.rows import skipped
@@ -259,4 +260,7 @@ def checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, bas
         rows += _layouts(at, target, [(r, m) for r, m in per_rank if m.part])
         rows.append(_witnesses(at, target, [(r, m) for r, m in per_rank if m.part], note))
         rows += _step(cell, at, target, plan, own.saved, own.straight, m0.resumed, note, scales)
+        loading = [(r, m) for r, m in per_rank if m.part]
+        rows.append(no_gradients(at, CHECK, target, loading))
+        rows += regathered(at, CHECK, target, loading, plan, lambda f: m0.resumed.get(f"param:{f}", torch.zeros(0)))
     return rows

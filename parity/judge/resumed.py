@@ -11,14 +11,14 @@ from dataclasses import replace
 import torch
 
 from parity.execute import dcp_files
-from parity.execute.observation import Observation, value_sums
+from parity.execute.observation import Observation
 from parity.judge import gathered, tolerance
 from parity.judge.checkpoint_entries import missing
-from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change, piece
+from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
-from parity.model.dtypes import dtype_name, parse_dtype
+from parity.model.dtypes import dtype_name
 from parity.model.plan import PrecisionPlan
 from parity.model.recipe import optimizer_recipe
 from parity.judge.rows import contract_row as _row
@@ -101,31 +101,6 @@ def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: Precisio
                  else f"held on {len(per_rank)} ranks", f"resumed on {per_rank[0].taken}")]
 
 
-def _regathered(base: dict, tag: str, target: str, per_rank: list, plan: PrecisionPlan, stepped) -> list[Record]:
-    """The gather after the resumed step, on every rank: each parameter FSDP manages (unquantized)
-    as an explicit all-gather handed it over, against the parameter the resumed step left
-    (``stepped(fqn)``, whole) cast to the dtype read -- exact, FP64 sums (:mod:`.gathered`'s rule)."""
-    rows = []
-    for t in (t for t in plan.params if t.ownership == "managed" and t.format == "none"):
-        master, problems = stepped(t.fqn), []
-        for rank, r in enumerate(per_rank):
-            read = r.regathered.get(t.fqn)
-            if read is None or not master.numel():
-                problems.append(f"rank {rank}: " + ("not read as gathered" if read is None
-                                                     else "no parameter recorded after the resumed step"))
-                continue
-            dtype, *got = read
-            got, region = tuple(got[:3]), (got[3] if len(got) > 3 else ())
-            want = value_sums(piece(master, region).to(parse_dtype(dtype)))
-            if not gathered.close(got, want):
-                problems.append(f"rank {rank}: |values| sum {got[0]:.9g}, the stepped parameter gives {want[0]:.9g} "
-                                f"in {dtype}")
-        rows.append(_row(base, f"checkpoint.{tag}", f"{target}:regather:{t.fqn}", not problems,
-                         "the next all-gather = the parameter the resumed step left, cast (FP64 sums, rel 1e-12)",
-                         "; ".join(problems[:4]) or "as expected", dtype=dtype_name(t.compute)))
-    return rows
-
-
 def _checkpointed(own) -> dict:
     """The checkpoint's entries, whole, as its files hold them (the state the resumed step starts
     from); empty where they cannot be read (``checkpoint.saved`` says so)."""
@@ -199,7 +174,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
-        rows += _regathered(base, tag, target, per_rank, plan, lambda f: full([r.params for r in per_rank], f))
+        rows += gathered.regathered(base, f"checkpoint.{tag}", target, list(enumerate(per_rank)), plan,
+                                    lambda f: full([r.params for r in per_rank], f))
         if tag == "cross" and cell.compile != "none":  # the moments' dtypes above stand; the load is judged
             rows.append(_skip(base, "checkpoint.cross", target, f"compile {cell.compile!r}: {target}'s graphs split its "
                               f"blocks at its own units, so its step is not {cell.path}'s within the allowances; the "
