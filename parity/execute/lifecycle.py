@@ -203,7 +203,9 @@ def load(s, ckpt: str, group=None) -> None:
     live optimizer's hyperparameters too, so that what ``set_state_dict`` does not set shows."""
     init_optimizer_state(s.opt)
     state = _blanked(_state(s))
-    for hyper in s.opt.param_groups:  # after _state: DCP's helpers step a fresh optimizer once with them
+    # after _state, whose helpers step a fresh optimizer once with them; never an optimizer still
+    # without state, which set_state_dict would step so again (NaN parameters)
+    for hyper in s.opt.param_groups if s.opt.state else ():
         hyper.update(_blanked({k: v for k, v in hyper.items() if k != "params"}))
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:

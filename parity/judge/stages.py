@@ -74,8 +74,8 @@ for _stage, _checks in ORDER.items():
 #: right after the first forward (lazy initialization, step 0).
 _LATER = {"@trained": "trained", "@lazy_init": "forward"}
 #: Checkpoint records by what their name or detail says they judge: a checkpoint's collectives
-#: by phase (``TARGET:save``, ``:load``, ``:step``), a moved checkpoint's entries and layouts,
-#: and a lifecycle that failed by where it failed.
+#: by phase (``TARGET:save``, ``:load``, ``:step``), a moved checkpoint's entries, layouts and
+#: gradients held after its load, and a lifecycle that failed by where it failed.
 _CHECKPOINT_PHASE = {":save": "checkpoint-save", ":load": "checkpoint-load", ":step": "resumed"}
 
 
@@ -86,7 +86,7 @@ def _checkpoint_stage(r: Record) -> str:
     if r.verdict == Verdict.ERROR:
         return "checkpoint-save" if "saving" in str(r.detail) else "checkpoint-load"
     if r.check == "checkpoint.moved":
-        return "checkpoint-load" if ":entry:" in name or ":layout:" in name else "resumed"
+        return "checkpoint-load" if ":entry:" in name or ":layout:" in name or name.endswith(":grads") else "resumed"
     return STAGE_OF[r.check]
 
 
