@@ -176,7 +176,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "rank 0, whose values are judged, is right", {"ranks"}, _KDA2, patch=p.rank1_grad_norm),
     _fault("rank1_gather_corrupt", "rank 1's all-gather hands compute blocks.1.q_proj.weight 1% off "
            "(FSDPParamGroup.wait_for_unshard); rank 0 is right",
-           {"gathered", "grad.accum", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "grad.shard"}, _KDA2,
+           {"gathered", "grad.accum", "grad", "grad_norm", "trajectory", "trajectory.emulation", "divergence", "grad.shard",
+            "checkpoint.same", "checkpoint.cross"}, _KDA2,
            quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
@@ -202,7 +203,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"grad.accum", "buffer", "grad", "grad_norm", "divergence", "grad.shard"}, _KDA2, patch=p.cast_buffers),
     _fault("wrap_module", "sharding the root leaves its head inside a wrapper (_fsdp_wrapped_module)",
            {"optim.moments", "grad.accum", "names", "identity", "dtype.storage", "dtype.compute", "dtype.reduce", "dtype.grad", "optim.state", "grad",
-            "param", "trajectory", "trajectory.emulation", "grad.shard", "state_dict"},
+            "param", "trajectory", "trajectory.emulation", "grad.shard", "state_dict", "checkpoint.same", "checkpoint.cross"},
            _KDA2, patch=p.wrap_module),
     _fault("lose_buffer_marker", "FP32 markers kept on tensors: a device move replaces buffers and drops them",
            {"marker"}, _KDA2, patch=p.lose_buffer_marker, scopes=("markers",)),

@@ -174,8 +174,10 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
-        rows += gathered.regathered(base, f"checkpoint.{tag}", target, list(enumerate(per_rank)), plan,
-                                    lambda f: full([r.params for r in per_rank], f))
+        for row in gathered.regathered(base, f"checkpoint.{tag}", target, list(enumerate(per_rank)), plan,
+                                       lambda f: full([r.params for r in per_rank], f)):
+            row.detail = f"{row.detail}; resumed on {per_rank[0].taken}"
+            rows.append(row)
         if tag == "cross" and cell.compile != "none":  # the moments' dtypes above stand; the load is judged
             rows.append(_skip(base, "checkpoint.cross", target, f"compile {cell.compile!r}: {target}'s graphs split its "
                               f"blocks at its own units, so its step is not {cell.path}'s within the allowances; the "
