@@ -300,7 +300,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            patch=ckp.load_keeps_live_hyperparameters, scopes=("lifecycle",)),
     _fault("load_splits_gather_input", "after a load each FSDP parameter holds a new local shard while the "
            "all-gather input stays the old one (FSDPParam.reset_sharded_param not run): the resumed step is right, "
-           "every later gather stale", {"checkpoint.same", "checkpoint.cross"}, _KDA2, patch=ckp.load_splits_gather_input, scopes=("lifecycle",)),
+           "every later gather stale", {"checkpoint.same", "checkpoint.cross"}, _KDA2,
+           patch=ckp.load_splits_gather_input, scopes=("lifecycle",)),
     _fault("load_keeps_zero_grads", "DCP's fresh-optimizer initialization leaves its zero gradients on every "
            "parameter (state_dict._init_optim_state): memory from load time on, numerically invisible",
            {"checkpoint.loaded"}, _KDA2, patch=ckp.load_keeps_zero_grads, scopes=("lifecycle",)),

@@ -46,9 +46,9 @@ def load_keeps_live_hyperparameters():
 def load_splits_gather_input():
     """After a load, each parameter FSDP manages holds a new local shard while FSDP's all-gather
     input stays the old one (``FSDPParam.reset_sharded_param`` does nothing, neither after the
-    load nor at the lazy init that would re-point it): the load wrote the old storage, so the resumed step gathers
-    the loaded values; the optimizer then steps the new shard, and every later all-gather hands
-    compute the stale loaded values."""
+    load nor at the lazy init that would re-point it): the load wrote the old storage, so the
+    resumed step gathers the loaded values; the optimizer then steps the new shard, and every
+    later all-gather hands compute the stale loaded values."""
     from torch.distributed.checkpoint import state_dict as sd
 
     def make(orig):

@@ -174,7 +174,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
-        for row in gathered.regathered(base, f"checkpoint.{tag}", target, list(enumerate(per_rank)), plan,
+        loading = [(o.rank, o.contracts.resume[target]) for o in observations]
+        for row in gathered.regathered(base, f"checkpoint.{tag}", target, loading, plan,
                                        lambda f: full([r.params for r in per_rank], f)):
             row.detail = f"{row.detail}; resumed on {per_rank[0].taken}"
             rows.append(row)
