@@ -166,7 +166,8 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         raise UsageError(f"parity.{command}(out=...): got {type(out).__name__} {out!r:.60}; give a directory path")
     if not isinstance(quiet, bool):
         raise UsageError(f"parity.{command}(quiet=...): got {type(quiet).__name__} {quiet!r:.60}; give True or False")
-    key, made = next((k for k in _IN_PLACE if options.get(k)), None), out is None
+    key = next((k for k in _IN_PLACE if options.get(k)), None)
+    made = not key and out is None  # a temporary results folder this call makes
     if key:
         if out and os.path.abspath(out) != os.path.abspath(options[key]):
             raise UsageError(f"{key}={options[key]!r} {_IN_PLACE[key]}; drop out={out!r}")
@@ -184,7 +185,7 @@ def _call(command: str, out: str | None, quiet: bool, options: dict) -> Result:
         with quietly(quiet), _in_keywords(command):  # the command's own refusals in the keywords' words
             code = _command(args)
     except BaseException:
-        if made and not key:  # the temporary folder this call made, if the refusal left it empty (never results)
+        if made:  # only if the refusal left it empty: never results
             with contextlib.suppress(OSError):
                 os.rmdir(out)
         raise

@@ -206,7 +206,7 @@ def load(s, ckpt: str, group=None) -> None:
     # after _state, whose helpers step a fresh optimizer once with them; never an optimizer still
     # without state, which set_state_dict would step so again (NaN parameters)
     for hyper in s.opt.param_groups if s.opt.state else ():
-        hyper.update(_blanked({k: v for k, v in hyper.items() if k != "params"}))
+        hyper.update(_blanked(hyper))  # its params kept
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:
         s.scaler.load_state_dict(state["scaler"])
@@ -258,7 +258,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
         load(s, ckpt)
     heartbeat(f"checkpoint loaded into {target}")
     loaded = pieces(s)  # uncounted: parity's reading, not the load's
-    held = [canonical_fqn(n) for n, p in s.model.named_parameters() if p.grad is not None]
+    held = held_grads(s.model)
     obs = Observation(rank=rank)
     with segments.counted():
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
@@ -266,6 +266,11 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
     optim = optimizer_state(cell, s.model, s.opt)
     return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0], optim=optim,
                    collectives=segments.calls, loaded=loaded, held_grads=held, regathered=regathered(s.model))
+
+
+def held_grads(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` holding a gradient (right after a load: none is owed)."""
+    return [canonical_fqn(n) for n, p in model.named_parameters() if p.grad is not None]
 
 
 def regathered(model: nn.Module) -> dict[str, tuple]:

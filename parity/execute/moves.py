@@ -31,7 +31,6 @@ from parity.execute.observation import NORM, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step, within
 from parity.faults import Injector
 from parity.matrix.cell import Cell
-from parity.model.plan import canonical_fqn
 
 FAILURES = lifecycle.FAILURES
 #: Subgroups of the first n ranks, made once per process (creating one is a collective).
@@ -122,7 +121,7 @@ def _load(cell: Cell, layout: Cell, target: str, mesh, group, ckpt: str, *, rank
         lifecycle.load(s, ckpt, group)
     heartbeat(f"moved checkpoint loaded into {target}")
     after, loaded = _layouts(s), lifecycle.snapshot(s)
-    held = [canonical_fqn(n) for n, p in s.model.named_parameters() if p.grad is not None]
+    held = lifecycle.held_grads(s.model)
     resumed = _step(cell, layout, s, rank=rank, device=device, heartbeat=heartbeat)
     keep = rank == 0
     witness = {f"{what}:{k}": value_sha256(v) for what, values in (("loaded", loaded), ("resumed", resumed))

@@ -51,15 +51,15 @@ def load_splits_gather_input():
     later all-gather hands compute the stale loaded values."""
     from torch.distributed.checkpoint import state_dict as sd
 
+    from parity.paths.apply import fsdp_params
+
     def make(orig):
         def set_state_dict(model, optimizers, **kwargs):
             out = orig(model, optimizers, **kwargs)
-            for module in model.modules():
-                group = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", None)
-                for fsdp_param in getattr(group, "fsdp_params", ()):
-                    sharded = fsdp_param.sharded_param
-                    sharded._local_tensor = sharded._local_tensor.clone()
-                    fsdp_param.reset_sharded_param = lambda: None
+            for _, fsdp_param in fsdp_params(model):
+                sharded = fsdp_param.sharded_param
+                sharded._local_tensor = sharded._local_tensor.clone()
+                fsdp_param.reset_sharded_param = lambda: None
             return out
         return set_state_dict
     return swap_attr(sd, "set_state_dict", make)
