@@ -3,6 +3,7 @@
 import fnmatch
 import pathlib
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -27,7 +28,9 @@ def _failing(records, name: str, cell: dict | None = None) -> set[str]:
 
 #: Faults also run on a second configuration, for a test of what only that one shows (below).
 ALSO = {"backward_gather_stale": dict(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2),
-        "owner_reduces_to_rank0": dict(fixture="ignored", path="native", ranks=2, move="grow")}
+        "owner_reduces_to_rank0": dict(fixture="ignored", path="native", ranks=2, move="grow"),
+        "load_splits_gather_input": dict(fixture="kda", path="native", ranks=2, move="shrink"),
+        "load_keeps_zero_grads": dict(fixture="kda", path="native", ranks=2, move="grow")}
 
 
 def _run_faults(names: list[str], out: str) -> list[dict]:
@@ -295,3 +298,21 @@ def test_a_moved_checkpoint_holds_every_loading_rank_to_rank_0(request):
               if r["verdict"] != "PASS"]
     assert failed == [("native:ranks", True)], failed
     assert len(rows) > 100  # every entry and the step were judged, and held
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kind", [
+    pytest.param(n, k, marks=pytest.mark.xdist_group("faults-a" if n in HALVES["a"] else "faults-b"))
+    for n, k in (("load_splits_gather_input", "regather"), ("load_keeps_zero_grads", "grads"))])
+def test_a_moved_checkpoint_is_held_to_the_same_load_rules(request, name, kind):
+    """A checkpoint moved to another layout gets the same-layout loads' ``regather`` and
+    ``grads`` records: the fault that fails them there fails them in ``checkpoint.moved`` too,
+    for every path loaded into, and nothing else of it."""
+    cell = Cell(**ALSO[name], faults=(name,))
+    ids = {cell.id, replace(cell, path="legacy").id}  # records of the other path loaded into are filed under it
+    rows = [r for r in _records_of(request, name) if r["cell"] in ids and r["check"] == "checkpoint.moved"]
+    failed = {r["name"].split(":")[0] for r in rows if r["verdict"] != "PASS" and f":{kind}" in r["name"]}
+    assert failed == {"native", "legacy"}, failed
+    others = [r["name"] for r in rows if r["verdict"] not in ("PASS", "SKIP") and f":{kind}" not in r["name"]]
+    assert not others, others[:4]
+
