@@ -196,7 +196,7 @@ def test_every_check_kind_has_a_fault():
     flagged = set().union(*(f.flags for f in FAULTS.values()))
     assert {"output", "input_grad", "grad", "grad_norm", "param", "unit.policy", "dtype.storage", "dtype.compute",
             "dtype.reduce", "dtype.accum", "dtype.boundary", "dtype.output", "names", "identity", "marker",
-            "optim.state", "optim.moments", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory",
+            "optim.state", "optim.moments", "lr", "checkpoint.same", "checkpoint.cross", "run", "buffer", "trajectory",
             "divergence",
             "dtype.tp_reduce", "ownership", "quant.gather", "quant.refresh", "quant.scale", "quant.blocks",
             "quant.values", "plan", "ranks", "clip", "eval", "eval.reshard", "state_dict", "collectives",

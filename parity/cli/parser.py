@@ -15,7 +15,8 @@ from parity.arguments import steps as _steps
 from parity.bench.run import add_bench_arguments
 from parity.errors import UsageError
 from parity.fuzz import add_fuzz_arguments
-from parity.matrix.cell import EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, WEIGHTS
+from parity.matrix.cell import (EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, PARAM_DTYPES, REDUCE_DTYPES, SCHEDULES,
+                                WEIGHTS)
 from parity.model.topology import MESHES
 
 #: Recipe knobs, as run options (:mod:`parity.execute.knobs`), with what each sets.
@@ -43,15 +44,15 @@ KNOB_HELP = {
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).
-AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "move",
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh", "weights", "clip", "eval", "move",
                 *KNOB_OPTIONS)
 #: ``run`` options that define what a run computes (``timeout`` included: it decides TIMEOUT verdicts);
 #: ``--resume`` requires them unchanged and ``merge`` the same in every part.
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
-                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights",
+                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh", "weights",
                 "clip", "eval", "move", *KNOB_OPTIONS, "shard", "timeout")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
-                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "init": None, "mesh": None, "weights": None,
+                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "schedule": None, "init": None, "mesh": None, "weights": None,
                 "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS), "fault": [], "shard": None,
                 "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None, "op_log": False}
@@ -78,6 +79,8 @@ def _run_arguments(p: argparse.ArgumentParser, matrix: str, out: str = "results/
     p.add_argument("--param-dtype", choices=PARAM_DTYPES, help="every cell's param_dtype (float16 adds a loss scale)")
     p.add_argument("--reduce-dtype", choices=REDUCE_DTYPES, help="every cell's reduce_dtype (natural: None)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="every cell's optimizer")
+    p.add_argument("--schedule", choices=SCHEDULES, help="every cell's learning-rate schedule (decay: LambdaLR, "
+                   "linear towards zero, saved and loaded with the checkpoint)")
     p.add_argument("--init", choices=INITS, help="every cell's initialization (meta: build on meta, to_empty, load)")
     p.add_argument("--mesh", choices=MESHES, help="every cell's composition (hsdp, fsdp+tp, ep need 4 ranks)")
     p.add_argument("--weights", choices=WEIGHTS, help="every cell's weight format of the quantizable layers")

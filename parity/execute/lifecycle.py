@@ -110,12 +110,20 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
 
 
 def _state(s) -> dict:
-    """What a checkpoint holds: model and optimizer state (DCP's sharded state dicts) and, in
-    float16, the gradient scaler's (the loss scale is training state too)."""
+    """What a checkpoint holds: model and optimizer state (DCP's sharded state dicts) and the
+    training state beside them (:func:`_recipe_state`)."""
     msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt)
-    state = {"model": plain_state(msd), "optim": osd}
+    return {"model": plain_state(msd), "optim": osd, **_recipe_state(s)}
+
+
+def _recipe_state(s) -> dict:
+    """The recipe's own state a checkpoint holds: in float16 the gradient scaler's (the loss
+    scale), with a schedule the learning-rate scheduler's (the step it is at)."""
+    state = {}
     if s.scaler is not None:
         state["scaler"] = s.scaler.state_dict()
+    if s.sched is not None:
+        state["scheduler"] = s.sched.state_dict()
     return state
 
 
@@ -128,10 +136,7 @@ def snapshot(s) -> dict:
     names them): a collective over ``s``'s ranks, each of which gets every entry."""
     opts = dcp_state_dict.StateDictOptions(full_state_dict=True)
     msd, osd = dcp_state_dict.get_state_dict(s.model, s.opt, options=opts)
-    state = {"model": plain_state(msd), "optim": osd}
-    if s.scaler is not None:
-        state["scaler"] = s.scaler.state_dict()
-    return dcp_files.flat(state, _value)
+    return dcp_files.flat({"model": plain_state(msd), "optim": osd, **_recipe_state(s)}, _value)
 
 
 def _piece(v):
@@ -198,7 +203,7 @@ def _blanked(value):
 
 
 def load(s, ckpt: str, group=None) -> None:
-    """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer and scaler;
+    """Load a checkpoint into ``s`` with DCP over ``group`` and set its model, optimizer, scaler and scheduler;
     every entry is blanked first (:func:`_blanked`), so what the load does not read shows -- the
     live optimizer's hyperparameters too, so that what ``set_state_dict`` does not set shows."""
     init_optimizer_state(s.opt)
@@ -210,6 +215,8 @@ def load(s, ckpt: str, group=None) -> None:
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:
         s.scaler.load_state_dict(state["scaler"])
+    if s.sched is not None:
+        s.sched.load_state_dict(state["scheduler"])
     dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
@@ -264,7 +271,7 @@ def _load_and_step(cell: Cell, target: str, ckpt: str, *, rank: int, world: int,
         train_step(cell, s, cell.resume_step, rank=rank, world=world, device=device, obs=obs, heartbeat=heartbeat,
                    segments=segments, state_dicts=True)  # the step as the loop ran it, state dicts included
     optim = optimizer_state(cell, s.model, s.opt)
-    return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0], optim=optim,
+    return Resumed(taken=s.report.taken, grads=obs.grads[0], params=obs.params[0], optim=optim, lrs=obs.lrs[0],
                    collectives=segments.calls, loaded=loaded, held_grads=held, regathered=regathered(s.model))
 
 

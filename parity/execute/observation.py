@@ -97,6 +97,9 @@ class Resumed:
     step, ``(value, region)`` (:func:`parity.execute.lifecycle.pieces`)."""
     held_grads: list[str] | None = None
     """The parameters holding a gradient right after the load (expected: none; None: not reported)."""
+    lrs: tuple[list[float], list[float]] | None = None
+    """The resumed step's learning rates (each param group's) and those set for the step after it
+    (:attr:`Observation.lrs`); None: not reported."""
     regathered: dict[str, tuple] = field(default_factory=dict)
     """Every parameter as an all-gather after the resumed step hands it to compute, as
     :attr:`ContractsSeen.gathered` records it (:func:`parity.execute.lifecycle.regathered`)."""
@@ -111,6 +114,9 @@ class Resumed:
 #: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm
 #: a clipping step clipped with (a 0-d float64 tensor).
 NORM = "norm:global"
+#: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding each param group's learning
+#: rate as the step left it for the next one (a list of floats, judged exactly).
+NEXT_LR = "lr:next"
 
 
 @dataclass(kw_only=True)
@@ -361,6 +367,9 @@ class Observation:
     """Per step, the global gradient norm before clipping."""
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
+    lrs: list[tuple[list[float], list[float]]] = field(default_factory=list)
+    """Per step, each param group's learning rate as the optimizer step took it, and as the
+    scheduler left it for the next step."""
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
     traces: dict[int, Trace] = field(default_factory=dict)
     """A traced run: per micro-batch of the traced step, per-module outputs and input gradients."""

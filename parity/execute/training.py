@@ -25,7 +25,7 @@ from parity.model.compiling import CompileLog, compiled_blocks
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import (folded_divisors, loss_scale, make_optimizer, owner_reduction, rescales_gradients,
+from parity.model.recipe import (folded_divisors, loss_scale, make_optimizer, make_scheduler, owner_reduction, rescales_gradients,
                                  state_tensors)
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
@@ -72,6 +72,8 @@ class Sharded:
     """The process group of a model trained on fewer ranks than the job's (None: every rank)."""
     compiled: CompileLog | None = None
     """The blocks compiled before sharding and the graphs they ran (None: eager)."""
+    sched: object | None = None
+    """The recipe's learning-rate scheduler (None: a constant rate)."""
 
 
 def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observation | None = None) -> Sharded:
@@ -122,10 +124,11 @@ def build(cell: Cell, path: str, *, mesh, device, inject: Injector, obs: Observa
 
         scaler = ShardedGradScaler(device=torch.device(device).type, init_scale=scale,
                                    **({"process_group": group} if group is not None else {}))
+    opt = make_optimizer(params, cell.optimizer)
     return Sharded(
-        model=model, plan=plan, report=report, ignored=ignored, opt=make_optimizer(params, cell.optimizer),
+        model=model, plan=plan, report=report, ignored=ignored, opt=opt,
         params=params, names={id(p): canonical_fqn(n) for n, p in model.named_parameters()}, scaler=scaler,
-        owners=owners, group=group, compiled=compiled,
+        owners=owners, group=group, compiled=compiled, sched=make_scheduler(opt, cell.schedule),
     )
 
 
@@ -290,6 +293,11 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             _evaluate(cell, s, fixture, step, "after-step", rank, device, obs, state_dicts=taking)
 
 
+def rates(opt: torch.optim.Optimizer) -> list[float]:
+    """Each param group's learning rate, as the next ``step()`` would take it."""
+    return [float(group["lr"]) for group in opt.param_groups]
+
+
 def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture,
                  fold: int = 1, reductions=contextlib.nullcontext) -> None:
     """After the last micro-batch: the ignored parameters' owner reduction, the average over
@@ -322,12 +330,16 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
         with collectives.unseen():  # parity's read, not the recipe's all-reduce
             obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
+    stepped_with = rates(s.opt)
     if s.scaler:
         s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
         s.scaler.update()
     else:
         s.opt.step()
     s.opt.zero_grad()
+    if s.sched is not None:  # once per optimizer step, skipped or not, as recipes step it
+        s.sched.step()
+    obs.lrs.append((stepped_with, rates(s.opt)))
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
     obs.moments.append(state_tensors(s.opt, s.names, keep))
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step

@@ -89,12 +89,13 @@ STAGE_OF_FAULT = {
     "perturb_grad": "collectives",
     **dict.fromkeys(("scale_grad_norm", "rank1_grad_norm", "scaler_skips_dtensor"), "gradients"),
     "clip_local_norm": "clipping",
-    **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16"), "optimizer"),
+    **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16", "scheduler_counts_ahead"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments", "save_narrows_live_moments"), "checkpoint-save"),
     **dict.fromkeys(("swap_optimizer_state", "step_counter_restarts", "load_regathers", "resharded_read_at_zero",
                      "load_reads_tensors_only", "load_keeps_live_hyperparameters", "load_keeps_zero_grads",
+                     "scheduler_load_ignored",
                      "tp_shards_swapped_on_load", "crash_cross_load"), "checkpoint-load"),
     **dict.fromkeys(("owner_reduces_to_rank0", "load_splits_gather_input"), "resumed"),
     **dict.fromkeys(("rank_dependent_override", "fsdp_rank_dependent_dtype", "rank_dependent_unchecked", "rank_dependent_units",
@@ -290,6 +291,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"},
            {"fixture": "frozen", "path": "native", "ranks": 2, "steps": 4},
            quiet={"steps": 2}, patch=ckp.step_counter_restarts, scopes=("lifecycle",)),
+    _fault("scheduler_load_ignored", "loading a LambdaLR state dict keeps the fresh scheduler's state (a checkpoint "
+           "that does not restore the schedule): the resumed step's rate is right, the next one restarts",
+           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "schedule": "decay"},
+           quiet={"schedule": "constant"}, patch=ckp.scheduler_load_ignored, scopes=("lifecycle",)),
+    _fault("scheduler_counts_ahead", "LambdaLR takes every step's factor one step early (get_lr)",
+           {"lr", "param", "trajectory", "trajectory.emulation"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
+           patch=rp.scheduler_counts_ahead),
     _fault("load_reads_tensors_only", "DCP's load reads tensor entries only: the optimizer's hyperparameters keep "
            "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "
            "destination is blanked first", {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,

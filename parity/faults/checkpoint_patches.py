@@ -214,3 +214,17 @@ def save_narrows_live_moments():
             return out
         return save
     return swap_attr(dcp, "save", make)
+
+
+def scheduler_load_ignored():
+    """Loading a learning-rate scheduler's state dict keeps the fresh scheduler's (a recipe whose
+    checkpoint restores the model and optimizer but not its scheduler): the optimizer's param groups
+    carry the resumed step's rate across the load, so the step itself is right, and every rate
+    after it restarts from the schedule's start."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def make(orig):
+        def load_state_dict(self, state_dict):
+            return None
+        return load_state_dict
+    return swap_attr(LambdaLR, "load_state_dict", make)

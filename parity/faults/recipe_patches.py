@@ -353,3 +353,15 @@ def backward_gather_stale():
             else:
                 first[id(fsdp_param)] = unsharded.detach().clone()
     return after_each_gather(stale)
+
+
+def scheduler_counts_ahead():
+    """``LambdaLR`` takes each step's factor one step early (``lr_lambda(last_epoch + 1)``): every
+    rate is the next step's, the first step's included."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def make(orig):
+        def get_lr(self):
+            return [base * fn(self.last_epoch + 1) for fn, base in zip(self.lr_lambdas, self.base_lrs)]
+        return get_lr
+    return swap_attr(LambdaLR, "get_lr", make)

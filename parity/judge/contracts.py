@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from parity.execute.knobs import kept_out_of_backward, post_forward_state, shard_dim
 from parity.execute.observation import Observation
-from parity.judge import checkpoint_entries, moved, recompute, resumed, unshard
+from parity.judge import checkpoint_entries, moved, recompute, resumed, schedule, unshard
 from parity.judge import compiled as compiled_graphs
 from parity.judge.record import SEVERITY, Record, Verdict
 from parity.judge.reference import ReferenceRun
@@ -429,9 +429,9 @@ def _entry_problems(masters: dict, entries: dict | None, plan: PrecisionPlan) ->
 
 def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: ReferenceRun, base: dict) -> list[Record]:
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
-    names, identities and markers), against one plan: rank 0's, which the ranks agreed on."""
+    names, identities, markers and learning rates), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base, ref) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, plan, base)
+            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, plan, base) + schedule.check(cell, obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base) + recompute.check(cell, obs, base)
             + unshard.check(cell, obs, base) + unshard.reshard_check(cell, obs, base)

@@ -8,7 +8,7 @@ the observations) it derives the records the cell owes:
   rank and micro-batch;
 - ``grad`` and ``param`` for every trainable parameter at every step it trains (and
   ``grad.clipped`` where clipping or a loss scale changes the gradient after its reduction),
-  ``grad_norm`` at every step, ``trajectory`` for every parameter trained by the last step;
+  ``grad_norm`` and ``lr`` at every step, ``trajectory`` for every parameter trained by the last step;
 - ``dtype.reduce`` for every trainable FSDP-managed parameter trained within the cell's steps,
   ``dtype.grad`` for every parameter trained within them (ignored ones too),
   ``plan`` for every parameter;
@@ -63,6 +63,7 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
                 if not token_input:
                     out.append(("input_grad", f"rank{r}/mb{mb}", step))
         out.append(("grad_norm", "global", step))
+        out.append(("lr", cell.schedule, step))
         out += [("collectives", label, step) for label in cell.segments(step)]
         out += [("state_dict", f"{api}@{point}", step) for point in cell.state_dict_points(step)
                 for api in cell.state_dict_apis(point)]

@@ -36,7 +36,7 @@ from parity.judge.rows import skipped
 from parity.matrix.cell import Cell
 from parity.model.dtypes import coarser, unit_roundoff
 from parity.model.plan import PrecisionPlan
-from parity.model.recipe import BETAS, clip_coefficient, optimizer_recipe, update_sensitivity
+from parity.model.recipe import BETAS, clip_coefficient, optimizer_recipe, scheduled_lr, update_sensitivity
 
 CHECK = "checkpoint.moved"
 
@@ -217,7 +217,8 @@ def _propagated(cell: Cell, allow: tolerance.Allowance, spread: torch.Tensor | N
     if allow.per_element is None or spread is None or not spread.numel() or not float(spread.max()):
         return allow
     try:
-        extra = update_sensitivity(cell.optimizer, state) * spread.reshape(allow.per_element.shape)
+        lr = scheduled_lr(cell.schedule, cell.resume_step)
+        extra = update_sensitivity(cell.optimizer, state, lr) * spread.reshape(allow.per_element.shape)
     except KeyError:  # no optimizer state for it (frozen): nothing moved, nothing to add
         return allow
     per_element = allow.per_element + extra

@@ -21,7 +21,8 @@ the precision plan and the unit boundaries of a path's report:
   goes to the FP32 weight unchanged (straight through), as FSDP's reduce-scatter sends it;
 - mesh compositions: data ranks, HSDP's shard-group sums then replicas (partial sums held in
   the reduce dtype under ``replicas-last``), TP layers chunk by chunk (:mod:`.emulate`);
-- one FP32 optimizer step (:func:`parity.model.recipe.make_optimizer`) per optimizer step.
+- one FP32 optimizer step (:func:`parity.model.recipe.make_optimizer`) per optimizer step, at the
+  schedule's rate for that step (:func:`parity.model.recipe.set_lr`, no scheduler object).
 
 ``mode="fp64"`` runs the same loop with every tensor in FP64 and no boundary casts: the
 "true" values, reported for information only.
@@ -43,7 +44,7 @@ from parity.model.boundaries import float_buffers, hookable_modules, params_read
 from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan, canonical_fqn
-from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,
+from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, set_lr, owner_reduction,
                                  rescales_gradients, state_tensors)
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
@@ -479,6 +480,7 @@ def run_reference(
             run.clipped_norms.append(0.0)
         run.grads.append({f: masters[f].grad.detach().cpu().clone() for f in trainable if masters[f].grad is not None})
         run.grad_scale.append(terms_scale)
+        set_lr(opt, cell.schedule, step)
         if not skip_step:
             opt.step()
         else:
@@ -528,6 +530,7 @@ def replay_optimizer(
         for f in trainable:
             g = step_grads.get(f)
             masters[f].grad = None if g is None else g.to(device=masters[f].device, dtype=masters[f].grad_dtype)
+        set_lr(opt, cell.schedule, step)
         if not (scaled and any(not bool(g.isfinite().all()) for g in step_grads.values())):
             opt.step()
         opt.zero_grad()

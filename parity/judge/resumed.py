@@ -12,7 +12,7 @@ import torch
 
 from parity.execute import dcp_files
 from parity.execute.observation import Observation
-from parity.judge import gathered, tolerance
+from parity.judge import gathered, schedule, tolerance
 from parity.judge.checkpoint_entries import missing
 from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
 from parity.judge.plan import path_taken
@@ -174,6 +174,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
+        rows.append(schedule.resumed_row(base, f"checkpoint.{tag}", target,
+                                         [(o, o.contracts.resume[target]) for o in observations], step))
         loading = [(o.rank, o.contracts.resume[target]) for o in observations]
         for row in gathered.regathered(base, f"checkpoint.{tag}", target, loading, plan,
                                        lambda f: full([r.params for r in per_rank], f)):

@@ -56,7 +56,7 @@ ORDER = {
                     "dtype.grad"),
     "gradients": ("grad", "collectives", "grad_norm", "ranks"),
     "clipping": ("clip", "grad.clipped"),
-    "optimizer": ("optim.moments", "param", "trajectory", "trajectory.emulation"),
+    "optimizer": ("lr", "optim.moments", "param", "trajectory", "trajectory.emulation"),
     "state-dict": ("state_dict",),
     "trained": ("names", "identity", "dtype.storage"),
     "checkpoint-save": ("optim.state", "checkpoint.collectives", "checkpoint.saved"),

@@ -9,6 +9,7 @@ from parity.errors import UsageError
 from parity.model.dtypes import dtype_name, parse_dtype
 from parity.model.plan import PrecisionConfig
 from parity.model.formats import FORMATS
+from parity.model.recipe import SCHEDULES as _SCHEDULES
 from parity.model.topology import Topology
 
 SYNC = ("every", "last", "replicas-last")
@@ -17,6 +18,8 @@ OUTPUT_DTYPES = ("natural", "float32", "bfloat16", "float16")
 PARAM_DTYPES = ("bfloat16", "float16")
 REDUCE_DTYPES = ("float32", "natural")
 OPTIMIZERS = ("adamw", "sgd")
+#: Learning-rate schedules (:attr:`Cell.schedule`).
+SCHEDULES = tuple(_SCHEDULES)
 #: When a cell runs an evaluation forward (``torch.no_grad()``, ``model.eval()``) on its own batch.
 EVALS = ("none", "between-steps", "between-microbatches")
 INITS = ("seeded", "meta")
@@ -61,7 +64,7 @@ RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "i
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
                "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt",
-               "compile": "cmp"}
+               "compile": "cmp", "schedule": "lr"}
 
 
 def steps_of(cell_id: str) -> int:
@@ -105,6 +108,10 @@ class Cell:
     """Gradient reduction dtype; ``natural`` = None (each gradient's own dtype, torch >= 2.15)."""
     optimizer: str = "adamw"
     """``adamw`` or ``sgd`` (with momentum): :data:`parity.model.recipe.OPTIMIZERS`."""
+    schedule: str = "constant"
+    """The learning rate over the steps (:data:`parity.model.recipe.SCHEDULES`): ``constant``, or
+    ``decay`` (``LambdaLR``, linear towards zero), whose scheduler the checkpoint saves and
+    loads; every step's rate is checked (``lr``), and after a resumed step the next one."""
     init: str = "seeded"
     """``seeded``: built with weights; ``meta``: built on the meta device, sharded, ``to_empty``,
     then loaded from a seeded full state dict (the way large models are built)."""
@@ -224,7 +231,7 @@ class Cell:
             value = getattr(self, axis)  # a reproducer's hand edit, e.g. ranks=0: an IndexError deep in a run
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"{axis} {value!r}: write an integer >= 1")
-        for axis, valid in {"move": MOVES, **KNOB_VALUES}.items():
+        for axis, valid in {"move": MOVES, "schedule": SCHEDULES, **KNOB_VALUES}.items():
             if getattr(self, axis) not in valid:
                 raise UsageError(f"{axis}: unknown value {getattr(self, axis)!r}; valid: {', '.join(valid)}")
         if self.microbatches == 1 and self.sync != "every":

@@ -22,6 +22,7 @@ A matrix file::
     param_dtype = ["bfloat16", "float16"]       # float16 trains with a loss scale
     reduce_dtype = ["float32", "natural"]       # natural: None
     optimizer = ["adamw", "sgd"]
+    schedule = ["constant", "decay"]            # the learning rate over the steps (LambdaLR)
     init = ["seeded", "meta"]
     clip = [0.0, 0.01]                          # gradient clipping's max-norm; 0.0: none
     eval = ["none", "between-steps", "between-microbatches"]   # no_grad evaluation forwards
@@ -60,7 +61,7 @@ from parity.arguments import MAX_STEPS, RANK_COUNTS, SEEDS
 from parity.errors import UsageError
 from parity.matrix.design import accumulation, fixture_designs, row_cell
 from parity.matrix.cell import (CHECKPOINTING, EVALS, INITS, KNOB_VALUES, MOVES, OPTIMIZERS, OUTPUT_DTYPES,
-                                PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, WEIGHTS, Cell)
+                                PARAM_DTYPES, RECIPE_AXES, REDUCE_DTYPES, SCHEDULES, WEIGHTS, Cell)
 from parity.model.topology import MESHES
 
 AXES = ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed", *RECIPE_AXES)
@@ -74,7 +75,7 @@ FILTER_NAMES = ("fixture", "path", "ranks", "microbatches", "sync", *AXES[4:])
 #: Axes whose values are checked against a fixed list.
 _CHOICES = {"checkpointing": CHECKPOINTING, "output_dtype": OUTPUT_DTYPES, "param_dtype": PARAM_DTYPES,
             "reduce_dtype": REDUCE_DTYPES, "optimizer": OPTIMIZERS, "init": INITS, "mesh": MESHES,
-            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, **KNOB_VALUES}
+            "weights": WEIGHTS, "eval": EVALS, "move": MOVES, "schedule": SCHEDULES, **KNOB_VALUES}
 #: What a ``-k`` / ``skip.when`` expression may contain: comparisons of axis values and literals, joined by
 #: ``and`` / ``or`` / ``not``, with ``+ - / //`` -- nothing whose cost grows with a number in it (``*``, ``**``,
 #: ``%``, shifts), no calls, attributes, subscripts or comprehensions.

@@ -1,4 +1,5 @@
-"""The training recipe both sides share: the optimizer and, for float16, the loss scale.
+"""The training recipe both sides share: the optimizer, its learning-rate schedule and, for
+float16, the loss scale.
 
 The sharded run and the reference build both from here, so the reference needs nothing
 from the worker modules. An optimizer recipe also says how one of its steps may round
@@ -50,19 +51,20 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def update_sensitivity(name: str, state: dict) -> torch.Tensor | float:
+def update_sensitivity(name: str, state: dict, lr: float = LR) -> torch.Tensor | float:
     """How far one step's update can move, per element, per unit change of the gradient it
-    took (a first-order bound, from the optimizer state right after that step): SGD with
-    momentum moves by ``lr``; AdamW by ``lr / (sqrt(v^) + eps) x ((1 - b1) / (1 - b1^t) +
-    |m^| / (sqrt(v^) + eps) x sqrt((1 - b2) / (1 - b2^t)))`` (the first moment's share, and the
-    second moment's: sqrt(v^) is Lipschitz in the gradient with that constant)."""
+    took (a first-order bound, from the optimizer state right after that step, taken with
+    learning rate ``lr``): SGD with momentum moves by ``lr``; AdamW by ``lr / (sqrt(v^) + eps) x
+    ((1 - b1) / (1 - b1^t) + |m^| / (sqrt(v^) + eps) x sqrt((1 - b2) / (1 - b2^t)))`` (the first
+    moment's share, and the second moment's: sqrt(v^) is Lipschitz in the gradient with that
+    constant)."""
     if name == "sgd":
-        return LR
+        return lr
     b1, b2 = BETAS
     t = float(state["step"])
     m = state["exp_avg"].double() / (1 - b1 ** t)
     root = (state["exp_avg_sq"].double() / (1 - b2 ** t)).sqrt() + EPS
-    return LR / root * ((1 - b1) / (1 - b1 ** t) + m.abs() / root * ((1 - b2) / (1 - b2 ** t)) ** 0.5)
+    return lr / root * ((1 - b1) / (1 - b1 ** t) + m.abs() / root * ((1 - b2) / (1 - b2 ** t)) ** 0.5)
 
 
 def _sgd(params) -> torch.optim.Optimizer:
@@ -87,6 +89,42 @@ def optimizer_recipe(name: str) -> OptimizerRecipe:
 
 def make_optimizer(params, name: str = "adamw") -> torch.optim.Optimizer:
     return OPTIMIZERS[name].make(params)
+
+
+#: Steps over which the ``decay`` schedule takes the learning rate linearly to zero; longer
+#: than any cell, so every step's rate differs from the next (a resumed schedule one step off
+#: shows) and stays within a factor 2 of ``LR`` (updates well above a BF16 weight's rounding).
+DECAY_STEPS = 8
+
+
+def _decay(step: int) -> float:
+    return 1.0 - step / DECAY_STEPS
+
+
+#: Learning-rate schedules: the factor of ``LR`` at each optimizer step (0-based), as recipes
+#: give it to ``LambdaLR``; ``constant`` runs without a scheduler.
+SCHEDULES: dict[str, Callable[[int], float] | None] = {"constant": None, "decay": _decay}
+
+
+def scheduled_lr(schedule: str, step: int) -> float:
+    """The learning rate optimizer step ``step`` takes: ``LambdaLR``'s own arithmetic
+    (``base_lr * factor(step)``), so a scheduler that follows the recipe matches it bitwise."""
+    factor = SCHEDULES[schedule]
+    return LR if factor is None else LR * factor(step)
+
+
+def make_scheduler(opt: torch.optim.Optimizer, schedule: str):
+    """The recipe's scheduler over ``opt`` (None for ``constant``), stepped once after every
+    optimizer step, and saved and loaded with the checkpoint as recipes do."""
+    factor = SCHEDULES[schedule]
+    return None if factor is None else torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def set_lr(opt: torch.optim.Optimizer, schedule: str, step: int) -> None:
+    """Set every param group's rate to step ``step``'s, as the schedule gives it (the reference's
+    way: no scheduler object, nothing shared with the run's)."""
+    for group in opt.param_groups:
+        group["lr"] = scheduled_lr(schedule, step)
 
 
 def loss_scale(param_dtype: torch.dtype) -> float:
