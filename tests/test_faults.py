@@ -30,7 +30,8 @@ def _failing(records, name: str, cell: dict | None = None) -> set[str]:
 ALSO = {"backward_gather_stale": dict(fixture="composed", path="native", ranks=4, mesh="fsdp+tp", microbatches=2),
         "owner_reduces_to_rank0": dict(fixture="ignored", path="native", ranks=2, move="grow"),
         "load_splits_gather_input": dict(fixture="kda", path="native", ranks=2, move="shrink"),
-        "load_keeps_zero_grads": dict(fixture="kda", path="native", ranks=2, move="grow")}
+        "load_keeps_zero_grads": dict(fixture="kda", path="native", ranks=2, move="grow"),
+        "scheduler_load_ignored": dict(fixture="kda", path="native", ranks=2, move="shrink", schedule="decay")}
 
 
 def _run_faults(names: list[str], out: str) -> list[dict]:
@@ -316,3 +317,21 @@ def test_a_moved_checkpoint_is_held_to_the_same_load_rules(request, name, kind):
     others = [r["name"] for r in rows if r["verdict"] not in ("PASS", "SKIP") and f":{kind}" not in r["name"]]
     assert not others, others[:4]
 
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("faults-a" if "scheduler_load_ignored" in HALVES["a"] else "faults-b")
+def test_a_moved_checkpoint_s_scheduler_is_held_to_the_straight_run(request):
+    """A scheduler the load leaves fresh, on a checkpoint moved 2 -> 1 ranks: for both paths loaded
+    into, ``checkpoint.moved`` fails exactly the scheduler's entries (as the files hold them) and the
+    rate the resumed step left for the next one; the step itself, which the optimizer's param
+    groups carried across, passes."""
+    name = "scheduler_load_ignored"
+    cell = Cell(**ALSO[name], faults=(name,))
+    ids = {cell.id, replace(cell, path="legacy").id}
+    rows = [r for r in _records_of(request, name) if r["cell"] in ids and r["check"] == "checkpoint.moved"]
+    failed = {r["name"] for r in rows if r["verdict"] not in ("PASS", "SKIP")}
+    for path in ("native", "legacy"):
+        assert f"{path}:lr:next" in failed and f"{path}:entry:scheduler/last_epoch" in failed, failed
+    assert all(n.endswith(":lr:next") or ":entry:scheduler/" in n for n in failed), failed
+    assert any(r["name"] == "native:param:" + "blocks.0.q_proj.weight" and r["verdict"] == "PASS" for r in rows)

@@ -296,7 +296,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "schedule": "decay"},
            quiet={"schedule": "constant"}, patch=ckp.scheduler_load_ignored, scopes=("lifecycle",)),
     _fault("scheduler_counts_ahead", "LambdaLR takes every step's factor one step early (get_lr)",
-           {"lr", "param", "trajectory", "trajectory.emulation"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
+           {"lr", "param"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
            patch=rp.scheduler_counts_ahead),
     _fault("load_reads_tensors_only", "DCP's load reads tensor entries only: the optimizer's hyperparameters keep "
            "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "

@@ -91,10 +91,12 @@ def make_optimizer(params, name: str = "adamw") -> torch.optim.Optimizer:
     return OPTIMIZERS[name].make(params)
 
 
-#: Steps over which the ``decay`` schedule takes the learning rate linearly to zero; longer
-#: than any cell, so every step's rate differs from the next (a resumed schedule one step off
-#: shows) and stays within a factor 2 of ``LR`` (updates well above a BF16 weight's rounding).
-DECAY_STEPS = 8
+#: Steps over which the ``decay`` schedule takes the learning rate linearly to zero: far longer
+#: than any cell (``--steps`` allows 1000; the rate stays above 3/4 of ``LR``), as a real run's
+#: decay spans the run. Every step's rate differs from the next by ``LR / DECAY_STEPS``, which the
+#: exact ``lr`` records see, while updates keep the size the allowances are judged against (a
+#: faster decay leaves BF16-stored weights' steps too small to tell from their rounding).
+DECAY_STEPS = 4096
 
 
 def _decay(step: int) -> float:
