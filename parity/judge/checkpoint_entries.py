@@ -12,7 +12,8 @@ loading is ``checkpoint.same`` / ``checkpoint.cross`` (:mod:`parity.judge.resume
 checkpoint that moves to another layout is ``checkpoint.moved`` (:mod:`parity.judge.moved`),
 whose ``entry:`` records use the same rule (:func:`entries`, with rank 0's whole copy).
 
-Entries are named ``model/FQN``, ``optim/FQN/KEY``, ``optim/param_groups/I/KEY``, ``scaler/KEY``.
+Entries are named ``model/FQN``, ``optim/FQN/KEY``, ``optim/param_groups/I/KEY``, ``scaler/KEY``,
+``scheduler/KEY``.
 """
 
 from __future__ import annotations
