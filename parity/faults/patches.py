@@ -109,6 +109,18 @@ def drop_output_dtype():
     return swap_attr(fsdp_classes()[1], "_cast_output_dtype", lambda orig: lambda self, output: output)
 
 
+def output_cast_first_only():
+    """FSDP casts only the first element of a unit's tuple output to ``output_dtype``: the rest
+    keep the compute dtype (a cast that reads ``output[0]`` where it should map the tree)."""
+    def make(orig):
+        def _cast_output_dtype(self, output):
+            if isinstance(output, tuple) and output:
+                return (orig(self, output[0]), *output[1:])
+            return orig(self, output)
+        return _cast_output_dtype
+    return swap_attr(fsdp_classes()[1], "_cast_output_dtype", make)
+
+
 class ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

@@ -168,10 +168,13 @@ def boundary_checks(cell: Cell, obs: Observation, ref: ReferenceRun, plan: Preci
     expected = cell.axes()["output_dtype"]
     expected = natural if expected == "natural" else expected
     outputs = [*obs.outputs, *(e.output for e in obs.evals)]
-    got = ",".join(sorted({dtype_name(o.dtype) for o in outputs})) or "<no output>"
+    # a requested dtype holds for every floating tensor the root returns, not only the one the loss reads
+    root = [] if cell.output_dtype == "natural" else [
+        *seen.get("", {}).get("out", []), *(d for v in variants.get("", {}).get("out", []) for d in v)]
+    got = ",".join(sorted({dtype_name(o.dtype) for o in outputs} | set(root))) or "<no output>"
     rows.append(_row(base, "dtype.output", "<root>", got == expected, expected, got,
-                     f"requested {cell.output_dtype}, every forward of this rank (evaluation forwards included); "
-                     "parameter and reduction dtypes are checked per parameter"))
+                     f"requested {cell.output_dtype}, every forward of this rank (evaluation forwards included), "
+                     "every floating tensor of the output; parameter and reduction dtypes are checked per parameter"))
     return rows
 
 
