@@ -332,6 +332,6 @@ def test_a_moved_checkpoint_s_scheduler_is_held_to_the_straight_run(request):
     rows = [r for r in _records_of(request, name) if r["cell"] in ids and r["check"] == "checkpoint.moved"]
     failed = {r["name"] for r in rows if r["verdict"] not in ("PASS", "SKIP")}
     for path in ("native", "legacy"):
-        assert f"{path}:lr:next" in failed and f"{path}:entry:scheduler/last_epoch" in failed, failed
-    assert all(n.endswith(":lr:next") or ":entry:scheduler/" in n for n in failed), failed
+        assert f"{path}:lr:rates" in failed and f"{path}:entry:scheduler/last_epoch" in failed, failed
+    assert all(n.endswith(":lr:rates") or ":entry:scheduler/" in n for n in failed), failed
     assert any(r["name"] == "native:param:" + "blocks.0.q_proj.weight" and r["verdict"] == "PASS" for r in rows)

@@ -57,8 +57,8 @@ def test_a_scheduled_checkpoint_resumes_the_schedule_on_both_paths_and_another_l
     assert len(trained) == 2 and len(lr) == 4 * len(trained) and set(lr["verdict"]) == {"PASS"}
     resumed = rows[rows["check"].isin(["checkpoint.same", "checkpoint.cross"]) & rows["name"].str.endswith(":lr")]
     assert set(resumed["name"]) == {"legacy:lr", "native:lr"} and set(resumed["verdict"]) == {"PASS"}
-    moved = rows[(rows["check"] == "checkpoint.moved") & rows["name"].str.endswith(":lr:next")]
-    assert set(moved["name"]) == {"legacy:lr:next", "native:lr:next"} and set(moved["verdict"]) == {"PASS"}
+    moved = rows[(rows["check"] == "checkpoint.moved") & rows["name"].str.endswith(":lr:rates")]
+    assert set(moved["name"]) == {"legacy:lr:rates", "native:lr:rates"} and set(moved["verdict"]) == {"PASS"}
     entries = rows[rows["check"].isin(["checkpoint.saved", "checkpoint.loaded"])
                    & rows["name"].str.contains("scheduler/last_epoch")]
     assert len(entries) >= 3 and set(entries["verdict"]) == {"PASS"}

@@ -215,9 +215,9 @@ def load(s, ckpt: str, group=None) -> None:
     dcp.load(state, checkpoint_id=ckpt, process_group=group)
     if s.scaler is not None:
         s.scaler.load_state_dict(state["scaler"])
-    if s.sched is not None:
-        s.sched.load_state_dict(state["scheduler"])
     dcp_state_dict.set_state_dict(s.model, s.opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if s.sched is not None:  # after the optimizer, as recipes restore it: what it sets in the groups stands
+        s.sched.load_state_dict(state["scheduler"])
 
 
 def _save(cell: Cell, ckpt: str, *, rank: int, world: int, mesh, device, inject: Injector, heartbeat,

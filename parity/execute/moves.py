@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from parity.digests import value_sha256
 from parity.errors import IsolationError
 from parity.execute import collectives, dcp_files, lifecycle, parallel, state_dicts
-from parity.execute.observation import NEXT_LR, NORM, Moved, Observation
+from parity.execute.observation import NORM, RATES, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step, within
 from parity.faults import Injector
 from parity.matrix.cell import Cell
@@ -86,15 +86,16 @@ def _layouts(s: Sharded) -> dict[str, str]:
 
 def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat) -> dict:
     """Train :attr:`Cell.resume_step` on ``layout``; its gradients, parameters and optimizer
-    state, whole (collectives over the layout's ranks), the learning rates set for the step
-    after it (:data:`NEXT_LR`), and with clipping the global norm it clipped with (:data:`NORM`)."""
+    state, whole (collectives over the layout's ranks), its learning rates as it took them and as
+    it left them for the next step (:data:`RATES`), and with clipping the global norm it clipped
+    with (:data:`NORM`)."""
     obs = Observation(rank=rank)
     train_step(layout, s, cell.resume_step, rank=rank, world=layout.ranks, device=device, obs=obs,
                heartbeat=heartbeat, data=_data(cell, layout), keep=parallel.full, fold=_fold(cell, layout))
     state = {k: v for k, v in lifecycle.snapshot(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
     norm = {NORM: torch.tensor(obs.grad_norms[0], dtype=torch.float64)} if layout.clip else {}
     return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
-            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm, NEXT_LR: obs.lrs[0][1]}
+            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm, RATES: [list(r) for r in obs.lrs[0]]}
 
 
 def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,

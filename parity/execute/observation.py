@@ -114,9 +114,9 @@ class Resumed:
 #: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the global gradient norm
 #: a clipping step clipped with (a 0-d float64 tensor).
 NORM = "norm:global"
-#: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding each param group's learning
-#: rate as the step left it for the next one (a list of floats, judged exactly).
-NEXT_LR = "lr:next"
+#: The key of :attr:`Moved.straight` / :attr:`Moved.resumed` holding the step's learning rates,
+#: ``[stepped with, next]`` (each a list, one rate per param group; judged exactly, owed always).
+RATES = "lr:rates"
 
 
 @dataclass(kw_only=True)
@@ -368,8 +368,8 @@ class Observation:
     clipped_norms: list[float] = field(default_factory=list)
     """Per step of a clipping cell, the global gradient norm after clipping."""
     lrs: list[tuple[list[float], list[float]]] = field(default_factory=list)
-    """Per step, each param group's learning rate as the optimizer step took it, and as the
-    scheduler left it for the next step."""
+    """Per step, each param group's learning rate as the optimizer step took it (read at its own
+    pre-step hook, which runs after any global one), and as the scheduler left it for the next step."""
     contracts: ContractsSeen = field(default_factory=ContractsSeen)
     traces: dict[int, Trace] = field(default_factory=dict)
     """A traced run: per micro-batch of the traced step, per-module outputs and input gradients."""

@@ -330,16 +330,20 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
         with collectives.unseen():  # parity's read, not the recipe's all-reduce
             obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
-    stepped_with = rates(s.opt)
-    if s.scaler:
-        s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
-        s.scaler.update()
-    else:
-        s.opt.step()
+    took = [rates(s.opt)]  # a skipped step takes none: the rates it would have taken
+    hook = s.opt.register_step_pre_hook(lambda opt, args, kwargs: took.append(rates(opt)))  # after global hooks
+    try:
+        if s.scaler:
+            s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
+            s.scaler.update()
+        else:
+            s.opt.step()
+    finally:
+        hook.remove()
     s.opt.zero_grad()
-    if s.sched is not None:  # once per optimizer step, skipped or not, as recipes step it
+    if s.sched is not None:  # once per optimizer step; this recipe moves it on after a skipped step too
         s.sched.step()
-    obs.lrs.append((stepped_with, rates(s.opt)))
+    obs.lrs.append((took[-1], rates(s.opt)))
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
     obs.moments.append(state_tensors(s.opt, s.names, keep))
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step

@@ -89,7 +89,8 @@ STAGE_OF_FAULT = {
     "perturb_grad": "collectives",
     **dict.fromkeys(("scale_grad_norm", "rank1_grad_norm", "scaler_skips_dtensor"), "gradients"),
     "clip_local_norm": "clipping",
-    **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16", "scheduler_counts_ahead"), "optimizer"),
+    **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16", "scheduler_counts_ahead",
+                     "scheduler_steps_before_optimizer"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
     **dict.fromkeys(("misfile_optimizer_state", "save_rounds_moments", "save_narrows_live_moments"), "checkpoint-save"),
@@ -302,6 +303,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("scheduler_counts_ahead", "LambdaLR takes every step's factor one step early (get_lr)",
            {"lr", "param"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
            patch=rp.scheduler_counts_ahead),
+    _fault("scheduler_steps_before_optimizer", "the recipe steps its scheduler in a hook right before each "
+           "optimizer step, not after it: each step takes the next step's rate (Optimizer.register_step_pre_hook)",
+           {"lr", "param"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
+           patch=rp.scheduler_steps_before_optimizer),
     _fault("load_reads_tensors_only", "DCP's load reads tensor entries only: the optimizer's hyperparameters keep "
            "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "
            "destination is blanked first", {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _KDA2,

@@ -365,3 +365,35 @@ def scheduler_counts_ahead():
             return [base * fn(self.last_epoch + 1) for fn, base in zip(self.lr_lambdas, self.base_lrs)]
         return get_lr
     return swap_attr(LambdaLR, "get_lr", make)
+
+
+def scheduler_steps_before_optimizer():
+    """The recipe moves its scheduler on right before each optimizer step (a hook on the
+    optimizer) instead of after it: every step takes the next step's rate, while the rate the
+    scheduler leaves after the step is the one it should leave."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    real, inside = LambdaLR.step, []
+
+    def run(sched):
+        inside.append(True)
+        try:
+            return real(sched)
+        finally:
+            inside.pop()
+
+    def step(self, *args, **kwargs):  # the recipe's call after the optimizer step does nothing
+        return real(self, *args, **kwargs) if inside else None
+
+    def make(orig):
+        def __init__(self, optimizer, *args, **kwargs):
+            inside.append(True)  # the scheduler's own first step sets the starting rate
+            try:
+                orig(self, optimizer, *args, **kwargs)
+            finally:
+                inside.pop()
+            optimizer.register_step_pre_hook(lambda opt, a, k: run(self))
+        return __init__
+    undo_init = swap_attr(LambdaLR, "__init__", make)
+    undo_step = swap_attr(LambdaLR, "step", lambda orig: step)
+    return lambda: (undo_step(), undo_init())

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from parity.execute.observation import NORM, Moved, Observation
+from parity.execute.observation import NORM, RATES, Moved, Observation
 from parity.judge import tolerance
 from parity.judge.checkpoint_entries import entries, exact, missing, no_gradients
 from parity.judge.gathered import regathered
@@ -85,7 +85,7 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
 
     def scale(fqn: str, grad: torch.Tensor) -> float:  # the unclipped gradient's summation scale
         return scales.get(fqn, amax(grad) / coefs[0])
-    for key in dict.fromkeys([*straight, *resumed]):
+    for key in dict.fromkeys([*straight, *resumed, RATES]):  # the rates owed whatever either side reported
         name = f"{target}:{key}"
         if key == NORM:
             continue

@@ -4,10 +4,13 @@ A scheduler is training state beside the model and the optimizer: a recipe steps
 optimizer step and saves and loads it with the checkpoint. Its rates are Python floats that
 ``LambdaLR`` forms as ``base_lr * factor(step)``; the schedule's own formula
 (:func:`parity.model.recipe.scheduled_lr`) forms the same product, so each is judged exactly. Each
-rank witnesses two rates per step: the one its optimizer stepped with and the one the scheduler
-left for the next step -- after a resumed step that second one is the only trace of a scheduler
-the checkpoint did not restore (the optimizer's param groups carry the first across the load).
-A resumed run's rates are held to the uninterrupted run's same step (:func:`resumed_row`).
+rank witnesses two rates per step: the one its optimizer stepped with (read at the optimizer's own
+pre-step hook, after any global hook that moves it) and the one the scheduler left for the next
+step -- after a resumed step that second one is the only trace of a scheduler the checkpoint did
+not restore (the optimizer's param groups carry the first across the load). A resumed run's rates
+are held to the uninterrupted run's same step (:func:`resumed_row`), a moved checkpoint's to the
+straight run's (``TARGET:lr:rates`` in :mod:`parity.judge.moved`). Each load that finished owes
+its row whatever it reported: a run that reported no rates is a FAIL naming it.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def resumed_row(base: dict, check: str, target: str, per_rank: list[tuple[Observ
             problems.append(f"rank {o.rank}: the uninterrupted run reported no rates for step {step}")
         elif got is None or tuple(map(list, got)) != tuple(map(list, want)):
             problems.append(f"rank {o.rank}: {got!r} after the resume, {tuple(want)!r} uninterrupted")
+    if not per_rank:
+        problems.append("no rank reported the resumed run")
     return contract_row(base, check, f"{target}:lr", not problems,
                         "the uninterrupted run's rates (stepped with, next) on every rank",
                         "; ".join(problems[:3]) or f"{per_rank[0][0].lrs[step]!r} on {len(per_rank)} rank(s)")
