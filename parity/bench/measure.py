@@ -105,6 +105,7 @@ def measure_rank(task: BenchTask, *, rank: int, world: int, mesh, device, heartb
     def step(k: int) -> None:
         train_step(cell, s, k, rank=rank, world=world, device=device, obs=obs)
         obs.outputs.clear(), obs.input_grads.clear(), obs.grads.clear(), obs.reduced.clear(), obs.params.clear()
+        obs.lrs.clear()
 
     for k in range(task.warmup):
         step(k)

@@ -44,17 +44,17 @@ KNOB_HELP = {
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).
-AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh", "weights", "clip", "eval", "move",
-                *KNOB_OPTIONS)
+AXIS_OPTIONS = ("seed", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh", "weights", "clip",
+                "eval", "move", *KNOB_OPTIONS)
 #: ``run`` options that define what a run computes (``timeout`` included: it decides TIMEOUT verdicts);
 #: ``--resume`` requires them unchanged and ``merge`` the same in every part.
 RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", "model", "baseline", "device",
-                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh", "weights",
-                "clip", "eval", "move", *KNOB_OPTIONS, "shard", "timeout")
+                "fp64", "require_native", "param_dtype", "reduce_dtype", "optimizer", "schedule", "init", "mesh",
+                "weights", "clip", "eval", "move", *KNOB_OPTIONS, "shard", "timeout")
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
-                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "schedule": None, "init": None, "mesh": None, "weights": None,
-                "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS), "fault": [], "shard": None,
-                "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
+                "param_dtype": None, "reduce_dtype": None, "optimizer": None, "schedule": None, "init": None,
+                "mesh": None, "weights": None, "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS),
+                "fault": [], "shard": None, "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
                 "timeout": 60.0, "out": "results/latest", "junit": None, "op_log": False}
 
 

@@ -95,7 +95,8 @@ def _step(cell: Cell, layout: Cell, s: Sharded, *, rank: int, device, heartbeat)
     state = {k: v for k, v in lifecycle.snapshot(s).items() if k.startswith("optim/") and not k.startswith("optim/param_groups")}
     norm = {NORM: torch.tensor(obs.grad_norms[0], dtype=torch.float64)} if layout.clip else {}
     return {**{f"grad:{f}": g for f, g in obs.grads[0].items()},
-            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm, RATES: [list(r) for r in obs.lrs[0]]}
+            **{f"param:{f}": p for f, p in obs.params[0].items()}, **state, **norm,
+            RATES: [list(r) for r in obs.lrs[0]]}
 
 
 def _save(cell: Cell, layout: Cell, mesh, group, ckpt: str, *, rank: int, device, inject: Injector,

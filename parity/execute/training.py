@@ -25,8 +25,8 @@ from parity.model.compiling import CompileLog, compiled_blocks
 from parity.model.formats import layout
 from parity.model.plan import PrecisionPlan, canonical_fqn
 from parity.model.quantized import main_weight, quantize_weights, take_stats
-from parity.model.recipe import (folded_divisors, loss_scale, make_optimizer, make_scheduler, owner_reduction, rescales_gradients,
-                                 state_tensors)
+from parity.model.recipe import (folded_divisors, loss_scale, make_optimizer, make_scheduler, owner_reduction,
+                                 rescales_gradients, state_tensors)
 from parity.model.registry import get_fixture
 from parity.paths import ShardReport, apply_sharding, plan_sharding
 from parity.paths.reads import check_fixture_reads
@@ -298,12 +298,31 @@ def rates(opt: torch.optim.Optimizer) -> list[float]:
     return [float(group["lr"]) for group in opt.param_groups]
 
 
+def _optimizer_step(s: Sharded) -> list[float]:
+    """The optimizer step (through the gradient scaler in float16, which skips a step whose
+    gradients overflowed, as the reference does); returns the rates it took, read at the
+    optimizer's own pre-step hook, which runs after any global one (a skipped step: the rates
+    it would have taken)."""
+    took = [rates(s.opt)]
+    hook = s.opt.register_step_pre_hook(lambda opt, args, kwargs: took.append(rates(opt)))
+    try:
+        if s.scaler:
+            s.scaler.step(s.opt)
+            s.scaler.update()
+        else:
+            s.opt.step()
+    finally:
+        hook.remove()
+    return took[-1]
+
+
 def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observation, keep, fixture,
                  fold: int = 1, reductions=contextlib.nullcontext) -> None:
     """After the last micro-batch: the ignored parameters' owner reduction, the average over
     folded data ranks (``fold``, :func:`train_step`), (unscaling,) the
-    gradient norm (and clipping), the optimizer step; records gradients (as reduced, when
-    unscaling or clipping changes them after, and as stepped with) and parameters."""
+    gradient norm (and clipping), the optimizer step and the scheduler's; records gradients (as
+    reduced, when unscaling or clipping changes them after, and as stepped with), parameters and
+    the step's learning rates (:attr:`~parity.execute.observation.Observation.lrs`)."""
     # the emulated owner of ignored parameters reduces their gradients, in the model's order:
     # a set's order follows object addresses, which differ across ranks (same-shape
     # parameters would be summed with each other's gradients, found by the fuzz campaign)
@@ -330,20 +349,11 @@ def _finish_step(cell: Cell, s: Sharded, step: int, *, world: int, obs: Observat
         with collectives.unseen():  # parity's read, not the recipe's all-reduce
             obs.clipped_norms.append(parallel.global_grad_norm(s.params))
     obs.grads.append({s.names[id(p)]: keep(p.grad) for p in s.params if p.grad is not None})
-    took = [rates(s.opt)]  # a skipped step takes none: the rates it would have taken
-    hook = s.opt.register_step_pre_hook(lambda opt, args, kwargs: took.append(rates(opt)))  # after global hooks
-    try:
-        if s.scaler:
-            s.scaler.step(s.opt)  # skips the step when a gradient overflowed, as the reference does
-            s.scaler.update()
-        else:
-            s.opt.step()
-    finally:
-        hook.remove()
+    took = _optimizer_step(s)
     s.opt.zero_grad()
     if s.sched is not None:  # once per optimizer step; this recipe moves it on after a skipped step too
         s.sched.step()
-    obs.lrs.append((took[-1], rates(s.opt)))
+    obs.lrs.append((took, rates(s.opt)))
     obs.params.append({s.names[id(p)]: keep(p) for p in s.params})
     obs.moments.append(state_tensors(s.opt, s.names, keep))
     if cell.weights != "none":  # what each quantized weight's all-gathers did this step

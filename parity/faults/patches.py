@@ -395,7 +395,9 @@ def perturb_output(value, rank: int, world: int, model: nn.Module, **_):
     def hook(module, args, out):
         if rank == 0 and not calls:
             calls.append(1)
-            return out + 1e-2 * out.detach().abs().max()
+            first = out if isinstance(out, torch.Tensor) else out[0]  # a tuple's logits
+            moved = first + 1e-2 * first.detach().abs().max()
+            return moved if isinstance(out, torch.Tensor) else (moved, *out[1:])
         calls.append(1)
     model.register_forward_hook(hook)
     return value

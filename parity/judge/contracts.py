@@ -434,7 +434,8 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
     """The contracts each rank witnesses on its own (its dtypes, boundaries, unit policies,
     names, identities, markers and learning rates), against one plan: rank 0's, which the ranks agreed on."""
     return (dtype_checks(cell, obs, plan, base, ref) + boundary_checks(cell, obs, ref, plan, base)
-            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, plan, base) + schedule.check(cell, obs, base)
+            + unit_policy_checks(obs, plan, base, cell) + identity_checks(obs, plan, base)
+            + schedule.check(cell, obs, base)
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base) + recompute.check(cell, obs, base)
             + unshard.check(cell, obs, base) + unshard.reshard_check(cell, obs, base)

@@ -94,6 +94,9 @@ def _step(cell: Cell, base: dict, target: str, plan: PrecisionPlan, saved: dict,
             rows.append(missing(base, CHECK, name, f"{key} after {where} ({note})"))
             continue
         want, got = straight[key], resumed[key]
+        if key == RATES:  # the step's learning rates: exact
+            rows.append(exact(base, CHECK, name, want, got, note, ("straight", "resumed")))
+            continue
         if key.startswith("optim/"):  # optim/FQN/state key (:func:`parity.execute.moves._flat`)
             fqn, _, state_key = key[len("optim/"):].rpartition("/")
             t = plan.get(fqn)

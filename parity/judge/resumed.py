@@ -174,8 +174,10 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
-        rows.append(schedule.resumed_row(base, f"checkpoint.{tag}", target,
-                                         [(o, o.contracts.resume[target]) for o in observations], step))
+        rates = schedule.resumed_row(base, f"checkpoint.{tag}", target,
+                                     [(o, o.contracts.resume[target]) for o in observations], step)
+        rates.detail = f"{rates.detail}; resumed on {per_rank[0].taken}"  # as every record of the step
+        rows.append(rates)
         loading = [(o.rank, o.contracts.resume[target]) for o in observations]
         for row in gathered.regathered(base, f"checkpoint.{tag}", target, loading, plan,
                                        lambda f: full([r.params for r in per_rank], f)):

@@ -52,7 +52,8 @@ def check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
     return rows
 
 
-def resumed_row(base: dict, check: str, target: str, per_rank: list[tuple[Observation, object]], step: int) -> Record:
+def resumed_row(base: dict, check_name: str, target: str, per_rank: list[tuple[Observation, object]],
+                step: int) -> Record:
     """``TARGET:lr`` of a resumed run: on every rank, the resumed step's rates (stepped with, next)
     bitwise those of the uninterrupted run's same step on that rank."""
     problems = []
@@ -65,6 +66,6 @@ def resumed_row(base: dict, check: str, target: str, per_rank: list[tuple[Observ
             problems.append(f"rank {o.rank}: {got!r} after the resume, {tuple(want)!r} uninterrupted")
     if not per_rank:
         problems.append("no rank reported the resumed run")
-    return contract_row(base, check, f"{target}:lr", not problems,
+    return contract_row(base, check_name, f"{target}:lr", not problems,
                         "the uninterrupted run's rates (stepped with, next) on every rank",
                         "; ".join(problems[:3]) or f"{per_rank[0][0].lrs[step]!r} on {len(per_rank)} rank(s)")

@@ -6,6 +6,8 @@ same way; this module depends on nothing distributed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -21,6 +23,8 @@ def _float_dtypes(obj) -> list[str]:
         return [d for o in obj for d in _float_dtypes(o)]
     if isinstance(obj, dict):
         return [d for o in obj.values() for d in _float_dtypes(o)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # FSDP's casts walk their fields too
+        return [d for f in dataclasses.fields(obj) for d in _float_dtypes(getattr(obj, f.name))]
     return []
 
 

@@ -51,7 +51,7 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def update_sensitivity(name: str, state: dict, lr: float = LR) -> torch.Tensor | float:
+def update_sensitivity(name: str, state: dict, lr: float) -> torch.Tensor | float:
     """How far one step's update can move, per element, per unit change of the gradient it
     took (a first-order bound, from the optimizer state right after that step, taken with
     learning rate ``lr``): SGD with momentum moves by ``lr``; AdamW by ``lr / (sqrt(v^) + eps) x
