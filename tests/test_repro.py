@@ -1,5 +1,6 @@
 """Issue 22.3: a reproducer for a failing cell, run in a fresh process, finds what the run found."""
 
+import os
 import subprocess
 import sys
 
@@ -31,14 +32,20 @@ def _located(path, check: str = "divergence") -> str:
 
 
 @pytest.mark.slow
+def _run(script, tmp_path, *args) -> subprocess.CompletedProcess:
+    """Run a reproducer as a user would, its results folder (a new temporary one, which it keeps
+    for the user to read) under this test's ``tmp_path``."""
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
 def test_a_reproducer_re_runs_the_cell_and_finds_the_same_first_divergence(failing_run, tmp_path):
     script = tmp_path / "repro.py"
     assert main(["repro", CELL.id, "--from", str(failing_run), "--out", str(script)]) == 0
     text = script.read_text()
     assert "faults=('perturb_output',)" in text and _located(failing_run)[:80] in text
     ops = tmp_path / "ops.json"
-    done = subprocess.run([sys.executable, str(script), "--op-log", str(ops)], capture_output=True, text=True,
-                          timeout=300)
+    done = _run(script, tmp_path, "--op-log", str(ops))
     assert done.returncode == 1, done.stderr[-2000:]
     assert f"first divergence: {_located(failing_run)}" in done.stdout
     stage = _located(failing_run, "stage").removeprefix("first divergent stage: ")
@@ -100,7 +107,7 @@ def test_a_pair_id_re_runs_both_cells_and_their_cross_path_comparison(tmp_path, 
     text = script.read_text()
     assert f"the pair {pair}" in text and "nothing failed there" not in text
     assert "CELLS = [" in text and text.count("Cell(fixture='kda'") == 2 and "rerun(CELLS, sys.argv[1:])" in text
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    done = _run(script, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "cross-path pairs: PASS 1," in done.stdout and "UNPAIRED 0" in done.stdout, done.stdout[-2000:]
 
@@ -232,15 +239,12 @@ def test_a_hand_edited_reproducer_asking_for_what_no_run_can_do_is_one_line_exit
 
 def test_a_reproducer_script_edited_to_a_cell_no_run_can_take_exits_2_in_one_line(tmp_path):
     """The script builds its cell at import: the edit fails there, before ``rerun`` could say it."""
-    import subprocess
-    import sys
-
     from parity.matrix.cell import Cell
     from parity.report.repro import render
 
     script = tmp_path / "repro.py"
     script.write_text(render(Cell(fixture="kda", path="native"), [], "here").replace("ranks=1,", "ranks=0,"))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    proc = _run(script, tmp_path)
     assert proc.returncode == 2 and proc.stderr == "parity: reproducer: ranks 0: write an integer >= 1\n", proc.stderr
 
 
