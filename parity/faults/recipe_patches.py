@@ -91,24 +91,34 @@ def unused_drops_accumulated():
     without synchronization (FSDPParamGroup._get_unsharded_grad_to_reduce)."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+    def forward(orig):
+        def pre_forward(self, *args, **kwargs):
+            self._parity_seen = None  # the next backward's first pre-backward records
+            return orig(self, *args, **kwargs)
+        return pre_forward
+
     def pre(orig):
         def pre_backward(self, *args, **kwargs):
-            self._parity_seen = {
-                id(fp): (id(g), g._version) for fp in self.fsdp_params
-                if hasattr(fp, "_unsharded_param") and (g := fp.unsharded_param.grad) is not None
-            }
+            # once per backward: a unit whose output holds two tensors that need gradients (a
+            # model returning its hidden states beside its logits) gets its pre-backward again
+            # midway, after some of its gradients were written
+            if getattr(self, "_parity_seen", None) is None:
+                self._parity_seen = {
+                    id(fp): (id(g), g._version) for fp in self.fsdp_params
+                    if hasattr(fp, "_unsharded_param") and (g := fp.unsharded_param.grad) is not None
+                }
             return orig(self, *args, **kwargs)
         return pre_backward
 
     def get(orig):
         def _get_unsharded_grad_to_reduce(self, param):
             g = param.unsharded_param.grad if hasattr(param, "_unsharded_param") else None
-            seen = getattr(self, "_parity_seen", {}).get(id(param))
+            seen = (getattr(self, "_parity_seen", None) or {}).get(id(param))
             if g is not None and seen == (id(g), g._version) and self.reduce_scatter_unused_params:
                 return param.unsharded_zero_grad_data  # untouched this backward: treated as unused
             return orig(self, param)
         return _get_unsharded_grad_to_reduce
-    undo = [swap_attr(FSDPParamGroup, "pre_backward", pre),
+    undo = [swap_attr(FSDPParamGroup, "pre_forward", forward), swap_attr(FSDPParamGroup, "pre_backward", pre),
             swap_attr(FSDPParamGroup, "_get_unsharded_grad_to_reduce", get)]
     return lambda: [u() for u in reversed(undo)]
 
