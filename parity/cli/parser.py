@@ -54,8 +54,8 @@ RUN_IDENTITY = ("matrix", "paths", "ranks", "filter", "seed", "steps", "fault", 
 RUN_DEFAULTS = {"matrix": "smoke", "paths": None, "ranks": None, "filter": None, "seed": None, "steps": None,
                 "param_dtype": None, "reduce_dtype": None, "optimizer": None, "schedule": None, "init": None,
                 "mesh": None, "weights": None, "clip": None, "eval": None, "move": None, **dict.fromkeys(KNOB_OPTIONS),
-                "fault": [], "shard": None, "model": [], "baseline": "legacy", "device": "auto", "fp64": False, "require_native": False,
-                "timeout": 60.0, "out": "results/latest", "junit": None, "op_log": False}
+                "fault": [], "shard": None, "model": [], "baseline": "legacy", "device": "auto", "fp64": False,
+                "require_native": False, "timeout": 60.0, "out": "results/latest", "junit": None, "op_log": False}
 
 
 class _Parser(argparse.ArgumentParser):

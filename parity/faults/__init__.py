@@ -146,6 +146,7 @@ _MAIN = ("main",)  # only the cell's own training (its first forward, its traine
 _ACCUM = {"microbatches": 3, "sync": "last"}
 _COMPOSED = {"fixture": "composed", "path": "native", "ranks": 4}
 _FP8 = {"fixture": "fp8", "path": "native", "ranks": 2}
+_SCHEDULED = {**_KDA2, "schedule": "decay"}  # quiet under "constant": no scheduler to break
 _GRAD_DTYPE = {"fixture": "bf16_grads", "path": "native", "ranks": 2, "optimizer": "sgd", **_ACCUM}
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -300,14 +301,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"steps": 2}, patch=ckp.step_counter_restarts, scopes=("lifecycle",)),
     _fault("scheduler_load_ignored", "loading a LambdaLR state dict keeps the fresh scheduler's state (a checkpoint "
            "that does not restore the schedule): the resumed step's rate is right, the next one restarts",
-           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, {**_KDA2, "schedule": "decay"},
+           {"checkpoint.loaded", "checkpoint.same", "checkpoint.cross"}, _SCHEDULED,
            quiet={"schedule": "constant"}, patch=ckp.scheduler_load_ignored, scopes=("lifecycle",)),
     _fault("scheduler_counts_ahead", "LambdaLR takes every step's factor one step early (get_lr)",
-           {"lr", "param"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
+           {"lr", "param"}, _SCHEDULED, quiet={"schedule": "constant"},
            patch=rp.scheduler_counts_ahead),
     _fault("scheduler_steps_before_optimizer", "the recipe steps its scheduler in a hook right before each "
            "optimizer step, not after it: each step takes the next step's rate (Optimizer.register_step_pre_hook)",
-           {"lr", "param"}, {**_KDA2, "schedule": "decay"}, quiet={"schedule": "constant"},
+           {"lr", "param"}, _SCHEDULED, quiet={"schedule": "constant"},
            patch=rp.scheduler_steps_before_optimizer),
     _fault("load_reads_tensors_only", "DCP's load reads tensor entries only: the optimizer's hyperparameters keep "
            "the fresh optimizer's (DefaultLoadPlanner.create_local_plan); equal by construction unless the "

@@ -385,24 +385,26 @@ def scheduler_steps_before_optimizer():
 
     real, inside = LambdaLR.step, []
 
-    def run(sched):
+    @contextlib.contextmanager
+    def stepping():  # the scheduler's own steps run; the recipe's call after the optimizer step does not
         inside.append(True)
         try:
-            return real(sched)
+            yield
         finally:
             inside.pop()
 
-    def step(self, *args, **kwargs):  # the recipe's call after the optimizer step does nothing
+    def step(self, *args, **kwargs):
         return real(self, *args, **kwargs) if inside else None
+
+    def before(sched):
+        with stepping():
+            real(sched)
 
     def make(orig):
         def __init__(self, optimizer, *args, **kwargs):
-            inside.append(True)  # the scheduler's own first step sets the starting rate
-            try:
+            with stepping():  # the scheduler's own first step sets the starting rate
                 orig(self, optimizer, *args, **kwargs)
-            finally:
-                inside.pop()
-            optimizer.register_step_pre_hook(lambda opt, a, k: run(self))
+            optimizer.register_step_pre_hook(lambda opt, a, k: before(self))
         return __init__
     undo_init = swap_attr(LambdaLR, "__init__", make)
     undo_step = swap_attr(LambdaLR, "step", lambda orig: step)

@@ -44,8 +44,8 @@ from parity.model.boundaries import float_buffers, hookable_modules, params_read
 from parity.model.compiling import CompileLog, compiled_blocks, unit_break
 from parity.model.formats import fake_quantize
 from parity.model.plan import PrecisionPlan, canonical_fqn
-from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, set_lr, owner_reduction,
-                                 rescales_gradients, state_tensors)
+from parity.model.recipe import (clip_coefficient, loss_divisor, loss_scale, make_optimizer, owner_reduction,
+                                 rescales_gradients, set_lr, state_tensors)
 from parity.model.spec import Fixture
 from parity.model.trace import Trace
 from parity.model.trace import install as install_trace

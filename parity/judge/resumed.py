@@ -174,15 +174,13 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
                 comps.append(Comparison(step, tag, f"optim:{f}.{k}", state.get(f, {}).get(k, torch.zeros(0)), want,
                                         tolerance.moment(recipe.moment_dtype(plan[f]), amax(want)),
                                         signal=moment_change(want, before.get(f"optim/{f}/{k}"))))
-        rates = schedule.resumed_row(base, f"checkpoint.{tag}", target,
-                                     [(o, o.contracts.resume[target]) for o in observations], step)
-        rates.detail = f"{rates.detail}; resumed on {per_rank[0].taken}"  # as every record of the step
-        rows.append(rates)
-        loading = [(o.rank, o.contracts.resume[target]) for o in observations]
-        for row in gathered.regathered(base, f"checkpoint.{tag}", target, loading, plan,
-                                       lambda f: full([r.params for r in per_rank], f)):
+        loading = list(zip(observations, per_rank))
+        after = [schedule.resumed_row(base, f"checkpoint.{tag}", target, loading, step),
+                 *gathered.regathered(base, f"checkpoint.{tag}", target, [(o.rank, r) for o, r in loading], plan,
+                                      lambda f: full([r.params for r in per_rank], f))]
+        for row in after:  # as every record of the step
             row.detail = f"{row.detail}; resumed on {per_rank[0].taken}"
-            rows.append(row)
+        rows += after
         if tag == "cross" and cell.compile != "none":  # the moments' dtypes above stand; the load is judged
             rows.append(_skip(base, "checkpoint.cross", target, f"compile {cell.compile!r}: {target}'s graphs split its "
                               f"blocks at its own units, so its step is not {cell.path}'s within the allowances; the "
