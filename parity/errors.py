@@ -11,6 +11,17 @@ def plugin_fix(ep) -> str:
     return "pip uninstall " + (getattr(dist, "name", None) or ep.value.split(":")[0].split(".")[0])
 
 
+def brief(exc: BaseException) -> str:
+    """``Type: message``; for an exception that carries each rank's failure (DCP's
+    ``CheckpointException``: a traceback per rank), each rank's own error instead of the tracebacks."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return f"{type(exc).__name__}: " + "; ".join(
+            f"rank {r}: {type(pair[0]).__name__}: {pair[0]}" if isinstance(pair, tuple) and pair else f"rank {r}: {pair}"
+            for r, pair in sorted(failures.items()))
+    return f"{type(exc).__name__}: {exc}"
+
+
 class UsageError(ValueError):
     """Bad input from the user (unknown fixture, path, dtype, matrix...). The CLI exits 2."""
 

@@ -303,3 +303,33 @@ def test_a_load_target_the_ranks_did_not_report_fails_by_name(one_rank, monkeypa
     moving = Cell(fixture="kda", path="native", ranks=2, move="shrink")
     rows = moved.checks(moving, [silent], obs.plan, BASE, {})
     assert [(r.name, r.verdict) for r in rows] == [("native", Verdict.FAIL), ("legacy", Verdict.FAIL)]
+
+
+def test_optimizer_state_some_rank_lacks_is_named_not_a_judge_error():
+    """Every rank holds a shard (or copy) of each trained parameter's optimizer state; an entry
+    one rank lacks gathers empty and is named by rank, whichever rank it is (the FQNs were once
+    taken from rank 0's state alone: a rank-0-only entry was a KeyError, a rank-1-only one unseen).
+    The fault ``rank1_step_passes_over_param`` shows it end to end."""
+    from parity.judge.resumed import _full_state, _unheld
+
+    plan = resolve_plan(get_fixture("kda").build(), PrecisionConfig())
+    fqn = plan.params[0].fqn
+    rank0 = {fqn: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2)}}
+    rank1 = {fqn: {"step": torch.tensor(1.0)}, "extra": {"step": torch.tensor(1.0)}}
+    assert _unheld([rank0, rank1]) == ["rank 0 lacks optim extra.step", f"rank 1 lacks optim {fqn}.exp_avg"]
+    state = _full_state([rank0, rank1], plan, whole=False)
+    assert state[fqn]["exp_avg"].numel() == 0 and set(state) == {fqn, "extra"}
+    assert _unheld([rank0, rank0]) == []
+
+
+def test_a_checkpoint_failure_says_each_rank_s_error_not_its_traceback():
+    """DCP's CheckpointException prints every rank's traceback; the record keeps each rank's error."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from parity.errors import brief
+
+    exc = CheckpointException("save", {0: (ValueError("Failed to validate global plan"), traceback.StackSummary())})
+    assert brief(exc) == "CheckpointException: rank 0: ValueError: Failed to validate global plan"
+    assert brief(KeyError("x")) == "KeyError: 'x'"

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parity.digests import value_sha256
-from parity.errors import IsolationError
+from parity.errors import IsolationError, brief
 from parity.execute import collectives, dcp_files, probes
 from parity.execute.observation import MarkerSeen, Observation, Resumed
 from parity.execute.training import build, freeze_schedule, observed, train_step, within
@@ -86,7 +86,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             handed, disturbed = _save(cell, ckpt_dir[0], rank=rank, world=world, mesh=mesh, device=device, inject=inject,
                            heartbeat=within("checkpoint lifecycle: saving", heartbeat), segments=saving)
         except FAILURES as exc:  # the cell's own evidence stands; this is an ERROR beside it
-            return {cell.path: Resumed(error=f"saving the checkpoint failed: {type(exc).__name__}: {exc}")}
+            return {cell.path: Resumed(error=f"saving the checkpoint failed: {brief(exc)}")}
         written, unread = _written(ckpt_dir[0]) if rank == 0 else ({}, "")
         for target in targets:
             try:
@@ -96,7 +96,7 @@ def resume(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             except IsolationError as exc:
                 out[target] = Resumed(skip=f"{target} cannot shard this fixture: {exc}")
             except FAILURES as exc:  # recorded against the path that failed
-                out[target] = Resumed(error=f"loading into {target} failed: {type(exc).__name__}: {exc}")
+                out[target] = Resumed(error=f"loading into {target} failed: {brief(exc)}")
         if cell.path in out:
             out[cell.path].collectives.update(saving.calls)
             out[cell.path].saved, out[cell.path].written, out[cell.path].unread = handed, written, unread

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state_dict
 from torch.distributed.tensor import DTensor
 
 from parity.digests import value_sha256
-from parity.errors import IsolationError
+from parity.errors import IsolationError, brief
 from parity.execute import collectives, dcp_files, lifecycle, parallel, state_dicts
 from parity.execute.observation import NORM, RATES, Moved, Observation
 from parity.execute.training import Sharded, build, freeze_schedule, train_step, within
@@ -179,7 +179,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
                                             inject=inject, heartbeat=within("moved checkpoint: saving", heartbeat),
                                             segments=saving)
             except FAILURES as exc:
-                error = f"saving on {describe(save_l, cell.path)} failed: {type(exc).__name__}: {exc}"
+                error = f"saving on {describe(save_l, cell.path)} failed: {brief(exc)}"
         error, skip = _agree(error, skip, world)
         if error or skip:
             return {t: Moved(**label[t], error=error, skip=skip) for t in targets}
@@ -194,7 +194,7 @@ def moved(cell: Cell, *, rank: int, world: int, mesh, device, inject: Injector,
             except IsolationError as exc:
                 out[t] = Moved(skip=f"{t} cannot shard this fixture: {exc}")
             except FAILURES as exc:
-                out[t] = Moved(error=f"loading into {describe(load_l, t)} failed: {type(exc).__name__}: {exc}")
+                out[t] = Moved(error=f"loading into {describe(load_l, t)} failed: {brief(exc)}")
             out[t].save, out[t].load = label[t]["save"], label[t]["load"]
         out[cell.path].collectives.update(saving.calls)
         if rank == 0:

@@ -90,7 +90,7 @@ STAGE_OF_FAULT = {
     "perturb_grad": "collectives",
     **dict.fromkeys(("scale_grad_norm", "rank1_grad_norm", "scaler_skips_dtensor"), "gradients"),
     "clip_local_norm": "clipping",
-    **dict.fromkeys(("perturb_param", "decay_frozen", "moments_held_bf16", "scheduler_counts_ahead",
+    **dict.fromkeys(("perturb_param", "rank1_step_passes_over_param", "decay_frozen", "moments_held_bf16", "scheduler_counts_ahead",
                      "scheduler_steps_before_optimizer"), "optimizer"),
     "state_dict_skips_reshard": "state-dict",
     **dict.fromkeys(("rename_param", "replace_param", "cast_storage"), "trained"),
@@ -116,6 +116,7 @@ ACTS_ON = {
     "perturb_grad": ("head.weight",),  # the first FSDP parameter of the first state: the root's
     "rank1_gather_corrupt": ("blocks.1.q_proj.weight",),
     "perturb_param": ("blocks.0.q_proj.weight",),  # the first parameter of the first group
+    "rank1_step_passes_over_param": ("blocks.0.q_proj.weight",),
     "misfile_optimizer_state": ("blocks.0.pre.weight", "blocks.0.gain.gain"),  # moved, and where to
     "swap_optimizer_state": ("blocks.0.pre.weight", "blocks.1.pre.weight"),  # the first same-shape pair
     "cast_buffers": ("*.gate_scale",),  # the floating buffers
@@ -190,6 +191,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
+    _fault("rank1_step_passes_over_param", "rank 1's optimizer step passes over blocks.0.q_proj.weight "
+           "(torch.optim.AdamW.step): that rank's shard stays put and holds no optimizer state",
+           # DCP refuses to save the state rank 1 lacks, so neither resumed run loads
+           {"param", "trajectory", "trajectory.emulation", "optim.moments", "optim.state", "checkpoint.same",
+            "checkpoint.cross"}, _KDA2, quiet={"ranks": 1}, patch=p.rank1_step_passes_over_param),
     _fault("moments_held_bf16", "AdamW's moments are rounded to BF16 precision after every step (torch.optim.AdamW."
            "step, state held at the compute dtype's precision): each update is right, the state kept is not",
            {"optim.moments", "param"}, _KDA2, patch=p.moments_held_bf16),

@@ -228,6 +228,27 @@ def perturb_param():
     return swap_attr(torch.optim.AdamW, "step", make)
 
 
+def rank1_step_passes_over_param():
+    """Rank 1's optimizer step passes over the first parameter of its first group (``AdamW.step``:
+    a grouping that drops one parameter on one rank): that rank's shard of it is never updated
+    and holds no optimizer state, while rank 0's is right."""
+    import torch.distributed as dist
+
+    def make(orig):
+        def step(self, *args, **kwargs):
+            first = self.param_groups[0]["params"][0]
+            hidden = first.grad if dist.get_rank() == 1 else None
+            if hidden is not None:
+                first.grad = None
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                if hidden is not None:
+                    first.grad = hidden
+        return step
+    return swap_attr(torch.optim.AdamW, "step", make)
+
+
 def moments_held_bf16():
     """AdamW's moments are rounded to BF16 precision after every step (``AdamW.step``: state held
     at the compute dtype's precision): each step's update is computed right, then the state it

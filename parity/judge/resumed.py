@@ -26,11 +26,19 @@ from parity.judge.rows import skipped as _skip
 
 
 def _full_state(per_rank: list[dict], plan: PrecisionPlan, whole: bool) -> dict:
-    """Local optimizer-state shards -> full tensors, per FQN and state key."""
-    return {
-        f: {k: gather_full(plan, f, [{f: r[f][k]} for r in per_rank], whole) for k in per_rank[0][f]}
-        for f in per_rank[0]
-    }
+    """Local optimizer-state shards -> full tensors, per FQN and state key, over what any rank
+    holds: an FQN or key some rank lacks gathers empty (:func:`_unheld` names the rank)."""
+    return {f: {k: gather_full(plan, f, [{f: r[f][k]} if k in r.get(f, {}) else {} for r in per_rank], whole)
+                for k in dict.fromkeys(k for r in per_rank for k in r.get(f, {}))}
+            for f in dict.fromkeys(f for r in per_rank for f in r)}
+
+
+def _unheld(per_rank: list[dict]) -> list[str]:
+    """Optimizer-state entries (FQN.key) some rank lacks that another holds: every rank holds a
+    shard (or a copy) of each trained parameter's state, so each must hold the same entries."""
+    held = [{(f, k) for f, st in r.items() for k in st} for r in per_rank]
+    every = set().union(*held)
+    return [f"rank {i} lacks optim {f}.{k}" for i, h in enumerate(held) for f, k in sorted(every - h)]
 
 
 def optimizer_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
@@ -39,7 +47,10 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
     whole = observations[0].whole
     state = _full_state([o.contracts.optim for o in observations], plan, whole)
     step = observations[0].contracts.resume_step
-    rows = []
+    unheld = _unheld([o.contracts.optim for o in observations])
+    rows = [] if len(observations) < 2 else [
+        _row(base, "optim.state", "ranks", not unheld, "the same state entries on every rank",
+             "; ".join(unheld[:6]) if unheld else f"the same on {len(observations)} ranks")]
     for t in plan.params:
         if not t.requires_grad or t.trainable_from > step:
             ok = t.fqn not in state
@@ -95,8 +106,10 @@ def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: Precisio
                 for r, fqn in differing(plan, whole, [getattr(x, kind) for x in per_rank])]
     moments = [{(fqn, key): v for fqn, state in x.optim.items() for key, v in state.items()} for x in per_rank]
     problems += [f"rank {r}: optim {fqn}.{key}" for r, (fqn, key) in differing(plan, whole, moments, lambda k: k[0])]
+    problems += _unheld([x.optim for x in per_rank])
     return [_row(base, f"checkpoint.{tag}", f"{target}:ranks", not problems,
-                 "replicated tensors of the resumed step bitwise rank 0's on every rank",
+                 "the same optimizer-state entries on every rank, and its replicated tensors of the resumed step "
+                 "bitwise rank 0's",
                  ("differ from rank 0's: " + ", ".join(problems[:6])) if problems
                  else f"held on {len(per_rank)} ranks", f"resumed on {per_rank[0].taken}")]
 
@@ -130,10 +143,11 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
 
     own = observations[0].contracts.resume.get(cell.path)
     before = _checkpointed(own)
-    owed = [] if own is not None and own.save_failed else cell.load_targets  # nothing loads after a failed save
+    failed = own is not None and own.save_failed  # nothing loads after a failed save: its ERROR says why
     rows += [missing(base, f"checkpoint.{'same' if t == cell.path else 'cross'}", t,
+                     f"the checkpoint never loaded into {t}: saving it failed (checkpoint.same)" if failed else
                      f"rank 0 reported no load of the checkpoint into {t}: that load is not judged")
-             for t in owed if t not in observations[0].contracts.resume]
+             for t in cell.load_targets if t not in observations[0].contracts.resume]
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
         errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations
