@@ -333,3 +333,29 @@ def test_a_checkpoint_failure_says_each_rank_s_error_not_its_traceback():
     exc = CheckpointException("save", {0: (ValueError("Failed to validate global plan"), traceback.StackSummary())})
     assert brief(exc) == "CheckpointException: rank 0: ValueError: Failed to validate global plan"
     assert brief(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_an_entry_one_rank_lacks_is_named_and_left_out_of_what_the_reference_reads():
+    """Every rank observes the same gradients, parameters and moments (its shard or copy). A
+    gradient rank 1 lacks once reached the reference empty and crashed the judge (naming no
+    rank); one only rank 1 held was never read. Each is a ``ranks`` ``held:KIND`` FAIL naming
+    the rank, placed where that kind comes from, and :func:`assemble` holds only what every
+    rank holds, so the checks that expect the rest report it missing."""
+    from parity.execute.observation import Observation
+    from parity.judge.compare import agreement_records, assemble
+    from parity.judge.stages import stage_of
+
+    plan = resolve_plan(get_fixture("kda").build(), PrecisionConfig())
+    a, b = plan.params[0].fqn, plan.params[1].fqn
+    ranks = [Observation(rank=r, grad_norms=[1.0], clipped_norms=[], params=[{a: torch.ones(2), b: torch.ones(2)}],
+                         moments=[{"exp_avg": {a: torch.ones(2)}}]) for r in range(2)]
+    ranks[0].grads, ranks[1].grads = [{a: torch.ones(2)}], [{b: torch.ones(2)}]
+    ranks[1].moments[0]["exp_avg"][b] = torch.ones(2)
+    rows = {r.name: r for r in agreement_records(ranks, plan, BASE)}
+    assert rows["held:grad"].verdict == Verdict.FAIL and rows["held:grad"].detail == \
+        f"rank 0 lacks grad {b}; rank 1 lacks grad {a}"
+    assert rows["held:moment"].detail == f"rank 0 lacks moment {b}.exp_avg" and stage_of(rows["held:moment"]) == "optimizer"
+    assert stage_of(rows["held:grad"]) == "collectives"
+    assert rows["held:param"].verdict == rows["held:reduced"].verdict == rows["replicated"].verdict == Verdict.PASS
+    run = assemble(ranks, plan)
+    assert run.grads == [{}] and set(run.params[0]) == {a, b} and set(run.moments[0]["exp_avg"]) == {a}

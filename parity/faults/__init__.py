@@ -194,7 +194,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("rank1_step_passes_over_param", "rank 1's optimizer step passes over blocks.0.q_proj.weight "
            "(torch.optim.AdamW.step): that rank's shard stays put and holds no optimizer state",
            # DCP refuses to save the state rank 1 lacks, so neither resumed run loads
-           {"param", "trajectory", "trajectory.emulation", "optim.moments", "optim.state", "checkpoint.same",
+           {"param", "trajectory", "trajectory.emulation", "optim.moments", "optim.state", "ranks", "checkpoint.same",
             "checkpoint.cross"}, _KDA2, quiet={"ranks": 1}, patch=p.rank1_step_passes_over_param),
     _fault("moments_held_bf16", "AdamW's moments are rounded to BF16 precision after every step (torch.optim.AdamW."
            "step, state held at the compute dtype's precision): each update is right, the state kept is not",

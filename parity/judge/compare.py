@@ -62,10 +62,32 @@ def gather_full(plan: PrecisionPlan, fqn: str, per_rank: list[dict], whole: bool
     return torch.cat([d[fqn] for d in per_rank], dim=0)
 
 
+def held_by_every_rank(per_rank: list[dict]) -> list:
+    """The keys every rank's dict holds, in the order the ranks first hold them: what the judge
+    can reassemble. One some rank lacks is :func:`unheld`'s finding (``ranks``), and the checks
+    that expect it report it missing; a rank-0-only key once reached the reference empty and
+    crashed it, a rank-1-only one went unseen."""
+    return [k for k in dict.fromkeys(k for d in per_rank for k in d) if all(k in d for d in per_rank)]
+
+
+def unheld(per_rank: list[dict], kind: str, name=str) -> list[str]:
+    """Per rank, the entries of ``kind`` it lacks that another rank holds (``name(key)`` each):
+    every rank observes the same tensors, each its own shard or copy."""
+    every = dict.fromkeys(k for d in per_rank for k in d)
+    out = []
+    for rank, d in enumerate(per_rank):
+        lacking = [name(k) for k in every if k not in d]
+        if lacking:
+            more = f" (+{len(lacking) - 4} more)" if len(lacking) > 4 else ""
+            out.append(f"rank {rank} lacks {kind} {', '.join(lacking[:4])}{more}")
+    return out
+
+
 def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
-    """Observations of all ranks with sharded tensors reassembled (:func:`gather_full`)."""
-    def full(key: str, per_rank: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        return gather_full(plan, key, per_rank, observations[0].whole)
+    """Observations of all ranks with sharded tensors reassembled (:func:`gather_full`), each
+    per-parameter entry every rank holds (:func:`held_by_every_rank`)."""
+    def full(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {f: gather_full(plan, f, per_rank, observations[0].whole) for f in held_by_every_rank(per_rank)}
 
     run = Assembled(grad_norms=list(observations[0].grad_norms), clipped_norms=list(observations[0].clipped_norms))
     world = len(observations)
@@ -76,13 +98,13 @@ def assemble(observations: list[Observation], plan: PrecisionPlan) -> Assembled:
         for e in o.evals:
             run.evals.setdefault((e.step, e.label), [None] * world)[r] = e.output
     for step in range(len(observations[0].grads)):
-        run.grads.append({f: full(f, [o.grads[step] for o in observations]) for f in observations[0].grads[step]})
-        run.params.append({f: full(f, [o.params[step] for o in observations]) for f in observations[0].params[step]})
+        run.grads.append(full([o.grads[step] for o in observations]))
+        run.params.append(full([o.params[step] for o in observations]))
     for step in range(min(len(o.moments) for o in observations)):
-        run.moments.append({key: {f: full(f, [o.moments[step].get(key, {}) for o in observations]) for f in per_fqn}
-                            for key, per_fqn in observations[0].moments[step].items()})
+        per_rank = [o.moments[step] for o in observations]
+        run.moments.append({key: full([m[key] for m in per_rank]) for key in held_by_every_rank(per_rank)})
     for step in range(min(len(o.reduced) for o in observations)):
-        run.reduced.append({f: full(f, [o.reduced[step] for o in observations]) for f in observations[0].reduced[step]})
+        run.reduced.append(full([o.reduced[step] for o in observations]))
     return run
 
 
@@ -98,7 +120,9 @@ def agreement_records(observations: list[Observation], plan: PrecisionPlan, base
     """Every rank is a witness of what is replicated: each step's global gradient norm and
     clipped norm (all-reduced scalars) and every replicated gradient, parameter, optimizer
     moment and reduced gradient must be bitwise the same on every rank, since the judged
-    values are rank 0's (:func:`assemble`). One ``ranks`` record per step."""
+    values are rank 0's (:func:`assemble`): one ``ranks`` ``replicated`` record per step. And
+    every rank must hold the same entries of each kind (:func:`unheld`): a ``held:KIND`` record
+    per kind and step, placed at the stage that kind comes from."""
     rows = []
     first, whole = observations[0], observations[0].whole
     for step in range(len(first.grad_norms)):
@@ -106,15 +130,23 @@ def agreement_records(observations: list[Observation], plan: PrecisionPlan, base
                     for o in observations[1:] for name, got, want in
                     (("grad_norm", o.grad_norms, first.grad_norms), ("clipped_norm", o.clipped_norms, first.clipped_norms))
                     if got[step:step + 1] != want[step:step + 1]]
+        held = []
         for kind, per_rank in _replicated_kinds(observations, step):
             problems += [f"rank {observations[i].rank}: {kind} {key} differs from rank 0's"
                          for i, key in differing(plan, whole, per_rank, lambda k: k[0] if isinstance(k, tuple) else k)]
-        ok = not problems
-        rows.append(Record(**base, step=step, check="ranks", name="replicated", observed=0.0 if ok else 1.0,
-                           allowed=0.0, ratio=0.0 if ok else math.inf, verdict=Verdict.PASS if ok else Verdict.FAIL,
-                           detail=f"grad norm and replicated tensors bitwise equal on all {len(observations)} ranks"
-                           if ok else "; ".join(problems)[:1000]))
+            lacking = unheld(per_rank, kind, lambda k: ".".join(k) if isinstance(k, tuple) else k)
+            held.append(_agreement(base, step, f"held:{kind}", lacking,
+                                   f"the same {kind} entries on all {len(observations)} ranks"))
+        rows += [_agreement(base, step, "replicated", problems,
+                            f"grad norm and replicated tensors bitwise equal on all {len(observations)} ranks"), *held]
     return rows
+
+
+def _agreement(base: dict, step: int, name: str, problems: list[str], agreed: str) -> Record:
+    ok = not problems
+    return Record(**base, step=step, check="ranks", name=name, observed=0.0 if ok else 1.0, allowed=0.0,
+                  ratio=0.0 if ok else math.inf, verdict=Verdict.PASS if ok else Verdict.FAIL,
+                  detail=agreed if ok else "; ".join(problems)[:1000])
 
 
 def _replicated_kinds(observations: list[Observation], step: int):

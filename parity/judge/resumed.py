@@ -14,7 +14,7 @@ from parity.execute import dcp_files
 from parity.execute.observation import Observation
 from parity.judge import gathered, schedule, tolerance
 from parity.judge.checkpoint_entries import missing
-from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change
+from parity.judge.compare import Comparison, amax, differing, gather_full, moment_change, unheld
 from parity.judge.plan import path_taken
 from parity.judge.record import Record, Verdict
 from parity.matrix.cell import Cell
@@ -36,9 +36,7 @@ def _full_state(per_rank: list[dict], plan: PrecisionPlan, whole: bool) -> dict:
 def _unheld(per_rank: list[dict]) -> list[str]:
     """Optimizer-state entries (FQN.key) some rank lacks that another holds: every rank holds a
     shard (or a copy) of each trained parameter's state, so each must hold the same entries."""
-    held = [{(f, k) for f, st in r.items() for k in st} for r in per_rank]
-    every = set().union(*held)
-    return [f"rank {i} lacks optim {f}.{k}" for i, h in enumerate(held) for f, k in sorted(every - h)]
+    return unheld([dict.fromkeys((f, k) for f, st in r.items() for k in st) for r in per_rank], "optim", ".".join)
 
 
 def optimizer_checks(cell: Cell, observations: list[Observation], plan: PrecisionPlan, base: dict) -> list[Record]:
@@ -99,14 +97,16 @@ def load_path_rows(base: dict, tag: str, target: str, taken: list[str], expected
 def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: PrecisionPlan, whole: bool) -> list[Record]:
     """Every rank is a witness of the resumed step: what is replicated (FSDP-ignored parameters,
     their gradients and moments, scalars; every tensor on a 2-D mesh, whose ranks record whole
-    tensors) is judged from rank 0's copy, so each other rank's must be rank 0's, bitwise."""
+    tensors) is judged from rank 0's copy, so each other rank's must be rank 0's, bitwise; and
+    each rank holds the same gradients, parameters and optimizer-state entries."""
     if len(per_rank) < 2:
         return []
     problems = [f"rank {r}: {kind[:-1]} {fqn}" for kind in ("grads", "params")
                 for r, fqn in differing(plan, whole, [getattr(x, kind) for x in per_rank])]
     moments = [{(fqn, key): v for fqn, state in x.optim.items() for key, v in state.items()} for x in per_rank]
     problems += [f"rank {r}: optim {fqn}.{key}" for r, (fqn, key) in differing(plan, whole, moments, lambda k: k[0])]
-    problems += _unheld([x.optim for x in per_rank])
+    problems += [*unheld([x.grads for x in per_rank], "grad"), *unheld([x.params for x in per_rank], "param"),
+                 *_unheld([x.optim for x in per_rank])]
     return [_row(base, f"checkpoint.{tag}", f"{target}:ranks", not problems,
                  "the same optimizer-state entries on every rank, and its replicated tensors of the resumed step "
                  "bitwise rank 0's",
@@ -150,8 +150,9 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
              for t in cell.load_targets if t not in observations[0].contracts.resume]
     for target, r0 in observations[0].contracts.resume.items():
         tag = "same" if target == cell.path else "cross"
-        errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" for o in observations
-                  if target in o.contracts.resume and o.contracts.resume[target].error]
+        errors = [f"rank {o.rank}: {o.contracts.resume[target].error}" if target in o.contracts.resume
+                  else f"rank {o.rank}: no report of this load" for o in observations
+                  if target not in o.contracts.resume or o.contracts.resume[target].error]
         if errors:  # against the path that failed, beside the cell's other evidence
             failed = base if target == cell.path else {
                 **base, "cell": replace(cell, path=target, crossload="").id, "path": target, "path_taken": target}

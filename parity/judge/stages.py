@@ -73,6 +73,10 @@ for _stage, _checks in ORDER.items():
 #: Setup checks taken again later, by the suffix of their name: on the trained model, and
 #: right after the first forward (lazy initialization, step 0).
 _LATER = {"@trained": "trained", "@lazy_init": "forward"}
+#: Where each kind of per-parameter entry a rank may lack comes from (``ranks`` ``held:KIND``):
+#: a gradient or reduced gradient from FSDP's reduction, a parameter or moment from the step.
+_HELD = {"held:grad": "collectives", "held:reduced": "collectives", "held:param": "optimizer",
+         "held:moment": "optimizer"}
 #: Checkpoint records by what their name or detail says they judge: a checkpoint's collectives
 #: by phase (``TARGET:save``, ``:load``, ``:step``), a moved checkpoint's entries, layouts and
 #: gradients held after its load, and a lifecycle that failed by where it failed.
@@ -96,6 +100,8 @@ def stage_of(r: Record) -> str:
     the gradient norm) come after the backward's reductions: ``gradients``; a colwise layer's
     ``tp.partial`` (``MODULE@backward``) is the backward's."""
     stage = STAGE_OF.get(r.check, "")
+    if r.check == "ranks" and r.name in _HELD:
+        return _HELD[r.name]
     if r.check == "collectives" and r.name == "optimizer":
         return "gradients"
     if r.check == "tp.partial" and str(r.name).endswith("@backward"):  # a colwise input gradient's
