@@ -298,6 +298,13 @@ def test_a_load_target_the_ranks_did_not_report_fails_by_name(one_rank, monkeypa
     lost = [r for r in rows if r.name == "legacy"]
     assert [(r.check, r.verdict) for r in lost] == [("checkpoint.cross", Verdict.FAIL)], lost
     assert "reported no load of the checkpoint into legacy" in lost[0].detail
+    monkeypatch.undo()
+    full = run_rank(Cell(fixture="kda", path="native", steps=2), rank=0, world=1, mesh=one_rank,
+                    device=torch.device("cpu"))
+    quiet = replace(full, rank=1, contracts=replace(full.contracts, resume={"native": full.contracts.resume["native"]}))
+    rows = resumed.resume_checks(cell, [full, quiet], full.plan, BASE, {})  # rank 1 lacks one (once a KeyError)
+    assert [(r.verdict, r.detail) for r in rows if r.name == "legacy"] == [
+        (Verdict.ERROR, "checkpoint from native: rank 1: no report of this load")]
     silent = Observation(rank=0)
     silent.contracts.moved = {}
     moving = Cell(fixture="kda", path="native", ranks=2, move="shrink")
