@@ -517,7 +517,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     _fault("crash", "the last rank exits with code 17", {"run"}, _KDA2, site="start", hook=p.crash, scopes=_MAIN),
     _fault("crash_cross_load", "the last rank exits with code 17 while the checkpoint lifecycle builds the legacy "
            "model the native checkpoint loads into (an abort there): the training every rank observed is judged",
-           {"checkpoint.same", "coverage"}, _KDA2, site="sharded", hook=p.crash_building_legacy, scopes=("lifecycle",)),
+           {"checkpoint.same", "checkpoint.cross"}, _KDA2, site="sharded", hook=p.crash_building_legacy,
+           scopes=("lifecycle",)),
     _fault("hang", "every rank sleeps forever", {"run"}, _KDA2, site="start", hook=p.hang, scopes=_MAIN),
     _fault("raise", "every rank raises RuntimeError", {"run"}, _KDA2, site="start", hook=p.raise_error, scopes=_MAIN),
 )}

@@ -145,8 +145,8 @@ def resume_checks(cell: Cell, observations: list[Observation], plan: PrecisionPl
     before = _checkpointed(own)
     failed = own is not None and own.save_failed  # nothing loads after a failed save: its ERROR says why
     rows += [missing(base, f"checkpoint.{'same' if t == cell.path else 'cross'}", t,
-                     f"the checkpoint was never loaded into {t}: the lifecycle stopped at its save (checkpoint.same says "
-                     "why)" if failed else
+                     f"no load of the checkpoint into {t} was judged: the lifecycle stopped first (checkpoint.same says "
+                     "where)" if failed else
                      f"rank 0 reported no load of the checkpoint into {t}: that load is not judged")
              for t in cell.load_targets if t not in observations[0].contracts.resume]
     for target, r0 in observations[0].contracts.resume.items():
