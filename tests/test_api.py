@@ -14,8 +14,10 @@ pytestmark = pytest.mark.xdist_group("api")
 FEW = "fixture == 'kda' and ranks == 1 and microbatches == 1"
 
 
-def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path, capfd):
+def test_run_twice_in_one_process_then_gate_from_its_directory(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the results folder it makes and keeps
     first = parity.run(matrix="smoke", filter=FEW, quiet=True)
+    assert first.out.startswith(str(tmp_path / "parity-run-"))
     assert "[1/" not in capfd.readouterr().err  # quiet: no progress lines either
     assert first.ok and first.code == 0 and first
     with open(os.path.join(first.out, "cells.csv")) as fh:

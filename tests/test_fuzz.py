@@ -1,6 +1,7 @@
 """Generated models: the spec -> fixture builder, the strategy, reproducers, the campaign."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -71,7 +72,8 @@ def test_the_campaign_catches_a_deliberate_fault(tmp_path):
     header = repro.read_text()
     assert "CELL = Cell(" in header and "perturb_grad" in header and "From the fuzz campaign (seed 0" in header
     stage = header.split("First divergent stage: ")[1].split("\n")[0]
-    rerun = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run([sys.executable, str(repro)], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "TMPDIR": str(tmp_path)})  # the results it keeps: not in /tmp
     assert rerun.returncode == 1 and f"first divergent stage: {stage}" in rerun.stdout, rerun.stdout[-2000:]
 
 

@@ -19,6 +19,7 @@ def test_a_killed_run_keeps_every_finished_row(tmp_path):
         [sys.executable, "-m", "parity", "run", "--matrix", "default", "-k", "fixture == 'kda' and ranks == 1",
          "--out", str(out), "--timeout", "30"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # its pools' folder outlives a SIGKILL: not in /tmp
     )
     csv_path = out / "cells.csv"
     deadline = time.monotonic() + 120
@@ -45,7 +46,7 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
     # a child process owns the pool; SIGKILL it and its ranks must go away on their own
     ctx = mp.get_context("spawn")
     pids = ctx.Queue()
-    owner = ctx.Process(target=_own_pool, args=(pids,))
+    owner = ctx.Process(target=_own_pool, args=(pids, str(tmp_path)))
     owner.start()
     workers = pids.get(timeout=120)
     os.kill(owner.pid, signal.SIGKILL)
@@ -64,11 +65,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _own_pool(pids):
+def _own_pool(pids, tmp):
     from parity.matrix.cell import Cell
     from parity.execute.pool import RankPool
 
-    pool = RankPool(1)
+    pool = RankPool(1, tmp=tmp)  # a SIGKILL leaves the folder: the test's own
     pool.run(Cell(fixture="frozen", path="native", steps=2), timeout=60)
     pids.put([p.pid for p in pool.procs])
     time.sleep(600)
