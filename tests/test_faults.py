@@ -202,7 +202,8 @@ def test_every_check_kind_has_a_fault():
             "dtype.tp_reduce", "ownership", "quant.gather", "quant.refresh", "quant.scale", "quant.blocks",
             "quant.values", "plan", "ranks", "clip", "eval", "eval.reshard", "state_dict", "collectives",
             "checkpoint.moved", "gathered", "placement", "dtype.grad", "grad.accum", "grad.clipped",
-            "grad.shard", "checkpoint.saved", "checkpoint.loaded", "compile.graphs", "recompute", "unshard", "reshard.backward", "finalize.flagged"} <= flagged
+            "grad.shard", "checkpoint.saved", "checkpoint.loaded", "compile.graphs", "recompute", "unshard", "reshard.backward", "finalize.flagged",
+            "grad.freed"} <= flagged
 
 
 def test_no_fault_name_appears_in_production_modules():

@@ -286,6 +286,9 @@ class ContractsSeen:
     after_backward: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``reshard_backward = "last"``: (step, micro-batch) -> unit root -> its sharded state right
     after that micro-batch's backward (:func:`parity.execute.evaluation.unit_states`)."""
+    grads_held: dict[tuple[int, int], tuple[bool, list[str]]] = field(default_factory=dict)
+    """(step, micro-batch) -> (whether that backward synchronized, the managed parameters whose
+    unsharded parameter still held a gradient right after it: :func:`parity.execute.probes.unsharded_grads_held`)."""
     last_backward: dict[tuple[int, int], bool] = field(default_factory=dict)
     """``finalize = "flagged"``: (step, micro-batch) -> whether the root's state holds that
     micro-batch's backward to be the last (``set_is_last_backward``), read before it runs."""

@@ -128,16 +128,27 @@ def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
     the objects FSDP holds as each managed parameter's sharded parameter (with reshard off the
     module attributes are the unsharded ones until the backward); no state-dict keys."""
     modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
-    sharded = {}
-    for _, fp in apply.fsdp_params(model):
-        prefix = modules.get(id(fp._module_info.module), "")
-        sharded[f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name] = fp.sharded_param
+    sharded = {_managed_name(modules, fp): fp.sharded_param for _, fp in apply.fsdp_params(model)}
     named = [(canonical_fqn(n), p) for n, p in model.named_parameters()]
     return NamesSnapshot(
         params=[f for f, _ in named], state_dict=None, ids={f: id(sharded.get(f, p)) for f, p in named},
         storage={f: dtype_name(sharded.get(f, p).dtype) for f, p in named},
         modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
     )
+
+
+def _managed_name(modules: dict[int, str], fp) -> str:
+    """A managed parameter's FQN, from the module FSDP records it under (``modules``: id -> FQN)."""
+    prefix = modules.get(id(fp._module_info.module), "")
+    return f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name
+
+
+def unsharded_grads_held(model: nn.Module) -> list[str]:
+    """The managed parameters whose unsharded parameter holds a gradient now: after a backward that
+    synchronizes, FSDP has taken each for its reduce-scatter and freed it (``grad.freed``)."""
+    modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    return [_managed_name(modules, fp) for _, fp in apply.fsdp_params(model)
+            if getattr(getattr(fp, "_unsharded_param", None), "grad", None) is not None]
 
 
 def ownership(model: nn.Module) -> dict[str, str]:

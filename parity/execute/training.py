@@ -267,6 +267,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             with segment(f"mb{mb}/backward"):
                 (s.scaler.scale(loss) if s.scaler else loss).backward()
                 knobs.after_backward(cell, s.model, synced)
+            obs.contracts.grads_held[(step, mb)] = (synced, probes.unsharded_grads_held(s.model))
             if cell.reshard_backward == "last":
                 obs.contracts.after_backward[(step, mb)] = evaluation.unit_states(s.model, s.report)
         obs.outputs.append(_local(out))

@@ -85,7 +85,8 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
-                     "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped"), "collectives"),
+                     "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped", "unsharded_grad_kept"),
+                    "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
     "perturb_grad": "collectives",
     **dict.fromkeys(("scale_grad_norm", "rank1_grad_norm", "scaler_skips_dtensor"), "gradients"),
@@ -191,6 +192,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
+    _fault("unsharded_grad_kept", "FSDP leaves a zeroed full-size gradient on each unsharded parameter after taking "
+           "it for the reduce-scatter (FSDPParamGroup._take_unsharded_grads_to_reduce): every value right, the memory "
+           "FSDP saves held", {"grad.freed"}, {**_KDA2, **_ACCUM}, patch=p.unsharded_grad_kept),
     _fault("rank1_step_passes_over_param", "rank 1's optimizer step passes over blocks.0.q_proj.weight "
            "(torch.optim.AdamW.step): that rank's shard stays put and holds no optimizer state",
            # DCP refuses to save the state rank 1 lacks, so neither resumed run loads

@@ -228,6 +228,25 @@ def perturb_param():
     return swap_attr(torch.optim.AdamW, "step", make)
 
 
+def unsharded_grad_kept():
+    """FSDP takes each unsharded gradient for its reduce-scatter and leaves a zeroed full-size one
+    on the unsharded parameter instead of freeing it (FSDPParamGroup._take_unsharded_grads_to_reduce):
+    the next backward accumulates into zeros, so every value is right, and every unit holds a
+    full-size gradient per parameter for the rest of training."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def make(orig):
+        def _take_unsharded_grads_to_reduce(self):
+            kept = {id(fp): fp.unsharded_param.grad for fp in self.fsdp_params if hasattr(fp, "_unsharded_param")}
+            taken = orig(self)
+            for fp in taken[0]:
+                if kept.get(id(fp)) is not None:
+                    fp.unsharded_param.grad = torch.zeros_like(kept[id(fp)])
+            return taken
+        return _take_unsharded_grads_to_reduce
+    return swap_attr(FSDPParamGroup, "_take_unsharded_grads_to_reduce", make)
+
+
 def rank1_step_passes_over_param():
     """Rank 1's optimizer step passes over the first parameter of its first group (``AdamW.step``:
     a grouping that drops one parameter on one rank): that rank's shard of it is never updated

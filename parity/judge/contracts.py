@@ -439,7 +439,7 @@ def per_rank_checks(cell: Cell, obs: Observation, plan: PrecisionPlan, ref: Refe
             + marker_checks(obs, base, declared_marks(cell.fixture, cell.source, cell.seed))
             + eval_checks(cell, obs, base) + state_dict_checks(cell, obs, plan, base) + recompute.check(cell, obs, base)
             + unshard.check(cell, obs, base) + unshard.reshard_check(cell, obs, base)
-            + unshard.forward_check(cell, obs, base)
+            + unshard.forward_check(cell, obs, base) + unshard.freed_check(cell, obs, plan, base)
             + unshard.flagged_check(cell, obs, base)
             + placement_checks(cell, obs, plan, ref, base)
             + collective_checks(cell, obs, plan, base, ref) + checkpoint_checks(cell, obs, base)

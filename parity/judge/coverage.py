@@ -22,6 +22,7 @@ the observations) it derives the records the cell owes:
 - ``optim.moments`` for every parameter at every step it trains, when the optimizer recipe keeps
   moments (AdamW's two, SGD's momentum; any one on a loss-scaled cell, whose first steps may be
   skipped);
+- ``grad.freed`` every step, when FSDP manages a parameter that trains;
 - ``checkpoint.same`` and, where a cross-load is due, ``checkpoint.cross`` when the cell runs
   the checkpoint lifecycle (and ``checkpoint.collectives``); ``checkpoint.moved`` when its checkpoint also moves (``move``).
 
@@ -100,6 +101,8 @@ def owed(cell: Cell, plan: PrecisionPlan, *, token_input: bool, quantizable: tup
             out += [(check, fqn, None) for check in ("quant.gather", "quant.refresh", kind, "quant.values")]
     if any(t.ownership == "managed" and t.trainable_from == 0 for t in trained):
         out.append(("grad.accum", None, None))
+    if any(t.ownership == "managed" for t in trained):
+        out += [("grad.freed", "unsharded", step) for step in range(cell.steps)]
     if not by_name and optimizer_recipe(cell.optimizer).moments and trained:
         out.append(("optim.moments", None, None))
     if cell.topology().tp > 1:

@@ -129,6 +129,24 @@ def reshard_check(cell: Cell, obs: Observation, base: dict) -> list[Record]:
                            obs.contracts.after_backward, problems, f"{len(units)} unit(s) as set after every backward")
 
 
+def freed_check(cell: Cell, obs: Observation, plan, base: dict) -> list[Record]:
+    """``grad.freed``: right after every backward that synchronizes, no parameter FSDP manages
+    holds its unsharded gradient: FSDP takes each for its reduce-scatter and frees it, leaving the
+    sharded one. One kept is a full-size gradient per parameter for the rest of training (FSDP's
+    memory saving undone), which no value shows. A backward without sync keeps them by design
+    (the accumulation); a cell FSDP trains no parameter of owes nothing."""
+    if not any(t.ownership == "managed" and t.requires_grad for t in plan.params):
+        return []
+
+    def problems(mb: int, seen: tuple[bool, list[str]]) -> list[str]:
+        synced, held = seen
+        more = f" (+{len(held) - 4} more)" if len(held) > 4 else ""
+        return [f"after mb{mb}: {', '.join(held[:4])}{more}"] if synced and held else []
+    return _per_microbatch(cell, base, "grad.freed", "unsharded", "no unsharded gradient left after a backward "
+                           "that synchronizes", obs.contracts.grads_held, problems,
+                           f"freed after every synchronizing backward ({cell.microbatches} micro-batch(es))")
+
+
 def _not_gathered_in_backward(cell: Cell, obs: Observation) -> set[str]:
     """Units no backward gathers, so a forward that resharded them leaves them sharded whatever
     ``set_reshard_after_backward`` says: those the model declares no backward reads under
