@@ -220,7 +220,7 @@ def test_a_schedule_knob_is_named_and_runs_on_1d_fsdp_only():
 def test_units_gathered_and_backwards_ended_by_the_recipe_train_as_fsdps_hooks_do(tmp_path):
     """unshard(async_op=True) before each forward, evaluation as a phase of its own (reshard off,
     reshard(), the setting restored), set_is_last_backward per micro-batch and manual backward
-    finalization, on both paths: the numbers pass, every forward gathers each unit once, and the
+    finalization, FSDP's per-micro-batch flags set only where they change, on both paths: the numbers pass, every forward gathers each unit once, and the
     evaluation phase left the units as the recipe asked -- earned on two ranks, both paths."""
     result = parity.run(matrix="schedules", out=str(tmp_path / "sched"), quiet=True)
     assert result.code == 0, open(os.path.join(result.out, "summary.md")).read()[:3000]
@@ -230,7 +230,8 @@ def test_units_gathered_and_backwards_ended_by_the_recipe_train_as_fsdps_hooks_d
     assert set(rows[rows["verdict"] == "SKIP"]["check"]) <= {"dtype.accum", "input_grad"}
     assert set(rows["verdict"]) <= {"PASS", "SKIP"}
     for tag, checks in (("/un-explicit", ("collectives", "eval.reshard", "output", "grad")),
-                        ("/fin-flagged", ("collectives", "grad", "param")), ("/fin-manual", ("collectives", "grad", "param"))):
+                        ("/fin-flagged", ("collectives", "grad", "param")), ("/fin-manual", ("collectives", "grad", "param")),
+                        ("/fl-changed", ("collectives", "grad.accum", "grad.freed", "grad"))):
         for check in checks:
             held = rows[two & rows["cell"].str.contains(tag) & (rows["check"] == check)]
             assert len(held) and {"legacy", "native"} <= set(held["path_taken"]), (tag, check)

@@ -211,7 +211,7 @@ def test_axes_constant_is_the_documented_set():
     assert AXES == ("fixture", "path", "ranks", "accumulation", "checkpointing", "reshard", "output_dtype", "seed",
                     "param_dtype", "reduce_dtype", "optimizer", "init", "mesh", "weights", "clip", "eval", "steps", "move",
                     "reduction", "prefetch", "reshard_backward", "placement", "cast_inputs", "unshard_in_backward",
-                    "unshard", "finalize", "offload", "reshard_to", "compile", "schedule")
+                    "unshard", "finalize", "offload", "reshard_to", "compile", "schedule", "flags")
 
 
 def test_run_order_interleaves_rank_counts_and_keeps_groups_whole():

@@ -61,6 +61,12 @@ from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
 
+def sets_flags(cell: Cell, mb: int) -> bool:
+    """Whether the recipe sets FSDP's per-micro-batch flags before micro-batch ``mb``: before each
+    one, or under ``flags = "changed"`` before the first and the last only (:attr:`Cell.flags`)."""
+    return cell.flags == "each" or mb in (0, cell.microbatches - 1)
+
+
 def before_microbatch(cell: Cell, model: nn.Module, last: bool) -> None:
     """Knobs a recipe turns per micro-batch: under ``reshard_backward = "last"`` every unit keeps
     its parameters gathered after each backward but the last (``set_reshard_after_backward``);

@@ -238,12 +238,13 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
     dicts, each in its segment."""
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
-        s.model.set_requires_gradient_sync(last or cell.sync != "last")
-        knobs.before_microbatch(cell, s.model, last)
+        if knobs.sets_flags(cell, mb):
+            s.model.set_requires_gradient_sync(last or cell.sync != "last")
+            knobs.before_microbatch(cell, s.model, last)
+            if cell.sync == "replicas-last":
+                s.model.set_requires_all_reduce(last)
         if cell.finalize == "flagged":  # what the backward will read: the root state's context
             obs.contracts.last_backward[(step, mb)] = bool(s.model._get_fsdp_state()._state_ctx.is_last_backward)
-        if cell.sync == "replicas-last":
-            s.model.set_requires_all_reduce(last)
         batch = fixture.batch(cell.seed, step, *data(rank, mb)).to(device)
         inputs = batch.inputs
         if not fixture.token_input:

@@ -85,7 +85,8 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
                      "hsdp_replica_reduce_bf16", "hsdp_replica_sums", "hsdp_shard_group_sums", "hsdp_partial_bf16", "tp_reduces_twice", "combine_backward_regathers", "window_replays_accumulation",
-                     "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped", "unsharded_grad_kept"),
+                     "unused_drops_accumulated", "uneven_grad_row", "divide_factor_dropped", "unsharded_grad_kept",
+                     "eval_resets_sync"),
                     "collectives"),
     # FSDP's final backward callback is where the step's reductions complete (post-reduce into .grad)
     "perturb_grad": "collectives",
@@ -192,6 +193,11 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            quiet={"ranks": 1}, patch=p.rank1_gather_corrupt),
     _fault("perturb_param", "one optimizer update is off by 1e-4 (torch.optim.AdamW.step)",
            {"param"}, _KDA2, patch=p.perturb_param),
+    _fault("eval_resets_sync", "a forward without gradients turns gradient sync back on for every unit "
+           "(FSDPState._root_pre_forward): after an evaluation the rest of a no-sync window reduces every micro-batch",
+           {"grad.accum", "collectives"}, {**_KDA2, "microbatches": 3, "sync": "last", "eval": "between-microbatches",
+                                          "flags": "changed"},
+           quiet={"flags": "each"}, patch=p.eval_resets_sync),
     _fault("unsharded_grad_kept", "FSDP leaves a zeroed full-size gradient on each unsharded parameter after taking "
            "it for the reduce-scatter (FSDPParamGroup._take_unsharded_grads_to_reduce): every value right, the memory "
            "FSDP saves held", {"grad.freed"}, {**_KDA2, **_ACCUM}, patch=p.unsharded_grad_kept),

@@ -228,6 +228,24 @@ def perturb_param():
     return swap_attr(torch.optim.AdamW, "step", make)
 
 
+def eval_resets_sync():
+    """A forward without gradients turns gradient synchronization back on for every unit
+    (FSDPState._root_pre_forward): an evaluation inside a no-sync window makes the rest of the
+    window reduce every micro-batch. A recipe that sets the flag before each micro-batch sets it
+    off again and never sees it (``flags = "each"``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    def make(orig):
+        def _root_pre_forward(self, module, args, kwargs):
+            if not torch.is_grad_enabled():
+                for state in self._state_ctx.all_states:
+                    for group in getattr(state, "_fsdp_param_groups", None) or []:
+                        group.reduce_grads = group.all_reduce_grads = True
+            return orig(self, module, args, kwargs)
+        return _root_pre_forward
+    return swap_attr(FSDPState, "_root_pre_forward", make)
+
+
 def unsharded_grad_kept():
     """FSDP takes each unsharded gradient for its reduce-scatter and leaves a zeroed full-size one
     on the unsharded parameter instead of freeing it (FSDPParamGroup._take_unsharded_grads_to_reduce):

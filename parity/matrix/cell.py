@@ -41,6 +41,8 @@ UNSHARD_IN_BACKWARDS = ("all", "needed")
 UNSHARDS = ("hooks", "explicit")
 #: Who ends a backward: FSDP's final callback, the recipe's flag or the recipe's call (:attr:`Cell.finalize`).
 FINALIZES = ("auto", "flagged", "manual")
+#: When the recipe sets FSDP's per-micro-batch flags (:attr:`Cell.flags`).
+FLAGS = ("each", "changed")
 #: Where FSDP keeps sharded parameters and gradients between uses (:attr:`Cell.offload`).
 OFFLOADS = ("none", "cpu")
 #: Over how many ranks a unit reshards after forward (:attr:`Cell.reshard_to`).
@@ -51,7 +53,7 @@ COMPILES = ("none", "aot_eager", "inductor")
 KNOB_VALUES = {"reduction": REDUCTIONS, "prefetch": PREFETCHES, "reshard_backward": RESHARD_BACKWARDS,
                "placement": PLACEMENTS, "cast_inputs": CAST_INPUTS, "unshard_in_backward": UNSHARD_IN_BACKWARDS,
                "unshard": UNSHARDS, "finalize": FINALIZES, "offload": OFFLOADS, "reshard_to": RESHARD_TOS,
-               "compile": COMPILES}
+               "compile": COMPILES, "flags": FLAGS}
 #: Weight formats of a fixture's quantizable layers; ``mixed`` alternates the two FP8 formats.
 WEIGHTS = (*FORMATS, "mixed")
 #: The state-dict APIs read at every state-dict point (:meth:`Cell.state_dict_points`); DCP's
@@ -64,7 +66,7 @@ RECIPE_AXES = {"param_dtype": "pd", "reduce_dtype": "rd", "optimizer": "opt", "i
                "weights": "w", "clip": "clip", "eval": "eval", "steps": "st", "move": "mv",
                "reduction": "red", "prefetch": "pf", "reshard_backward": "rb", "placement": "pl",
                "cast_inputs": "ci", "unshard_in_backward": "ub", "unshard": "un", "finalize": "fin", "offload": "off", "reshard_to": "rt",
-               "compile": "cmp", "schedule": "lr"}
+               "compile": "cmp", "schedule": "lr", "flags": "fl"}
 
 
 def steps_of(cell_id: str) -> int:
@@ -184,6 +186,13 @@ class Cell:
     schedules do); ``manual``: ``set_manual_backward_finalization(True)`` on the root and
     ``finalize_backward(async_op=True)`` after each backward that synchronizes, its handle waited
     before the gradients are read. Runs on mesh ``fsdp``."""
+    flags: str = "each"
+    """``each``: the recipe sets FSDP's per-micro-batch flags (``set_requires_gradient_sync``, and
+    where the cell's knobs use them ``set_requires_all_reduce``, ``set_reshard_after_backward``,
+    ``set_is_last_backward``) before every micro-batch; ``changed``: only where they change, before
+    the first micro-batch and the last, as a recipe that opens a no-sync window once does. Under
+    ``changed`` a flag FSDP itself resets within the window (an evaluation forward, say) stays
+    reset; under ``each`` the next micro-batch would set it again and hide that."""
     offload: str = "none"
     """``none``: sharded parameters and gradients stay on the cell's device; ``cpu``: every
     ``fully_shard`` call gets ``CPUOffloadPolicy`` (pinned memory on CUDA): FSDP keeps them on
@@ -240,6 +249,8 @@ class Cell:
             object.__setattr__(self, "eval", "none")  # no micro-batch to evaluate between
         if self.microbatches == 1 and self.reshard_backward != "every":
             object.__setattr__(self, "reshard_backward", "every")  # a single backward reshards before the step
+        if self.microbatches < 3 and self.flags != "each":
+            object.__setattr__(self, "flags", "each")  # no micro-batch between the first and the last
         if self.microbatches == 1 and self.finalize == "flagged":
             object.__setattr__(self, "finalize", "auto")  # a single backward is FSDP's last by default
         if self.sync == "replicas-last" and self.mesh != "hsdp":
