@@ -13,6 +13,7 @@ import torch
 from parity.execute.observation import Observation
 from parity.judge import tolerance
 from parity.judge.record import Record, Verdict, conclusive, explained, judge, vacuity
+from parity.judge.rows import few
 from parity.judge.reference import ReferenceRun
 from parity.model.plan import PrecisionPlan
 from parity.paths.base import UnitSpec
@@ -78,8 +79,7 @@ def unheld(per_rank: list[dict], kind: str, name=str) -> list[str]:
     for rank, d in enumerate(per_rank):
         lacking = [name(k) for k in every if k not in d]
         if lacking:
-            more = f" (+{len(lacking) - 4} more)" if len(lacking) > 4 else ""
-            out.append(f"rank {rank} lacks {kind} {', '.join(lacking[:4])}{more}")
+            out.append(f"rank {rank} lacks {kind} {few(lacking)}")
     return out
 
 

@@ -45,10 +45,10 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
     whole = observations[0].whole
     state = _full_state([o.contracts.optim for o in observations], plan, whole)
     step = observations[0].contracts.resume_step
-    unheld = _unheld([o.contracts.optim for o in observations])
+    lacking = _unheld([o.contracts.optim for o in observations])
     rows = [] if len(observations) < 2 else [
-        _row(base, "optim.state", "ranks", not unheld, "the same state entries on every rank",
-             "; ".join(unheld[:6]) if unheld else f"the same on {len(observations)} ranks")]
+        _row(base, "optim.state", "ranks", not lacking, "the same state entries on every rank",
+             "; ".join(lacking) if lacking else f"the same on {len(observations)} ranks")]
     for t in plan.params:
         if not t.requires_grad or t.trainable_from > step:
             ok = t.fqn not in state
@@ -108,8 +108,8 @@ def _witnesses(base: dict, tag: str, target: str, per_rank: list, plan: Precisio
     problems += [*unheld([x.grads for x in per_rank], "grad"), *unheld([x.params for x in per_rank], "param"),
                  *_unheld([x.optim for x in per_rank])]
     return [_row(base, f"checkpoint.{tag}", f"{target}:ranks", not problems,
-                 "the same optimizer-state entries on every rank, and its replicated tensors of the resumed step "
-                 "bitwise rank 0's",
+                 "the same gradients, parameters and optimizer-state entries on every rank, and the replicated "
+                 "tensors of the resumed step bitwise rank 0's",
                  ("differ from rank 0's: " + ", ".join(problems[:6])) if problems
                  else f"held on {len(per_rank)} ranks", f"resumed on {per_rank[0].taken}")]
 

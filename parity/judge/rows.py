@@ -14,3 +14,8 @@ def contract_row(base: dict, check: str, name: str, ok: bool, expected, observed
 
 def skipped(base: dict, check: str, name: str, reason: str) -> Record:
     return Record(**base, check=check, name=name, verdict=Verdict.SKIP, detail=reason)
+
+
+def few(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names``, and how many more there are."""
+    return ", ".join(names[:shown]) + (f" (+{len(names) - shown} more)" if len(names) > shown else "")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from parity.execute.knobs import kept_out_of_backward, post_forward_state
 from parity.execute.observation import Observation
 from parity.judge.record import Record
-from parity.judge.rows import contract_row, skipped
+from parity.judge.rows import contract_row, few, skipped
 from parity.matrix.cell import Cell
 
 READY = ("pending", "unsharded")
@@ -140,8 +140,7 @@ def freed_check(cell: Cell, obs: Observation, plan, base: dict) -> list[Record]:
 
     def problems(mb: int, seen: tuple[bool, list[str]]) -> list[str]:
         synced, held = seen
-        more = f" (+{len(held) - 4} more)" if len(held) > 4 else ""
-        return [f"after mb{mb}: {', '.join(held[:4])}{more}"] if synced and held else []
+        return [f"after mb{mb}: {few(held)}"] if synced and held else []
     return _per_microbatch(cell, base, "grad.freed", "unsharded", "no unsharded gradient left after a backward "
                            "that synchronizes", obs.contracts.grads_held, problems,
                            f"freed after every synchronizing backward ({cell.microbatches} micro-batch(es))")
