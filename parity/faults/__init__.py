@@ -388,12 +388,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            {**_KDA2, "unshard": "explicit", "eval": "between-steps"}, quiet={"unshard": "hooks"},
            patch=kp.reshard_after_forward_sticks),
     _fault("not_last_backward_skips_sync", "FSDPModule.set_is_last_backward(False) also turns gradient "
-           "synchronization off: backwards before the last reduce-scatter nothing", {"grad.accum", "collectives", "grad.shard"},
+           "synchronization off: backwards before the last reduce-scatter nothing",
+           {"grad.accum", "collectives", "grad.shard", "grad.freed"},
            {**_KDA2, "microbatches": 3, "finalize": "flagged"}, quiet={"finalize": "auto"},
            patch=kp.not_last_backward_skips_sync),
     _fault("finalize_skips_pending", "finalize_backward forgets the parameter groups left to it (FSDPState."
            "finalize_backward): units whose forward inputs need no gradient (behind token ids) are never reduced",
-           {"optim.moments", "grad.accum", "collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state", "trajectory",
+           {"optim.moments", "grad.accum", "collectives", "dtype.reduce", "dtype.grad", "grad", "grad_norm", "optim.state",
+            "grad.freed", "trajectory",
             "trajectory.emulation", "checkpoint.same", "grad.shard", "param"},
            {"fixture": "lm", "path": "native", "ranks": 2, "finalize": "manual"}, quiet={"finalize": "auto"},
            patch=kp.finalize_skips_pending),
