@@ -39,10 +39,10 @@ KNOB_HELP = {
     "offload": "offloading (cpu: CPUOffloadPolicy on every fully_shard call; on a CPU device FSDP still takes its "
                "offload branches)",
     "reshard_to": "resharding after forward (half: reshard_after_forward as an int, half the ranks; 4 or more ranks)",
-    "flags": "per-micro-batch flags (changed: set_requires_gradient_sync and the knobs' flags set only before the "
-             "first and the last micro-batch, not before each)",
     "compile": "block compilation (aot_eager / inductor: block.compile(backend=...) on every Fixture.blocks module "
                "before sharding; inductor needs a C++ compiler)",
+    "flags": "per-micro-batch flags (changed: set_requires_gradient_sync and the knobs' flags set only before the "
+             "first and the last micro-batch, not before each)",
 }
 KNOB_OPTIONS = tuple(KNOB_HELP)
 #: Run options that set one axis for every cell (replacing the matrix's values).
