@@ -61,16 +61,20 @@ from parity.paths.base import ShardReport
 from parity.paths.units import module_index
 
 
-def sets_flags(cell: Cell, mb: int) -> bool:
-    """Whether the recipe sets FSDP's per-micro-batch flags before micro-batch ``mb``: before each
-    one, or under ``flags = "changed"`` before the first and the last only (:attr:`Cell.flags`)."""
-    return cell.flags == "each" or mb in (0, cell.microbatches - 1)
-
-
-def before_microbatch(cell: Cell, model: nn.Module, last: bool) -> None:
-    """Knobs a recipe turns per micro-batch: under ``reshard_backward = "last"`` every unit keeps
-    its parameters gathered after each backward but the last (``set_reshard_after_backward``);
-    under ``finalize = "flagged"`` only the last backward is flagged last (``set_is_last_backward``)."""
+def before_microbatch(cell: Cell, model: nn.Module, mb: int) -> None:
+    """FSDP's per-micro-batch flags as the recipe sets them before micro-batch ``mb``: gradient
+    sync for a backward that synchronizes (all but the last off under ``sync = "last"``), the
+    replicas' all-reduce for the last only under ``replicas-last``; under ``reshard_backward =
+    "last"`` every unit keeps its parameters gathered after each backward but the last
+    (``set_reshard_after_backward``); under ``finalize = "flagged"`` only the last backward is
+    flagged last (``set_is_last_backward``). Before each micro-batch, or under ``flags =
+    "changed"`` before the first and the last only (:attr:`Cell.flags`)."""
+    last = mb == cell.microbatches - 1
+    if cell.flags != "each" and 0 < mb < cell.microbatches - 1:
+        return
+    model.set_requires_gradient_sync(last or cell.sync != "last")
+    if cell.sync == "replicas-last":
+        model.set_requires_all_reduce(last)
     if cell.reshard_backward == "last":
         model.set_reshard_after_backward(last)
     if cell.finalize == "flagged":

@@ -238,11 +238,8 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
     dicts, each in its segment."""
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
-        if knobs.sets_flags(cell, mb):
-            s.model.set_requires_gradient_sync(last or cell.sync != "last")
-            knobs.before_microbatch(cell, s.model, last)
-            if cell.sync == "replicas-last":
-                s.model.set_requires_all_reduce(last)
+        synced = last or cell.sync != "last"  # what set_requires_gradient_sync held this backward to
+        knobs.before_microbatch(cell, s.model, mb)
         if cell.finalize == "flagged":  # what the backward will read: the root state's context
             obs.contracts.last_backward[(step, mb)] = bool(s.model._get_fsdp_state()._state_ctx.is_last_backward)
         batch = fixture.batch(cell.seed, step, *data(rank, mb)).to(device)
@@ -262,7 +259,6 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
             if taking and mb == 0 and "after-forward" in cell.state_dict_points(step):  # before its backward
                 with segment("state-dict"):
                     _state_dicts(cell, s, step, "after-forward", obs)
-            synced = last or cell.sync != "last"
             if recorder:  # a backward that synchronizes: read what its reductions take
                 recorder.reading_reduce = synced
             with segment(f"mb{mb}/backward"):
