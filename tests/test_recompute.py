@@ -43,6 +43,23 @@ def test_a_watched_block_whose_calls_went_uncounted_fails_naming_it(one_rank, mo
     from parity.execute import recompute as counting
 
     watch = counting.watch
-    monkeypatch.setattr(counting, "watch", lambda model, names, where: watch(model, names[1:], where))
+    monkeypatch.setattr(counting, "watch", lambda model, names, where, **kw: watch(model, names[1:], where, **kw))
     rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing=mode))
     assert [r.verdict for r in rows] == ["FAIL"] and "blocks.0 not seen in mb0's forward" in rows[0].detail, rows[0].detail
+
+
+def test_selective_checkpointing_is_proven_by_the_matmuls_its_policy_saved(one_rank):
+    """A policy SAC ignored recomputes every matmul with the same numbers (the registry's
+    ``selective_policy_ignored``); a correct run says how many it saved."""
+    rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing="selective"))
+    saved = int(rows[0].detail.split("; ")[1].split()[0])
+    assert rows[0].verdict == "PASS" and saved > 0, rows[0].detail
+
+
+def test_a_selective_run_whose_blocks_ran_no_matmul_fails(one_rank, monkeypatch):
+    """Nothing saved is no evidence of the policy: the check would pass a policy that saves nothing."""
+    from parity.execute import recompute as counting
+
+    monkeypatch.setattr(counting, "MATMULS", frozenset())
+    rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing="selective"))
+    assert [r.verdict for r in rows] == ["FAIL"] and "the selective policy saved nothing" in rows[0].detail, rows[0].detail

@@ -273,8 +273,8 @@ class ContractsSeen:
     call was running (a block run eagerly has none)."""
     module_runs: dict[tuple[int, str, str], list[int]] | None = None
     """Activation checkpointing (:mod:`parity.execute.recompute`): (step, segment, module) ->
-    [forward calls, calls whose output required gradient, calls of its checkpoint wrapper] of
-    each watched module (:data:`parity.execute.recompute.Runs`); None: not watched (compiled
+    [forward calls, calls whose output required gradient, calls of its checkpoint wrapper, matmuls
+    run inside it (``selective`` only)] of each watched module (:data:`parity.execute.recompute.Runs`); None: not watched (compiled
     blocks)."""
     unshard: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)
     """``unshard = "explicit"``: (step, micro-batch) -> unit root -> its state right after the

@@ -5,22 +5,54 @@ A checkpointed module runs its forward once in the forward and once more in the 
 needs its activations: torch's non-reentrant checkpoint calls the module again, so its forward
 hooks fire in that backward. Checkpointing that wrapped nothing, or a checkpoint that kept its
 activations, trains the same numbers and passes every numeric check; these counts are what
-shows it (:mod:`parity.judge.recompute`).
+shows it (:mod:`parity.judge.recompute`). Under selective checkpointing the matmuls run inside each
+watched module are counted too: the policy saves them, so its recompute must run none again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from parity.model.plan import canonical_fqn
 
 #: (step, segment label, module FQN) -> [forward calls, calls whose output required gradient,
-#: calls of the checkpoint wrapper around it].
+#: calls of the checkpoint wrapper around it, matmuls run inside it (counted under ``selective``)].
 Runs = dict[tuple[int, str, str], list[int]]
+#: What the selective policy saves (:mod:`parity.execute.checkpointing`): the matmuls counted.
+MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+
+
+def _seen(runs: Runs, key: tuple[int, str, str]) -> list[int]:
+    return runs.setdefault(key, [0, 0, 0, 0])
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts each matmul dispatched while a watched module's forward runs, for the innermost one.
+    Entered before the training loop, it sits below the modes selective checkpointing enters, so
+    a matmul SAC replays from its storage in a recompute never reaches it: what it counts in a
+    backward is what ran again. A DTensor op is handed back to DTensor, whose local matmul passes."""
+
+    def __init__(self, runs: Runs, where: Callable[[], tuple[int, str]], inside: list[str]):
+        super().__init__()
+        from torch.distributed.tensor import DTensor
+
+        self.runs, self.where, self.inside, self.dtensor = runs, where, inside, DTensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, self.dtensor) for t in types):
+            return NotImplemented
+        if func in MATMULS and self.inside:
+            _seen(self.runs, (*self.where(), self.inside[-1]))[3] += 1
+        return func(*args, **kwargs)
 
 
 def watched(checkpointing: str, blocks: tuple[str, ...], unit_modules: tuple[str, ...]) -> tuple[str, ...]:
@@ -30,14 +62,16 @@ def watched(checkpointing: str, blocks: tuple[str, ...], unit_modules: tuple[str
     return tuple(sorted(set(unit_modules) | {""})) if checkpointing == "outer" else tuple(blocks)
 
 
-def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[int, str]]) -> tuple[Runs, Callable[[], None]]:
+def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[int, str]], *,
+          matmuls: bool = False) -> tuple[Runs, Callable[[], None]]:
     """Count the forward calls of the modules ``names`` (canonical FQNs) under ``where()``'s (step,
     label), and of the checkpoint wrapper around each apart: a wrapper's recompute calls only the
     module it wraps, so in a backward the module's calls less its wrapper's are its own
-    recomputes (the wrapper runs again only inside an outer checkpoint's recompute). Returns the
-    counts and what removes the hooks."""
+    recomputes (the wrapper runs again only inside an outer checkpoint's recompute). With
+    ``matmuls``, the matmuls each runs too (:class:`_Matmuls`, entered here until the close).
+    Returns the counts and what removes the hooks."""
     runs: Runs = {}
-    handles = []
+    handles, inside = [], []
     for name, module in model.named_modules():
         fqn = canonical_fqn(name)
         if fqn not in names:
@@ -45,15 +79,24 @@ def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[in
         wrapper = isinstance(module, CheckpointWrapper)
 
         def counted(mod, args, out, fqn=fqn, wrapper=wrapper):
-            seen = runs.setdefault((*where(), fqn), [0, 0, 0])
+            seen = _seen(runs, (*where(), fqn))
             if wrapper:
                 seen[2] += 1
                 return
+            if inside and inside[-1] == fqn:
+                inside.pop()
             seen[0] += 1
             seen[1] += int(any(getattr(t, "requires_grad", False) for t in tree_leaves(out)))
+        if matmuls and not wrapper:
+            handles.append(module.register_forward_pre_hook(lambda mod, args, fqn=fqn: inside.append(fqn)))
         handles.append(module.register_forward_hook(counted, always_call=True))
+    mode = _Matmuls(runs, where, inside) if matmuls else None
+    if mode is not None:
+        mode.__enter__()
 
     def close() -> None:
+        if mode is not None:
+            mode.__exit__(None, None, None)
         for h in handles:
             h.remove()
     return runs, close

@@ -80,7 +80,8 @@ STAGE_OF_FAULT = {
     **dict.fromkeys(("drop_output_dtype", "output_cast_first_only", "perturb_output", "casts_inputs_anyway",
                      "eval_skips_reshard", "eval_skips_output_cast",
                      "eval_stale_after_step", "tp_partial_reduce_bf16"), "forward"),
-    **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations", "is_last_backward_not_stored"),
+    **dict.fromkeys(("perturb_input_grad", "detach_input", "checkpoint_keeps_activations", "selective_policy_ignored",
+                     "is_last_backward_not_stored"),
                     "backward"),
     **dict.fromkeys(("bf16_reduce", "bf16_reduce_tied", "hide_reduction", "unfrozen_stays_frozen",
                      "prefetch_regathers", "post_backward_keeps_gathered", "not_last_backward_skips_sync", "finalize_skips_pending", "grad_dtype_dropped", "frozen_unit_reduces_bf16", "early_reduce_scatter",
@@ -438,6 +439,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
            "(checkpoint_activation): checkpointed blocks keep their activations, nothing runs again in backward",
            {"recompute"}, {**_KDA2, "checkpointing": "full"}, quiet={"checkpointing": "none"},
            patch=kp.checkpoint_keeps_activations),
+    _fault("selective_policy_ignored", "torch's selective checkpoint caches nothing its policy saves "
+           "(_CachingTorchDispatchMode): every matmul of a checkpointed block runs again in backward",
+           {"recompute"}, {**_KDA2, "checkpointing": "selective"}, quiet={"checkpointing": "full"},
+           patch=kp.selective_policy_ignored),
     _fault("unshard_in_backward_not_stored", "FSDPModule.set_unshard_in_backward stores nothing: a unit no backward "
            "reads (the embedding) is all-gathered in backward anyway", {"unit.policy", "collectives"},
            {"fixture": "untied_lm", "path": "native", "ranks": 2, "unshard_in_backward": "needed"},

@@ -300,6 +300,20 @@ def checkpoint_keeps_activations():
     return swap_attr(checkpoint_activation, "_checkpoint_without_reentrant_generator_impl", make)
 
 
+def selective_policy_ignored():
+    """torch's selective checkpoint caches nothing its policy asks to save
+    (``_CachingTorchDispatchMode``): every op of a selectively checkpointed block, its matmuls
+    included, runs again in backward (the same numbers, the compute the policy was meant to save
+    spent)."""
+    from torch.utils import checkpoint as ckpt
+
+    def make(orig):
+        def __init__(self, policy_fn, storage, *args, **kwargs):
+            orig(self, lambda ctx, op, *a, **k: ckpt.CheckpointPolicy.PREFER_RECOMPUTE, storage, *args, **kwargs)
+        return __init__
+    return swap_attr(ckpt._CachingTorchDispatchMode, "__init__", make)
+
+
 def explicit_unshard_issues_nothing():
     """``FSDPModule.unshard`` issues no all-gather and returns no handle: a recipe that gathers
     its units ahead of the forward overlaps nothing, and each unit's pre-forward gathers as if
