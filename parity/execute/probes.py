@@ -146,9 +146,11 @@ def _managed_name(modules: dict[int, str], fp) -> str:
 def unsharded_grads_held(model: nn.Module) -> list[str]:
     """The managed parameters whose unsharded parameter holds a gradient now: after a backward that
     synchronizes, FSDP has taken each for its reduce-scatter and freed it (``grad.freed``)."""
+    held = [fp for _, fp in apply.fsdp_params(model) if getattr(getattr(fp, "_unsharded_param", None), "grad", None) is not None]
+    if not held:  # the usual answer, read every micro-batch: no module names to index
+        return []
     modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
-    return list(dict.fromkeys(_managed_name(modules, fp) for _, fp in apply.fsdp_params(model)
-                              if getattr(getattr(fp, "_unsharded_param", None), "grad", None) is not None))
+    return list(dict.fromkeys(_managed_name(modules, fp) for fp in held))
 
 
 def ownership(model: nn.Module) -> dict[str, str]:
