@@ -186,6 +186,20 @@ def decay_frozen():
     return swap_attr(torch.optim.AdamW, "step", make)
 
 
+def adamw_step_shared():
+    """AdamW's per-parameter step counters are one tensor: each step advances it once per
+    parameter, and every parameter's bias correction runs ahead of the steps it has taken."""
+
+    def make(orig):
+        def step(self, *args, **kwargs):
+            counters = [st for st in self.state.values() if "step" in st]
+            for st in counters[1:]:
+                st["step"] = counters[0]["step"]
+            return orig(self, *args, **kwargs)
+        return step
+    return swap_attr(torch.optim.AdamW, "step", make)
+
+
 def _param_group():
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 

@@ -62,12 +62,29 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
         dtype = recipe.moment_dtype(t)
         moments = [st.get(k, torch.zeros(0)) for k in recipe.moments]  # every moment, not the first alone
         seen = sorted({(dtype_name(m.dtype), str(list(m.shape))) for m in moments})
+        taken, counted = step + 1 - t.trainable_from, _counted(recipe.counter, t.fqn, observations)
         want = f"keys {','.join(sorted(recipe.state_keys))}; {dtype_name(dtype)}; shape {shape}"
         got = f"keys {','.join(sorted(st))}; " + " / ".join(f"{d}; shape {sh}" for d, sh in seen)
+        wrong = {r: n for r, n in counted.items() if n != taken}
+        if counted:
+            want += f"; {recipe.counter} {taken} on every rank"
+            got += "; " + (", ".join(f"{recipe.counter} {n:g} on rank {r}" for r, n in wrong.items()) if wrong
+                           else f"{recipe.counter} {taken}")
         ok = sorted(st) == sorted(recipe.state_keys) and all(m.dtype == dtype and list(m.shape) == shape
-                                                             for m in moments)
+                                                             for m in moments) and not wrong
         rows.append(_row(base, "optim.state", t.fqn, ok, want, got, dtype=dtype_name(dtype)))
     return rows
+
+
+def _counted(counter: str, fqn: str, observations: list[Observation]) -> dict[int, float]:
+    """Rank -> the step counter its optimizer state holds for ``fqn`` (where it holds one). What
+    it must be is counted from the cell -- the steps since the parameter trains -- not read from
+    the optimizer: a counter shared between parameters, or one advanced twice, shows here by name
+    (the scaler skips no step in parity's cells: its loss scale fits)."""
+    if not counter:
+        return {}
+    held = {r: o.contracts.optim.get(fqn, {}).get(counter) for r, o in enumerate(observations)}
+    return {r: float(v) for r, v in held.items() if v is not None}
 
 
 def _resumed_state_dtype(base: dict, tag: str, name: str, got: torch.Tensor | None, want: torch.dtype) -> list[Record]:

@@ -33,6 +33,9 @@ class OptimizerRecipe:
     """Roundings per step at the parameter's own magnitude."""
     at_update: int
     """Roundings per step relative to the step's size."""
+    counter: str = ""
+    """The state key counting the optimizer steps a parameter has taken (AdamW's ``step``: its
+    bias correction reads it), if any."""
     moments_follow_grad: bool = False
     """Its moments take the gradient's dtype (SGD's momentum buffer starts as a copy of the
     first gradient), not the parameter's (AdamW's start as ``zeros_like(param)``): they differ
@@ -75,7 +78,7 @@ OPTIMIZERS: dict[str, OptimizerRecipe] = {
     # AdamW: decoupled decay and the final subtraction at |p|; moments (3 + 4), bias
     # corrections 2, sqrt, eps add, divide, step-size multiply relative to the step
     "adamw": OptimizerRecipe(name="adamw", make=_adamw, state_keys=("exp_avg", "exp_avg_sq", "step"),
-                             moments=("exp_avg", "exp_avg_sq"), at_param=2, at_update=14),
+                             moments=("exp_avg", "exp_avg_sq"), at_param=2, at_update=14, counter="step"),
     # SGD with momentum: decay term and the final subtraction at |p|; gradient add,
     # momentum multiply and add, learning-rate multiply relative to the step
     "sgd": OptimizerRecipe(name="sgd", make=_sgd, state_keys=("momentum_buffer",),
