@@ -43,7 +43,7 @@ def test_a_watched_block_whose_calls_went_uncounted_fails_naming_it(one_rank, mo
     from parity.execute import recompute as counting
 
     watch = counting.watch
-    monkeypatch.setattr(counting, "watch", lambda model, names, where, **kw: watch(model, names[1:], where, **kw))
+    monkeypatch.setattr(counting, "watch", lambda model, names, segments, **kw: watch(model, names[1:], segments, **kw))
     rows = _records(one_rank, Cell(fixture="kda", path="native", steps=1, checkpointing=mode))
     assert [r.verdict for r in rows] == ["FAIL"] and "blocks.0 not seen in mb0's forward" in rows[0].detail, rows[0].detail
 

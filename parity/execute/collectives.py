@@ -116,12 +116,18 @@ class Segments:
         self.current: tuple[int, str] = (-1, "outside")
         self.functional = functional
         """Where functional collectives are counted too (:func:`functional_scope`)."""
+        self.within: list[Callable[[str], contextlib.AbstractContextManager]] = []
+        """Context managers opened inside each segment, given its label (another observer's, e.g.
+        :mod:`parity.execute.recompute`'s matmul count in forwards and backwards)."""
 
     @contextlib.contextmanager
     def segment(self, step: int, label: str) -> Iterator[None]:
         outer, self.current = self.current, (step, label)
         try:
-            yield
+            with contextlib.ExitStack() as stack:
+                for opened in self.within:
+                    stack.enter_context(opened(label))
+                yield
         finally:
             self.current = outer
 

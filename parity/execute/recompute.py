@@ -11,6 +11,7 @@ watched module are counted too: the policy saves them, so its recompute must run
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -19,11 +20,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parity.execute.collectives import Segments
 from parity.model.plan import canonical_fqn
 
 #: (step, segment label, module FQN) -> [forward calls, calls whose output required gradient,
 #: calls of the checkpoint wrapper around it, matmuls run inside it (counted under ``selective``)].
 Runs = dict[tuple[int, str, str], list[int]]
+#: The step whose matmuls are counted.
+MATMUL_STEP = 0
 #: What the selective policy saves (:mod:`parity.execute.checkpointing`): the matmuls counted.
 MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
 
@@ -34,9 +38,10 @@ def _seen(runs: Runs, key: tuple[int, str, str]) -> list[int]:
 
 class _Matmuls(TorchDispatchMode):
     """Counts each matmul dispatched while a watched module's forward runs, for the innermost one.
-    Entered before the training loop, it sits below the modes selective checkpointing enters, so
-    a matmul SAC replays from its storage in a recompute never reaches it: what it counts in a
-    backward is what ran again. A DTensor op is handed back to DTensor, whose local matmul passes."""
+    Entered as a micro-batch's forward or backward segment opens, it sits below the modes
+    selective checkpointing enters, so a matmul SAC replays from its storage in a recompute never
+    reaches it: what it counts in a backward is what ran again. A DTensor op is handed back to
+    DTensor, whose local matmul passes."""
 
     def __init__(self, runs: Runs, where: Callable[[], tuple[int, str]], inside: list[str]):
         super().__init__()
@@ -62,14 +67,17 @@ def watched(checkpointing: str, blocks: tuple[str, ...], unit_modules: tuple[str
     return tuple(sorted(set(unit_modules) | {""})) if checkpointing == "outer" else tuple(blocks)
 
 
-def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[int, str]], *,
+def watch(model: nn.Module, names: tuple[str, ...], segments: Segments, *,
           matmuls: bool = False) -> tuple[Runs, Callable[[], None]]:
-    """Count the forward calls of the modules ``names`` (canonical FQNs) under ``where()``'s (step,
-    label), and of the checkpoint wrapper around each apart: a wrapper's recompute calls only the
-    module it wraps, so in a backward the module's calls less its wrapper's are its own
-    recomputes (the wrapper runs again only inside an outer checkpoint's recompute). With
-    ``matmuls``, the matmuls each runs too (:class:`_Matmuls`, entered here until the close).
-    Returns the counts and what removes the hooks."""
+    """Count the forward calls of the modules ``names`` (canonical FQNs) under the current segment
+    of the loop (step, label), and of the checkpoint wrapper around each apart: a wrapper's
+    recompute calls only the module it wraps, so in a backward the module's calls less its
+    wrapper's are its own recomputes (the wrapper runs again only inside an outer checkpoint's
+    recompute). With ``matmuls``, the matmuls each runs too, in the forward and backward segments
+    of the first step's micro-batches (:class:`_Matmuls`, opened at each: a dispatch mode over
+    every op costs -- 15-20 % of a selective cell's time over every step's -- and a policy is the
+    same in every step). Returns the counts and what removes the hooks."""
+    where = lambda: segments.current  # noqa: E731
     runs: Runs = {}
     handles, inside = [], []
     for name, module in model.named_modules():
@@ -90,13 +98,15 @@ def watch(model: nn.Module, names: tuple[str, ...], where: Callable[[], tuple[in
         if matmuls and not wrapper:
             handles.append(module.register_forward_pre_hook(lambda mod, args, fqn=fqn: inside.append(fqn)))
         handles.append(module.register_forward_hook(counted, always_call=True))
-    mode = _Matmuls(runs, where, inside) if matmuls else None
-    if mode is not None:
-        mode.__enter__()
+    def counting(label: str):
+        passes = segments.current[0] == MATMUL_STEP and label.endswith(("/forward", "/backward"))
+        return _Matmuls(runs, where, inside) if passes else contextlib.nullcontext()
+    if matmuls:
+        segments.within.append(counting)
 
     def close() -> None:
-        if mode is not None:
-            mode.__exit__(None, None, None)
+        if counting in segments.within:
+            segments.within.remove(counting)
         for h in handles:
             h.remove()
     return runs, close

@@ -44,7 +44,7 @@ def _watch_recomputes(cell: Cell, s, recorder, obs: Observation):
     fixture = get_fixture(cell.fixture, cell.source)
     names = recompute.watched(cell.checkpointing, fixture.blocks, tuple(m for u in s.report.units for m in u.modules))
     obs.contracts.watched = names
-    obs.contracts.module_runs, close = recompute.watch(s.model, names, lambda: recorder.segments.current,
+    obs.contracts.module_runs, close = recompute.watch(s.model, names, recorder.segments,
                                                        matmuls=cell.checkpointing == "selective")
     return close
 

@@ -8,7 +8,7 @@ micro-batch's forward (one whose calls were not counted is no evidence). Under `
 micro-batch runs again in that micro-batch's backward (its runs there less its checkpoint wrapper's: a
 wrapper runs again only inside an enclosing recompute), and under ``selective`` and ``outer``
 each watched module but the root runs inside its wrapper. Under ``selective`` the policy saves
-every matmul: the watched modules run matmuls in each micro-batch's forward (else the policy had
+every matmul: in the first step (where they are counted) the watched modules run matmuls in each micro-batch's forward (else the policy had
 nothing to save) and none again in its backward (a policy SAC ignored recomputes them, the same
 numbers). Under ``outer`` the root's recompute
 runs every unit inside it again, and torch's nested non-reentrant checkpoints may recompute a
@@ -19,6 +19,7 @@ unit there only: its own wrapper in the forward is what shows the unit checkpoin
 from __future__ import annotations
 
 from parity.execute.observation import Observation
+from parity.execute.recompute import MATMUL_STEP
 from parity.judge.record import Record
 from parity.judge.rows import contract_row, skipped
 from parity.matrix.cell import Cell
@@ -62,7 +63,7 @@ def _problems(cell: Cell, runs, watched: tuple[str, ...], step: int, checkpointe
         silent = [fqn or "<root>" for fqn in watched if fqn not in forward]
         if forward and silent:  # a block whose calls went uncounted is no evidence of its checkpoint
             problems.append(f"{', '.join(silent[:4])} not seen in mb{mb}'s forward (watched)")
-        if cell.checkpointing == "selective":
+        if cell.checkpointing == "selective" and step == MATMUL_STEP:
             problems += _policy(mine, forward, mb)
         for fqn, (calls, graded, wrapper, _) in sorted(forward.items()):
             again, around = mine.get((f"mb{mb}/backward", fqn), [0, 0, 0, 0])[:3:2]
@@ -95,5 +96,7 @@ def _said(cell: Cell, runs, step: int) -> str:
     said = f"{again} recompute(s) of watched modules in step {step}'s backwards"
     if cell.checkpointing != "selective":
         return said
+    if step != MATMUL_STEP:
+        return f"{said} (the selective policy's matmuls are counted in step {MATMUL_STEP})"
     saved = sum(n[3] for (s, label, _), n in runs.items() if s == step and label.endswith("/forward"))
     return f"{said}; {saved} matmul(s) saved in its forwards, none run again"
