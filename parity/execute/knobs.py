@@ -72,7 +72,7 @@ def before_microbatch(cell: Cell, model: nn.Module, mb: int) -> None:
     last = mb == cell.microbatches - 1
     if cell.flags != "each" and 0 < mb < cell.microbatches - 1:
         return
-    model.set_requires_gradient_sync(last or cell.sync != "last")
+    model.set_requires_gradient_sync(cell.synchronizes(mb))
     if cell.sync == "replicas-last":
         model.set_requires_all_reduce(last)
     if cell.reshard_backward == "last":

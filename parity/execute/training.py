@@ -238,7 +238,7 @@ def _microbatches(cell: Cell, s: Sharded, step: int, fixture, segment, taking: b
     dicts, each in its segment."""
     for mb in range(cell.microbatches):
         last = mb == cell.microbatches - 1
-        synced = last or cell.sync != "last"  # what set_requires_gradient_sync held this backward to
+        synced = cell.synchronizes(mb)
         knobs.before_microbatch(cell, s.model, mb)
         if cell.finalize == "flagged":  # what the backward will read: the root state's context
             obs.contracts.last_backward[(step, mb)] = bool(s.model._get_fsdp_state()._state_ctx.is_last_backward)

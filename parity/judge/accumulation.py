@@ -44,7 +44,7 @@ def check(cell: Cell, observations: list[Observation], ref: ReferenceRun, base: 
                 terms = mb + 1 if cell.accumulating else 1  # a window's micro-batches, or this one's
                 allow = tolerance.gradient(want.dtype, want.dtype, terms, scale)
                 row = Comparison(step, "grad.accum", fqn, got, want, allow).record(base)
-                synced = mb == cell.microbatches - 1 or not cell.accumulating
+                synced = cell.synchronizes(mb)
                 where = "the reduce-scatter's input after micro-batch" if synced else "after micro-batch"
                 row = dataclasses.replace(row, detail=f"rank {o.rank} {where} {mb}: {row.detail}")
                 if worst is None or badness(row) > badness(worst):

@@ -365,6 +365,11 @@ class Cell:
         """Unsharded gradients accumulate across micro-batches (no reduction until the last)."""
         return self.sync == "last" and self.microbatches > 1
 
+    def synchronizes(self, mb: int) -> bool:
+        """Whether micro-batch ``mb``'s backward reduces its gradients: every one, or the last only
+        while accumulating (what the recipe sets gradient sync to)."""
+        return mb == self.microbatches - 1 or not self.accumulating
+
     @cached_property
     def id(self) -> str:
         """The cell's name in every record (cached: a cell is frozen, and judging names it once
