@@ -68,17 +68,39 @@ FUNCTIONAL_PREFIX = "functional "
 _ACTIVE: list = []
 
 
-class Exchanges(TorchDispatchMode):
-    """While entered, every functional collective appends its bytes to ``calls[key(kind)]``, the
-    kind prefixed with :data:`FUNCTIONAL_PREFIX`. A DTensor op is handed back to DTensor first
-    (``NotImplemented``), so the collectives it desugars into pass through here; a backward run
-    by the autograd engine on this thread passes too. ``paused`` hides parity's own reads."""
+class LocalOps(TorchDispatchMode):
+    """A dispatch mode that sees the ops run on local tensors (:meth:`seen`): a DTensor op is
+    handed back to DTensor first (``NotImplemented``), so the local ops it desugars into pass
+    through here; a higher-order op passes unseen (its body's ops are not seen); a backward run by
+    the autograd engine on this thread passes too."""
 
-    def __init__(self, calls: dict, key: Callable[[str], object]):
+    def __init__(self):
         super().__init__()
         from torch.distributed.tensor import DTensor
 
-        self.calls, self.key, self.paused, self.dtensor = calls, key, False, DTensor
+        self.dtensor = DTensor
+
+    def seen(self, func, args, kwargs) -> None:
+        raise NotImplementedError
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, self.dtensor) for t in types):
+            return NotImplemented
+        self.seen(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Exchanges(LocalOps):
+    """While entered, every functional collective appends its bytes to ``calls[key(kind)]``, the
+    kind prefixed with :data:`FUNCTIONAL_PREFIX` (:class:`LocalOps`: those DTensor desugars into
+    included). ``paused`` hides parity's own reads."""
+
+    def __init__(self, calls: dict, key: Callable[[str], object]):
+        super().__init__()
+        self.calls, self.key, self.paused = calls, key, False
         ns = torch.ops._c10d_functional
         self.kinds = {getattr(ns, name): kind for name, kind in FUNCTIONAL.items() if hasattr(ns, name)}
 
@@ -90,16 +112,10 @@ class Exchanges(TorchDispatchMode):
         _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):  # its body's collectives are not seen
-            return func(*args, **kwargs)
-        if any(issubclass(t, self.dtensor) for t in types):
-            return NotImplemented
+    def seen(self, func, args, kwargs) -> None:
         kind = self.kinds.get(func._overloadpacket)
         if kind is not None and not self.paused:  # a coalesced call: one call, its list's bytes not summed
             self.calls.setdefault(self.key(FUNCTIONAL_PREFIX + kind), []).append(nbytes(args, kwargs))
-        return func(*args, **kwargs)
 
 
 def totals(calls: dict) -> dict:

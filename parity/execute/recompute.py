@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from parity.execute.collectives import Segments
+from parity.execute.collectives import LocalOps, Segments
 from parity.model.plan import canonical_fqn
 
 #: (step, segment label, module FQN) -> [forward calls, calls whose output required gradient,
@@ -36,28 +35,20 @@ def _seen(runs: Runs, key: tuple[int, str, str]) -> list[int]:
     return runs.setdefault(key, [0, 0, 0, 0])
 
 
-class _Matmuls(TorchDispatchMode):
-    """Counts each matmul dispatched while a watched module's forward runs, for the innermost one.
-    Entered as a micro-batch's forward or backward segment opens, it sits below the modes
-    selective checkpointing enters, so a matmul SAC replays from its storage in a recompute never
-    reaches it: what it counts in a backward is what ran again. A DTensor op is handed back to
-    DTensor, whose local matmul passes."""
+class _Matmuls(LocalOps):
+    """Counts each matmul dispatched while a watched module's forward runs, for the innermost one
+    (:class:`~parity.execute.collectives.LocalOps`: a DTensor's local matmul included). Entered as
+    a micro-batch's forward or backward segment opens, it sits below the modes selective
+    checkpointing enters, so a matmul SAC replays from its storage in a recompute never reaches
+    it: what it counts in a backward is what ran again."""
 
     def __init__(self, runs: Runs, where: Callable[[], tuple[int, str]], inside: list[str]):
         super().__init__()
-        from torch.distributed.tensor import DTensor
+        self.runs, self.where, self.inside = runs, where, inside
 
-        self.runs, self.where, self.inside, self.dtensor = runs, where, inside, DTensor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        if any(issubclass(t, self.dtensor) for t in types):
-            return NotImplemented
+    def seen(self, func, args, kwargs) -> None:
         if func in MATMULS and self.inside:
             _seen(self.runs, (*self.where(), self.inside[-1]))[3] += 1
-        return func(*args, **kwargs)
 
 
 def watched(checkpointing: str, blocks: tuple[str, ...], unit_modules: tuple[str, ...]) -> tuple[str, ...]:
