@@ -127,7 +127,7 @@ def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
     observation precedes (an extra all-gather the user's loop does not issue). Identities are
     the objects FSDP holds as each managed parameter's sharded parameter (with reshard off the
     module attributes are the unsharded ones until the backward); no state-dict keys."""
-    modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    modules = _module_names(model)
     sharded = {_managed_name(modules, fp): fp.sharded_param for _, fp in apply.fsdp_params(model)}
     named = [(canonical_fqn(n), p) for n, p in model.named_parameters()]
     return NamesSnapshot(
@@ -135,6 +135,11 @@ def lazy_init_snapshot(model: nn.Module) -> NamesSnapshot:
         storage={f: dtype_name(sharded.get(f, p).dtype) for f, p in named},
         modules={canonical_fqn(n): [_qualname(c) for c in type(m).__mro__] for n, m in model.named_modules()},
     )
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    """Each module's id -> its canonical FQN (what :func:`_managed_name` reads)."""
+    return {id(m): canonical_fqn(n) for n, m in model.named_modules()}
 
 
 def _managed_name(modules: dict[int, str], fp) -> str:
@@ -149,7 +154,7 @@ def unsharded_grads_held(model: nn.Module) -> list[str]:
     held = [fp for _, fp in apply.fsdp_params(model) if getattr(getattr(fp, "_unsharded_param", None), "grad", None) is not None]
     if not held:  # the usual answer, read every micro-batch: no module names to index
         return []
-    modules = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    modules = _module_names(model)
     return list(dict.fromkeys(_managed_name(modules, fp) for fp in held))
 
 
@@ -170,7 +175,7 @@ def applied_policies(model: nn.Module, report: ShardReport) -> dict[str, dict[st
     and, for a unit that holds parameters, the reduction knobs its parameter groups hold
     (:mod:`parity.execute.knobs`)."""
     modules = module_index(model)
-    names = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    names = _module_names(model)
     out = {}
     for unit in report.units:
         state = modules[unit.modules[0]]._get_fsdp_state()
