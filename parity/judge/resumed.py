@@ -77,14 +77,15 @@ def optimizer_checks(cell: Cell, observations: list[Observation], plan: Precisio
 
 
 def _counted(counter: str, fqn: str, observations: list[Observation]) -> dict[int, float]:
-    """Rank -> the step counter its optimizer state holds for ``fqn`` (where it holds one). What
+    """Rank -> the step counter its optimizer state holds for ``fqn`` (where it holds the key; a
+    None there is NaN, never equal to a count: ``ranks`` names a rank lacking the key). What
     it must be is counted from the cell -- the steps since the parameter trains -- not read from
     the optimizer: a counter shared between parameters, or one advanced twice, shows here by name
     (the scaler skips no step in parity's cells: its loss scale fits)."""
     if not counter:
         return {}
-    held = {r: o.contracts.optim.get(fqn, {}).get(counter) for r, o in enumerate(observations)}
-    return {r: float(v) for r, v in held.items() if v is not None}
+    held = {r: o.contracts.optim.get(fqn, {}) for r, o in enumerate(observations)}
+    return {r: float("nan") if st[counter] is None else float(st[counter]) for r, st in held.items() if counter in st}
 
 
 def _resumed_state_dtype(base: dict, tag: str, name: str, got: torch.Tensor | None, want: torch.dtype) -> list[Record]:
